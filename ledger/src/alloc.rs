@@ -1,0 +1,400 @@
+//! The allocation tree and the hierarchical max-min fair split.
+//!
+//! An *allocation* is a share of the cluster: a node of a tree addressed by a slash-separated
+//! path (`ai2/olmo/pretrain`) with a weight. Its share is its weight over its siblings', and
+//! shares multiply down the tree. Workloads are charged to leaves.
+//!
+//! The *owed* split divides the healthy GPUs, at each level of the tree, by weighted max-min
+//! fairness among the children that have demand, never giving a child more than its demand (or
+//! its cap); what a capped child leaves is shared among the others. This is the instantaneous
+//! entitlement that owed GPU-hours integrate.
+
+use rustc_hash::FxHashMap;
+
+use crate::rejection::Rejection;
+use crate::window::{Window, WindowShape};
+
+/// Index of an allocation in the arena; stable for the life of a [`crate::State`].
+pub type AllocId = u32;
+
+/// One allocation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Allocation {
+    /// Full path.
+    pub path: String,
+    /// Parent, `None` at the top level.
+    pub parent: Option<AllocId>,
+    /// Live children, in creation order.
+    pub children: Vec<AllocId>,
+    /// Weight among siblings.
+    pub weight: u32,
+    /// Optional cap on GPUs held by the subtree.
+    pub max_gpus: Option<u32>,
+    /// Removed allocations stay in the arena (their history is audited) but take no share.
+    pub removed: bool,
+    /// GPUs of pending, running and preempting workloads charged here (leaves only).
+    pub demand_gpus: u64,
+    /// GPUs held by its running workloads (leaves only), healthy or not.
+    pub held_gpus: u64,
+    /// Healthy GPUs held: what is being delivered now (leaves only).
+    pub delivering_gpus: u64,
+    /// Instantaneous owed GPUs from the last split (every node of the tree).
+    pub owed_gpus: f64,
+    /// Delivered GPU-milliseconds since the beginning (leaves only).
+    pub delivered_gpu_ms: u64,
+    /// Owed GPU-milliseconds since the beginning (leaves only).
+    pub owed_gpu_ms: f64,
+    /// GPU-milliseconds delivered within the owed share: the integral of min(delivering, owed).
+    pub within_share_gpu_ms: f64,
+    /// Pending, running and stopped workloads charged here.
+    pub live_workloads: u32,
+    /// Preemptions requested of its workloads.
+    pub preemptions: u64,
+    /// Stops of its workloads before their contract ended, other than hardware failures.
+    pub contract_violations: u64,
+    /// Bucketed delivered and owed.
+    pub window: Window,
+}
+
+impl Allocation {
+    /// True when no live child exists: workloads may be charged here.
+    pub fn is_leaf(&self) -> bool {
+        self.children.is_empty()
+    }
+}
+
+/// The tree: an arena indexed by [`AllocId`] plus a path index.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct AllocationTree {
+    /// All allocations ever created, removed ones included.
+    pub nodes: Vec<Allocation>,
+    /// Live top-level allocations.
+    pub roots: Vec<AllocId>,
+    by_path: FxHashMap<String, AllocId>,
+}
+
+/// Checks a path: non-empty segments of `[A-Za-z0-9_-]`, at most 8 levels.
+pub fn validate_path(path: &str) -> Result<(), Rejection> {
+    let bad = |reason| {
+        Err(Rejection::InvalidAllocationPath {
+            path: path.to_string(),
+            reason,
+        })
+    };
+    if path.is_empty() {
+        return bad("it is empty");
+    }
+    if path.len() > 255 {
+        return bad("it is longer than 255 bytes");
+    }
+    let mut depth = 0;
+    for seg in path.split('/') {
+        depth += 1;
+        if seg.is_empty() {
+            return bad("it has an empty segment (leading, trailing or double '/')");
+        }
+        if !seg
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return bad("segments may hold only letters, digits, '_' and '-'");
+        }
+    }
+    if depth > 8 {
+        return bad("it is deeper than 8 levels");
+    }
+    Ok(())
+}
+
+impl AllocationTree {
+    /// The live allocation at `path`.
+    pub fn get(&self, path: &str) -> Option<AllocId> {
+        self.by_path
+            .get(path)
+            .copied()
+            .filter(|&id| !self.nodes[id as usize].removed)
+    }
+
+    /// The allocation with id `id`.
+    pub fn node(&self, id: AllocId) -> &Allocation {
+        &self.nodes[id as usize]
+    }
+
+    pub(crate) fn node_mut(&mut self, id: AllocId) -> &mut Allocation {
+        &mut self.nodes[id as usize]
+    }
+
+    /// Checks that `set` can be applied, without changing anything.
+    pub(crate) fn check_set(&self, path: &str, weight: u32) -> Result<(), Rejection> {
+        validate_path(path)?;
+        if weight == 0 {
+            return Err(Rejection::MustBePositive { field: "weight" });
+        }
+        // A new child must not turn a leaf holding workloads into an interior node.
+        let mut prefix_end = path.rfind('/');
+        while let Some(end) = prefix_end {
+            let parent = &path[..end];
+            if let Some(id) = self.get(parent) {
+                let a = self.node(id);
+                if a.is_leaf() && a.live_workloads > 0 && self.get(path).is_none() {
+                    return Err(Rejection::AllocationInUse {
+                        path: parent.to_string(),
+                        workloads: a.live_workloads,
+                    });
+                }
+                break;
+            }
+            prefix_end = parent.rfind('/');
+        }
+        Ok(())
+    }
+
+    /// Creates or updates `path`, creating missing parents with weight 1. Call `check_set` first.
+    pub(crate) fn set(
+        &mut self,
+        shape: WindowShape,
+        path: &str,
+        weight: u32,
+        max_gpus: Option<u32>,
+    ) {
+        let id = self.ensure(shape, path);
+        let a = self.node_mut(id);
+        a.weight = weight;
+        a.max_gpus = max_gpus;
+    }
+
+    fn ensure(&mut self, shape: WindowShape, path: &str) -> AllocId {
+        if let Some(id) = self.get(path) {
+            return id;
+        }
+        let parent = path.rfind('/').map(|end| self.ensure(shape, &path[..end]));
+        let id = self.nodes.len() as AllocId;
+        self.nodes.push(Allocation {
+            path: path.to_string(),
+            parent,
+            children: Vec::new(),
+            weight: 1,
+            max_gpus: None,
+            removed: false,
+            demand_gpus: 0,
+            held_gpus: 0,
+            delivering_gpus: 0,
+            owed_gpus: 0.0,
+            delivered_gpu_ms: 0,
+            owed_gpu_ms: 0.0,
+            within_share_gpu_ms: 0.0,
+            live_workloads: 0,
+            preemptions: 0,
+            contract_violations: 0,
+            window: Window::new(shape),
+        });
+        match parent {
+            Some(p) => self.node_mut(p).children.push(id),
+            None => self.roots.push(id),
+        }
+        self.by_path.insert(path.to_string(), id);
+        id
+    }
+
+    /// Checks that `path` can be removed.
+    pub(crate) fn check_remove(&self, path: &str) -> Result<AllocId, Rejection> {
+        validate_path(path)?;
+        let id = self.get(path).ok_or_else(|| Rejection::UnknownAllocation {
+            path: path.to_string(),
+        })?;
+        let a = self.node(id);
+        if !a.children.is_empty() {
+            return Err(Rejection::AllocationHasChildren {
+                path: path.to_string(),
+            });
+        }
+        if a.live_workloads > 0 {
+            return Err(Rejection::AllocationInUse {
+                path: path.to_string(),
+                workloads: a.live_workloads,
+            });
+        }
+        Ok(id)
+    }
+
+    /// Removes an allocation checked by `check_remove`.
+    pub(crate) fn remove(&mut self, id: AllocId) {
+        let parent = self.node(id).parent;
+        let siblings = match parent {
+            Some(p) => &mut self.nodes[p as usize].children,
+            None => &mut self.roots,
+        };
+        siblings.retain(|&c| c != id);
+        let path = std::mem::take(&mut self.nodes[id as usize].path);
+        self.by_path.remove(&path);
+        let a = self.node_mut(id);
+        a.path = path;
+        a.removed = true;
+        a.owed_gpus = 0.0;
+    }
+
+    /// Live allocations from `id` up to its top-level ancestor.
+    pub fn ancestors(&self, id: AllocId) -> impl Iterator<Item = AllocId> + '_ {
+        std::iter::successors(Some(id), move |&a| self.node(a).parent)
+    }
+
+    /// GPUs held by the subtree of `id`.
+    pub fn held_in_subtree(&self, id: AllocId) -> u64 {
+        let a = self.node(id);
+        if a.is_leaf() {
+            a.held_gpus
+        } else {
+            a.children.iter().map(|&c| self.held_in_subtree(c)).sum()
+        }
+    }
+
+    /// Recomputes every allocation's instantaneous owed GPUs from `capacity` healthy GPUs.
+    pub(crate) fn split_owed(&mut self, capacity: f64) {
+        let roots = self.roots.clone();
+        let mut demand = vec![0.0; self.nodes.len()];
+        for &r in &roots {
+            self.subtree_demand(r, &mut demand);
+        }
+        self.fill(&roots, capacity, &demand);
+    }
+
+    fn subtree_demand(&self, id: AllocId, demand: &mut [f64]) -> f64 {
+        let a = self.node(id);
+        let mut d = if a.is_leaf() {
+            a.demand_gpus as f64
+        } else {
+            a.children
+                .iter()
+                .map(|&c| self.subtree_demand(c, demand))
+                .sum()
+        };
+        if let Some(cap) = a.max_gpus {
+            d = d.min(f64::from(cap));
+        }
+        demand[id as usize] = d;
+        d
+    }
+
+    /// Weighted water-filling of `capacity` among `children`, then down each subtree.
+    fn fill(&mut self, children: &[AllocId], capacity: f64, demand: &[f64]) {
+        let mut open: Vec<AllocId> = Vec::with_capacity(children.len());
+        for &c in children {
+            self.nodes[c as usize].owed_gpus = 0.0;
+            if demand[c as usize] > 0.0 {
+                open.push(c);
+            }
+        }
+        let mut left = capacity;
+        while !open.is_empty() && left > 0.0 {
+            let weights: f64 = open.iter().map(|&c| f64::from(self.node(c).weight)).sum();
+            let per_weight = left / weights;
+            // Satisfy every child whose remaining demand fits its share; repeat with the rest.
+            let before = open.len();
+            open.retain(|&c| {
+                let a = &mut self.nodes[c as usize];
+                let want = demand[c as usize] - a.owed_gpus;
+                if want <= per_weight * f64::from(a.weight) {
+                    a.owed_gpus = demand[c as usize];
+                    left -= want;
+                    false
+                } else {
+                    true
+                }
+            });
+            if open.len() == before {
+                for &c in &open {
+                    let a = &mut self.nodes[c as usize];
+                    a.owed_gpus += per_weight * f64::from(a.weight);
+                }
+                left = 0.0;
+            }
+        }
+        for &c in children {
+            let a = self.node(c);
+            if !a.is_leaf() {
+                let (kids, owed) = (a.children.clone(), a.owed_gpus);
+                self.fill(&kids, owed, demand);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree(specs: &[(&str, u32, u64)]) -> AllocationTree {
+        let shape = WindowShape::new(1000, 10);
+        let mut t = AllocationTree::default();
+        for &(path, weight, demand) in specs {
+            t.check_set(path, weight).unwrap();
+            t.set(shape, path, weight, None);
+            let id = t.get(path).unwrap();
+            t.node_mut(id).demand_gpus = demand;
+        }
+        t
+    }
+
+    fn owed(t: &AllocationTree, path: &str) -> f64 {
+        t.node(t.get(path).unwrap()).owed_gpus
+    }
+
+    #[test]
+    fn split_is_hierarchical_max_min_capped_by_demand() {
+        // 12 GPUs. Top level: org a (weight 1) and org b (weight 1) → 6 each.
+        // a has three children with ample demand → 2 each. b has one child asking 4 → b gets 4,
+        // and its unused 2 go back to a, which then has 8: 8/3 each for a's children.
+        let mut t = tree(&[
+            ("a/x", 1, 100),
+            ("a/y", 1, 100),
+            ("a/z", 1, 100),
+            ("b/w", 1, 4),
+        ]);
+        t.split_owed(12.0);
+        assert_eq!(owed(&t, "b"), 4.0);
+        assert_eq!(owed(&t, "b/w"), 4.0);
+        assert_eq!(owed(&t, "a"), 8.0);
+        for leaf in ["a/x", "a/y", "a/z"] {
+            assert!((owed(&t, leaf) - 8.0 / 3.0).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn split_follows_weights_and_skips_allocations_without_demand() {
+        // 16 GPUs among weights 1:2:1 with ample demand → 4, 8, 4. A fourth sibling with no
+        // demand is owed nothing and takes nothing from the others.
+        let mut t = tree(&[("p", 1, 50), ("q", 2, 50), ("r", 1, 50), ("idle", 5, 0)]);
+        t.split_owed(16.0);
+        assert_eq!(
+            [
+                owed(&t, "p"),
+                owed(&t, "q"),
+                owed(&t, "r"),
+                owed(&t, "idle")
+            ],
+            [4.0, 8.0, 4.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn split_respects_caps_and_total_demand() {
+        // 10 GPUs, demand 3 + 2 = 5 < 10: everyone gets their demand and 5 stay unowed.
+        let mut t = tree(&[("p", 1, 3), ("q", 1, 2)]);
+        t.split_owed(10.0);
+        assert_eq!([owed(&t, "p"), owed(&t, "q")], [3.0, 2.0]);
+        // A cap of 1 on q frees its share for p.
+        let mut t = tree(&[("p", 1, 30), ("q", 1, 30)]);
+        let q = t.get("q").unwrap();
+        t.node_mut(q).max_gpus = Some(1);
+        t.split_owed(10.0);
+        assert_eq!([owed(&t, "p"), owed(&t, "q")], [9.0, 1.0]);
+    }
+
+    #[test]
+    fn paths_are_validated() {
+        for bad in ["", "/a", "a/", "a//b", "a b", "a/é"] {
+            assert!(validate_path(bad).is_err(), "{bad:?} should be rejected");
+        }
+        assert!(validate_path("ai2/olmo-3/pre_train").is_ok());
+    }
+}

@@ -1,0 +1,356 @@
+//! Events: the immutable facts the ledger is folded from.
+//!
+//! An *event* is something that happened — a past-tense fact such as [`WorkloadStarted`] — wrapped
+//! in an [`Envelope`] that says who wrote it and when. Time and ids are supplied by the writer;
+//! the ledger never reads a clock or generates an id. The JSON shape of every event is checked in
+//! under `schemas/` and is the contract for downstream consumers.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The schema version this build writes and understands.
+pub const SCHEMA_VERSION: u16 = 1;
+
+/// A workload's id: a UUIDv7 chosen by whoever submitted it.
+pub type WorkloadId = Uuid;
+
+/// One event with its metadata; JSON on the wire.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    /// Unique id of this event (UUIDv7, supplied by the writer).
+    pub id: Uuid,
+    /// Version of the payload schema; see [`SCHEMA_VERSION`].
+    pub schema_version: u16,
+    /// When the fact happened, in milliseconds since the Unix epoch (or since the start of a
+    /// simulation), supplied by the writer.
+    pub occurred_at_ms: u64,
+    /// The event that caused this one, if any (a start is caused by a submission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub causation_id: Option<Uuid>,
+    /// Groups the events of one workflow, for tracing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation_id: Option<Uuid>,
+    /// Who wrote the event: `scheduler`, `agent:<node>`, `api:<user>`, `sim`.
+    pub actor: String,
+    /// The fact itself.
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+impl Envelope {
+    /// Wraps an event with the current schema version and no causation.
+    pub fn new(id: Uuid, occurred_at_ms: u64, actor: impl Into<String>, event: Event) -> Self {
+        Envelope {
+            id,
+            schema_version: SCHEMA_VERSION,
+            occurred_at_ms,
+            causation_id: None,
+            correlation_id: None,
+            actor: actor.into(),
+            event,
+        }
+    }
+}
+
+/// Every kind of fact, tagged by `type` with its `payload`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", content = "payload", rename_all = "snake_case")]
+pub enum Event {
+    /// An allocation was created or its weight or cap changed.
+    AllocationSet(AllocationSet),
+    /// An allocation was removed.
+    AllocationRemoved(AllocationRemoved),
+    /// A node joined the cluster.
+    NodeRegistered(NodeRegistered),
+    /// Readings of a node's GPUs (telemetry).
+    GpuHeartbeat(GpuHeartbeat),
+    /// A GPU became healthy or unhealthy.
+    GpuHealthChanged(GpuHealthChanged),
+    /// A workload entered the queue.
+    WorkloadSubmitted(WorkloadSubmitted),
+    /// A workload that was not running was withdrawn.
+    WorkloadCancelled(WorkloadCancelled),
+    /// A workload was placed on GPUs and started.
+    WorkloadStarted(WorkloadStarted),
+    /// A running workload was asked to stop within a grace period.
+    PreemptionRequested(PreemptionRequested),
+    /// A running workload stopped before finishing its work.
+    WorkloadStopped(WorkloadStopped),
+    /// A running workload ended by itself.
+    WorkloadFinished(WorkloadFinished),
+    /// A stopped workload went back to the queue with its remaining work.
+    WorkloadRequeued(WorkloadRequeued),
+}
+
+impl Event {
+    /// The snake_case kind, as in the `type` field and the NATS subject.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::AllocationSet(_) => "allocation_set",
+            Event::AllocationRemoved(_) => "allocation_removed",
+            Event::NodeRegistered(_) => "node_registered",
+            Event::GpuHeartbeat(_) => "gpu_heartbeat",
+            Event::GpuHealthChanged(_) => "gpu_health_changed",
+            Event::WorkloadSubmitted(_) => "workload_submitted",
+            Event::WorkloadCancelled(_) => "workload_cancelled",
+            Event::WorkloadStarted(_) => "workload_started",
+            Event::PreemptionRequested(_) => "preemption_requested",
+            Event::WorkloadStopped(_) => "workload_stopped",
+            Event::WorkloadFinished(_) => "workload_finished",
+            Event::WorkloadRequeued(_) => "workload_requeued",
+        }
+    }
+}
+
+/// An allocation (a share of the cluster) was created or changed. Missing parents of the path are
+/// created with weight 1.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AllocationSet {
+    /// Slash-separated path, e.g. `ai2/olmo/pretrain`.
+    pub path: String,
+    /// Weight relative to its siblings; at least 1.
+    pub weight: u32,
+    /// Optional hard cap on the GPUs its subtree may hold at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_gpus: Option<u32>,
+}
+
+/// An allocation was removed; it must have no children and no live workloads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AllocationRemoved {
+    /// Path of the allocation.
+    pub path: String,
+}
+
+/// A node and its GPUs joined the cluster. Registering the same node again with the same shape is a
+/// no-op (an agent restarting).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRegistered {
+    /// Unique node name.
+    pub node: String,
+    /// Number of GPUs, 1 to 64.
+    pub gpus: u32,
+    /// GPU model, e.g. `H100`.
+    pub model: String,
+    /// Topology labels such as `rack` or `zone`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// One GPU's readings in a heartbeat.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuReading {
+    /// GPU index on the node.
+    pub gpu: u32,
+    /// Vendor UUID, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Compute utilization, 0 to 100.
+    pub utilization_pct: u8,
+    /// Memory in use.
+    #[serde(default)]
+    pub memory_used_mib: u64,
+    /// Memory installed.
+    #[serde(default)]
+    pub memory_total_mib: u64,
+    /// Temperature.
+    #[serde(default)]
+    pub temperature_c: u32,
+    /// Power draw.
+    #[serde(default)]
+    pub power_w: u32,
+    /// Uncorrected ECC errors since boot.
+    #[serde(default)]
+    pub ecc_errors_uncorrected: u64,
+}
+
+/// Periodic readings of a node's GPUs. Lives on the telemetry stream; the fold uses it only for the
+/// utilization metric.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuHeartbeat {
+    /// Node name.
+    pub node: String,
+    /// One reading per GPU reported.
+    pub readings: Vec<GpuReading>,
+}
+
+/// A GPU's health changed. Unhealthy GPUs leave the available capacity and are never placed on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuHealthChanged {
+    /// Node name.
+    pub node: String,
+    /// GPU index on the node.
+    pub gpu: u32,
+    /// The new health.
+    pub healthy: bool,
+    /// Why, for the audit (`heartbeat timeout`, `xid 79`, ...).
+    pub reason: String,
+}
+
+/// A workload entered the queue.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadSubmitted {
+    /// Its id (UUIDv7, chosen by the submitter).
+    pub workload: WorkloadId,
+    /// Leaf allocation charged; `None` is unallocated (opportunistic) work.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation: Option<String>,
+    /// GPUs on each node, at least 1.
+    pub gpus_per_node: u32,
+    /// Nodes in the gang, at least 1; all start together or none do.
+    #[serde(default = "one")]
+    pub nodes: u32,
+    /// Required GPU model, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Order within its allocation; higher first.
+    #[serde(default)]
+    pub priority: i32,
+    /// Requested protection from preemption; defaults to the cluster's and may not exceed the cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_runtime_s: Option<u64>,
+    /// Expected run time, used for backfill and start estimates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_estimate_s: Option<u64>,
+    /// How often the workload checkpoints; work since the last one is lost on preemption.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_s: Option<u64>,
+    /// Human-readable name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Command line the node agent launches.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// Environment for the command.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Client key: a second submission with the same key is answered with this workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A pending or stopped workload was withdrawn. A running one must be preempted first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadCancelled {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// Why, for the audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The GPUs of one node given to a workload.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlacedNode {
+    /// Node name.
+    pub node: String,
+    /// GPU indices on that node.
+    pub gpus: Vec<u32>,
+}
+
+/// A workload was placed and started.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadStarted {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// One entry per node of the gang.
+    pub placement: Vec<PlacedNode>,
+    /// Until this instant the workload may be preempted only for hardware failure.
+    pub protected_until_ms: u64,
+}
+
+/// Why a running workload is asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PreemptionReason {
+    /// Work from an allocation ranked sufficiently above needs the GPUs.
+    FairShare,
+    /// Unallocated (opportunistic) work yields to allocated work.
+    Opportunistic,
+    /// One of its GPUs failed: the contract's one exception.
+    HardwareFailure,
+    /// Its owner cancelled it.
+    UserCancelled,
+}
+
+/// A running workload was asked to stop within a grace period.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PreemptionRequested {
+    /// The victim.
+    pub workload: WorkloadId,
+    /// Why.
+    pub reason: PreemptionReason,
+    /// The workload the GPUs are wanted for, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beneficiary: Option<WorkloadId>,
+    /// Time to checkpoint before the GPUs are taken.
+    pub grace_s: u64,
+}
+
+/// Why a running workload stopped without finishing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Preempted by the scheduler; it will be requeued.
+    Preempted,
+    /// Its hardware failed; it will be requeued and this is no contract violation.
+    HardwareFailure,
+    /// Its owner cancelled it; terminal.
+    Cancelled,
+    /// The node lost it (agent restart, node gone); it will be requeued.
+    Lost,
+}
+
+/// A running workload stopped; its GPUs are free.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadStopped {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// Why.
+    pub reason: StopReason,
+}
+
+/// A running workload ended by itself; its GPUs are free.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadFinished {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// Exit code, when it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Signal number, when a signal ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+}
+
+/// A stopped workload went back to the queue, keeping its place in submission order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadRequeued {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// Run time lost since its last checkpoint, in seconds.
+    #[serde(default)]
+    pub work_lost_s: u64,
+}

@@ -1,0 +1,490 @@
+//! The scheduler as a pure function: [`decide`] reads the state and the time and proposes
+//! decisions. The caller turns them into events and folds them; the fold has the last word.
+//!
+//! One pass walks the pending workloads in the policy's order ([`rank`]). Each that fits is
+//! started (best-fit, gangs all-or-nothing, see [`placement`]). The first that does not fit gets
+//! the *reservation*: the nodes that free up soonest for it, which later workloads may use only if
+//! they are expected to end before it starts (backfill). A blocked workload of an under-served
+//! allocation may preempt post-contract work of allocations ranked above it by more than the
+//! hysteresis margin, choosing victims that lose the fewest GPU-hours. Every workload left
+//! waiting gets a [`Blocked`] reason, which is what "why is my job pending" answers.
+
+pub mod fairshare;
+pub mod fairtree;
+pub mod fifo;
+pub mod placement;
+pub mod priority;
+pub mod rank;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::event::{
+    Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
+};
+use crate::state::{State, Workload};
+use placement::Scratch;
+use rank::{Ranking, Usage};
+
+/// A scheduling policy: how pending work is ordered and whether allocations may preempt each
+/// other. Adding a policy is one module implementing this trait plus its line in [`by_name`].
+pub trait Policy: Sync {
+    /// Name used in configuration.
+    fn name(&self) -> &'static str;
+    /// How the queue is walked.
+    fn ranking(&self) -> Ranking;
+    /// For tree rankings: the key of an allocation among its siblings, lower first. `me` and
+    /// `siblings` (the sum over its live siblings, itself included) use windowed usage; `tau_ms`
+    /// is the default minimum runtime.
+    fn allocation_key(&self, _me: &Usage, _siblings: &Usage, _tau_ms: f64) -> f64 {
+        0.0
+    }
+    /// Whether the order updates as workloads are placed within one pass.
+    fn updates_in_pass(&self) -> bool {
+        false
+    }
+    /// Whether an allocation ranked sufficiently above another may lose post-contract work to it.
+    fn preempts_for_fair_share(&self) -> bool {
+        false
+    }
+}
+
+/// The policies known by name: `fairshare`, `fairtree`, `fifo`, `priority`.
+pub fn by_name(name: &str) -> Option<&'static dyn Policy> {
+    match name {
+        "fairshare" => Some(&fairshare::FairShare),
+        "fairtree" => Some(&fairtree::FairTree),
+        "fifo" => Some(&fifo::Fifo),
+        "priority" => Some(&priority::Priority),
+        _ => None,
+    }
+}
+
+/// Names accepted by [`by_name`].
+pub const POLICY_NAMES: [&str; 4] = ["fairshare", "fairtree", "fifo", "priority"];
+
+/// Settings of the scheduler.
+#[derive(Clone, Debug)]
+pub struct PolicyConfig {
+    /// Policy name, one of [`POLICY_NAMES`].
+    pub policy: &'static str,
+    /// Default protection of a started workload (the scheduling contract).
+    pub min_runtime_ms: u64,
+    /// Time a preempted workload gets to checkpoint.
+    pub grace_ms: u64,
+    /// Hysteresis: a victim's allocation must rank above the beneficiary's by more than this on
+    /// the ranking key, compared where their paths split.
+    pub margin: f64,
+    /// The most blocked workloads per pass that may preempt, bounding the work of a pass.
+    pub preemptors_per_pass_max: u32,
+    /// Node label whose equal values mean "close" (same rack) for gang placement.
+    pub topology_label: String,
+    /// Explain every pending workload (costs a little per pending workload).
+    pub explain: bool,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            policy: "fairshare",
+            min_runtime_ms: 2 * 3_600_000,
+            grace_ms: 300_000,
+            margin: 0.05,
+            preemptors_per_pass_max: 16,
+            topology_label: "rack".to_string(),
+            explain: true,
+        }
+    }
+}
+
+/// What the scheduler proposes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Start a pending workload on these GPUs.
+    Start {
+        /// The workload.
+        workload: WorkloadId,
+        /// One entry per node.
+        placement: Vec<PlacedNode>,
+        /// End of its contract.
+        protected_until_ms: u64,
+    },
+    /// Ask a running workload to stop within the grace period.
+    Preempt {
+        /// The victim.
+        workload: WorkloadId,
+        /// Why.
+        reason: PreemptionReason,
+        /// For whom.
+        beneficiary: Option<WorkloadId>,
+        /// Grace period.
+        grace_s: u64,
+    },
+}
+
+impl Decision {
+    /// The event that records this decision.
+    pub fn to_event(&self) -> Event {
+        match self {
+            Decision::Start {
+                workload,
+                placement,
+                protected_until_ms,
+            } => Event::WorkloadStarted(WorkloadStarted {
+                workload: *workload,
+                placement: placement.clone(),
+                protected_until_ms: *protected_until_ms,
+            }),
+            Decision::Preempt {
+                workload,
+                reason,
+                beneficiary,
+                grace_s,
+            } => Event::PreemptionRequested(PreemptionRequested {
+                workload: *workload,
+                reason: *reason,
+                beneficiary: *beneficiary,
+                grace_s: *grace_s,
+            }),
+        }
+    }
+}
+
+/// Why a workload is still pending.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Blocked {
+    /// It heads the queue and holds the reservation; it starts when those nodes free up.
+    HoldsReservation {
+        /// Nodes reserved.
+        nodes: u32,
+        /// Earliest start known from contracts and estimates; `None` when no holder of those
+        /// GPUs has an end in sight.
+        start_at_ms: Option<u64>,
+    },
+    /// Preemptions on its behalf are in progress; it starts when the victims have left.
+    WaitingForPreemption {
+        /// Workloads being preempted for it.
+        victims: u32,
+        /// When the last grace period ends.
+        until_ms: u64,
+    },
+    /// It would fit, but on GPUs reserved for a workload ranked above it.
+    BehindReservation {
+        /// The workload holding the reservation.
+        holder: WorkloadId,
+    },
+    /// Not enough free GPUs of the right shape.
+    NoCapacity {
+        /// GPUs needed on each node.
+        gpus_per_node: u32,
+        /// Nodes needed.
+        nodes: u32,
+        /// Nodes that could host one member now.
+        fitting_nodes: u32,
+    },
+    /// Its allocation (or an ancestor) is at its GPU cap.
+    AllocationCap {
+        /// The capped allocation.
+        path: String,
+        /// Its cap.
+        max_gpus: u32,
+    },
+}
+
+/// A pending workload and why it waits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pending {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// 1-based position in this pass's order.
+    pub position: u32,
+    /// Why it waits.
+    pub reason: Blocked,
+}
+
+/// GPUs held for the head of the queue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    /// The workload they are held for.
+    pub workload: WorkloadId,
+    /// The nodes.
+    pub nodes: Vec<String>,
+    /// Earliest start known, if any.
+    pub start_at_ms: Option<u64>,
+}
+
+/// The result of one pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    /// Starts and preemptions, in the order they were decided.
+    pub decisions: Vec<Decision>,
+    /// Pending workloads in order, with reasons (empty unless `explain`).
+    pub pending: Vec<Pending>,
+    /// The reservation for the head of the queue.
+    pub reservation: Option<Reservation>,
+}
+
+impl Plan {
+    /// The start decisions.
+    pub fn starts(&self) -> impl Iterator<Item = &Decision> {
+        self.decisions
+            .iter()
+            .filter(|d| matches!(d, Decision::Start { .. }))
+    }
+
+    /// The preemption decisions.
+    pub fn preemptions(&self) -> impl Iterator<Item = &Decision> {
+        self.decisions
+            .iter()
+            .filter(|d| matches!(d, Decision::Preempt { .. }))
+    }
+}
+
+/// Runs one scheduling pass at `now_ms`. Pure: the same state, time and config give the same plan.
+///
+/// # Panics
+/// If `cfg.policy` names no policy; validate configuration with [`by_name`] first.
+pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
+    let policy = by_name(cfg.policy).expect("policy name validated by the caller");
+    let mut plan = Plan::default();
+    let grace_s = cfg.grace_ms / 1000;
+    let cap_ms = state.config().min_runtime_cap_ms;
+
+    // Hardware failure is the contract's one exception: stop work on failed GPUs at once.
+    for id in &state.running {
+        let w = &state.workloads[id];
+        if w.preempting.is_none()
+            && w.placement
+                .iter()
+                .any(|p| p.gpus & !state.cluster.node(p.node).healthy != 0)
+        {
+            plan.decisions.push(Decision::Preempt {
+                workload: *id,
+                reason: PreemptionReason::HardwareFailure,
+                beneficiary: None,
+                grace_s: 0,
+            });
+        }
+    }
+
+    // Preemptions already under way, by beneficiary.
+    let mut incoming: FxHashMap<WorkloadId, (u32, u64, Vec<u32>)> = FxHashMap::default();
+    for id in &state.running {
+        let w = &state.workloads[id];
+        if let Some(p) = w.preempting {
+            if let Some(b) = p.beneficiary {
+                let e = incoming.entry(b).or_insert((0, 0, Vec::new()));
+                e.0 += 1;
+                e.1 = e.1.max(p.grace_until_ms);
+                e.2.extend(w.placement.iter().map(|part| part.node));
+            }
+        }
+    }
+
+    let mut scratch = Scratch::new(state, &cfg.topology_label);
+    let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
+    let mut claimed: FxHashSet<WorkloadId> = FxHashSet::default();
+    let mut preemptors = 0u32;
+    let mut position = 0u32;
+
+    while let Some(id) = rank.next() {
+        position += 1;
+        let w = &state.workloads[&id];
+        let mut blocked = None;
+        if let Some((path, max_gpus)) = rank.cap_blocks(w) {
+            blocked = Some(Blocked::AllocationCap { path, max_gpus });
+        } else if let Some(parts) = scratch.place(w, false) {
+            plan.decisions
+                .push(start(state, w, parts, now_ms, cfg, cap_ms));
+            rank.placed(w);
+            continue;
+        } else if let (Some(r), Some(end)) = (&plan.reservation, w.remaining_estimate_ms(now_ms)) {
+            // Backfill: reserved GPUs may be lent to work that gives them back in time.
+            if r.start_at_ms.is_none_or(|s| now_ms + end <= s) {
+                if let Some(parts) = scratch.place(w, true) {
+                    plan.decisions
+                        .push(start(state, w, parts, now_ms, cfg, cap_ms));
+                    rank.placed(w);
+                    continue;
+                }
+            }
+        }
+
+        let blocked = match blocked {
+            Some(b) => b,
+            None => {
+                if let Some(&(victims, until_ms, ref nodes)) = incoming.get(&id) {
+                    scratch.withhold_nodes(nodes);
+                    if plan.reservation.is_none() {
+                        plan.reservation = Some(Reservation {
+                            workload: id,
+                            nodes: nodes
+                                .iter()
+                                .map(|&n| state.cluster.node(n).name.clone())
+                                .collect(),
+                            start_at_ms: Some(until_ms),
+                        });
+                    }
+                    Blocked::WaitingForPreemption { victims, until_ms }
+                } else {
+                    let mut plan_preempt = None;
+                    if preemptors < cfg.preemptors_per_pass_max && w.allocation.is_some() {
+                        plan_preempt = scratch.plan_preemption(state, w, now_ms, &claimed, |v| {
+                            can_preempt(state, &rank, policy, cfg, w, v, now_ms)
+                        });
+                    }
+                    match plan_preempt {
+                        Some((nodes, victims)) => {
+                            preemptors += 1;
+                            let until_ms = now_ms + cfg.grace_ms;
+                            for v in &victims {
+                                claimed.insert(*v);
+                                let reason = if state.workloads[v].allocation.is_none() {
+                                    PreemptionReason::Opportunistic
+                                } else {
+                                    PreemptionReason::FairShare
+                                };
+                                plan.decisions.push(Decision::Preempt {
+                                    workload: *v,
+                                    reason,
+                                    beneficiary: Some(id),
+                                    grace_s,
+                                });
+                            }
+                            scratch.withhold_nodes(&nodes);
+                            if plan.reservation.is_none() {
+                                plan.reservation = Some(Reservation {
+                                    workload: id,
+                                    nodes: nodes
+                                        .iter()
+                                        .map(|&n| state.cluster.node(n).name.clone())
+                                        .collect(),
+                                    start_at_ms: Some(until_ms),
+                                });
+                            }
+                            Blocked::WaitingForPreemption {
+                                victims: victims.len() as u32,
+                                until_ms,
+                            }
+                        }
+                        None if plan.reservation.is_none() => {
+                            let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, |v| {
+                                release_ms(state, &rank, policy, cfg, w, v, now_ms)
+                            });
+                            let count = nodes.len() as u32;
+                            scratch.withhold_nodes(&nodes);
+                            plan.reservation = Some(Reservation {
+                                workload: id,
+                                nodes: nodes
+                                    .iter()
+                                    .map(|&n| state.cluster.node(n).name.clone())
+                                    .collect(),
+                                start_at_ms,
+                            });
+                            Blocked::HoldsReservation {
+                                nodes: count,
+                                start_at_ms,
+                            }
+                        }
+                        None => match &plan.reservation {
+                            Some(r) if scratch.fits_withheld(w) => {
+                                Blocked::BehindReservation { holder: r.workload }
+                            }
+                            _ => Blocked::NoCapacity {
+                                gpus_per_node: w.gpus_per_node,
+                                nodes: w.nodes,
+                                fitting_nodes: scratch.fitting_nodes(w),
+                            },
+                        },
+                    }
+                }
+            }
+        };
+        if cfg.explain {
+            plan.pending.push(Pending {
+                workload: id,
+                position,
+                reason: blocked,
+            });
+        }
+    }
+    plan
+}
+
+fn start(
+    state: &State,
+    w: &Workload,
+    parts: Vec<crate::state::Part>,
+    now_ms: u64,
+    cfg: &PolicyConfig,
+    cap_ms: u64,
+) -> Decision {
+    let protection = if w.allocation.is_none() {
+        0
+    } else {
+        w.min_runtime_ms.unwrap_or(cfg.min_runtime_ms).min(cap_ms)
+    };
+    Decision::Start {
+        workload: w.id,
+        placement: parts
+            .iter()
+            .map(|p| PlacedNode {
+                node: state.cluster.node(p.node).name.clone(),
+                gpus: (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect(),
+            })
+            .collect(),
+        protected_until_ms: now_ms + protection,
+    }
+}
+
+/// Whether `beneficiary` may take the GPUs of `victim` now.
+fn can_preempt(
+    state: &State,
+    rank: &rank::Rank,
+    policy: &dyn Policy,
+    cfg: &PolicyConfig,
+    beneficiary: &Workload,
+    victim: &Workload,
+    now_ms: u64,
+) -> bool {
+    let Some(b) = beneficiary.allocation else {
+        return false;
+    };
+    let Some(v) = victim.allocation else {
+        return true; // unallocated work has no contract
+    };
+    if victim.preempting.is_some() || now_ms < victim.protected_until_ms {
+        return false;
+    }
+    policy.preempts_for_fair_share() && rank.outranks_by(state, b, v, cfg.margin)
+}
+
+/// When `victim`'s GPUs are expected back for `beneficiary`: its estimated end, or the end of its
+/// contract plus grace if the beneficiary may preempt it then; `None` if nothing is known.
+fn release_ms(
+    state: &State,
+    rank: &rank::Rank,
+    policy: &dyn Policy,
+    cfg: &PolicyConfig,
+    beneficiary: &Workload,
+    victim: &Workload,
+    now_ms: u64,
+) -> Option<u64> {
+    if let Some(p) = victim.preempting {
+        return Some(p.grace_until_ms.max(now_ms));
+    }
+    let ends = victim.remaining_estimate_ms(now_ms).map(|r| now_ms + r);
+    let eligible = beneficiary.allocation.is_some()
+        && (victim.allocation.is_none()
+            || (policy.preempts_for_fair_share()
+                && rank.outranks_by(
+                    state,
+                    beneficiary.allocation.expect("checked"),
+                    victim.allocation.expect("checked"),
+                    cfg.margin,
+                )));
+    let preempt = eligible.then(|| victim.protected_until_ms.max(now_ms) + cfg.grace_ms);
+    match (ends, preempt) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}

@@ -1,0 +1,403 @@
+//! Placement: which GPUs a workload gets, within one pass.
+//!
+//! The pass works on a scratch copy of every node's free GPUs, indexed per GPU model by free
+//! count, so *best fit* — the node with the fewest free GPUs that still fit — is found without a
+//! scan and small jobs pack onto busy nodes, keeping whole nodes free for gangs. A gang (several
+//! nodes) is all-or-nothing: every member on a distinct node of one model, preferring nodes that
+//! share a topology label (same rack). Nodes *withheld* for the reservation or for a pending
+//! preemption leave the index; only backfill that ends before the reservation may use them.
+
+use std::cmp::Reverse;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::cluster::NodeIdx;
+use crate::event::WorkloadId;
+use crate::state::{Part, State, Workload};
+
+/// Per-model index of nodes by free GPU count.
+struct FreeIndex {
+    /// `buckets[k]`: nodes with exactly `k` free GPUs.
+    buckets: Vec<Vec<NodeIdx>>,
+}
+
+/// The free GPUs of every node as this pass sees them.
+pub struct Scratch {
+    free: Vec<u64>,
+    withheld: Vec<bool>,
+    /// Position of each indexed node in its bucket.
+    pos: Vec<u32>,
+    model: Vec<u32>,
+    groups: Vec<FreeIndex>,
+    /// Topology group of each node (`u32::MAX` when unlabeled).
+    rack: Vec<u32>,
+}
+
+impl Scratch {
+    /// Reads the cluster.
+    pub fn new(state: &State, topology_label: &str) -> Self {
+        let nodes = &state.cluster.nodes;
+        let mut s = Scratch {
+            free: nodes.iter().map(|n| n.free_mask()).collect(),
+            withheld: vec![false; nodes.len()],
+            pos: vec![0; nodes.len()],
+            model: nodes.iter().map(|n| n.model_idx).collect(),
+            groups: state
+                .cluster
+                .models
+                .iter()
+                .map(|_| FreeIndex {
+                    buckets: Vec::new(),
+                })
+                .collect(),
+            rack: Vec::with_capacity(nodes.len()),
+        };
+        let mut racks: FxHashMap<&str, u32> = FxHashMap::default();
+        for n in nodes {
+            let id = match n.labels.get(topology_label) {
+                Some(v) => {
+                    let next = racks.len() as u32;
+                    *racks.entry(v.as_str()).or_insert(next)
+                }
+                None => u32::MAX,
+            };
+            s.rack.push(id);
+        }
+        for idx in 0..nodes.len() {
+            s.index(idx as NodeIdx);
+        }
+        s
+    }
+
+    fn index(&mut self, node: NodeIdx) {
+        let k = self.free[node as usize].count_ones() as usize;
+        let g = &mut self.groups[self.model[node as usize] as usize];
+        if g.buckets.len() <= k {
+            g.buckets.resize_with(k + 1, Vec::new);
+        }
+        self.pos[node as usize] = g.buckets[k].len() as u32;
+        g.buckets[k].push(node);
+    }
+
+    fn unindex(&mut self, node: NodeIdx) {
+        let k = self.free[node as usize].count_ones() as usize;
+        let bucket = &mut self.groups[self.model[node as usize] as usize].buckets[k];
+        let at = self.pos[node as usize] as usize;
+        bucket.swap_remove(at);
+        if let Some(&moved) = bucket.get(at) {
+            self.pos[moved as usize] = at as u32;
+        }
+    }
+
+    /// Takes nodes out of the index, holding their free GPUs for someone.
+    pub fn withhold_nodes(&mut self, nodes: &[NodeIdx]) {
+        for &n in nodes {
+            if !self.withheld[n as usize] {
+                self.unindex(n);
+                self.withheld[n as usize] = true;
+            }
+        }
+    }
+
+    fn take(&mut self, node: NodeIdx, mask: u64) {
+        let indexed = !self.withheld[node as usize];
+        if indexed {
+            self.unindex(node);
+        }
+        self.free[node as usize] &= !mask;
+        if indexed {
+            self.index(node);
+        }
+    }
+
+    fn groups_for(&self, w: &Workload) -> impl Iterator<Item = usize> + '_ {
+        let only = w.model.map(|m| m as usize);
+        (0..self.groups.len()).filter(move |g| only.is_none_or(|m| m == *g))
+    }
+
+    /// Lowest `count` free GPUs of a node.
+    fn pick_gpus(&self, node: NodeIdx, count: u32) -> u64 {
+        let mut free = self.free[node as usize];
+        let mut mask = 0u64;
+        for _ in 0..count {
+            let low = free & free.wrapping_neg();
+            mask |= low;
+            free &= !low;
+        }
+        mask
+    }
+
+    /// Places `w` now, taking the GPUs from the scratch, or returns `None`. With `withheld_only`,
+    /// only withheld nodes are considered (backfill onto a reservation).
+    pub fn place(&mut self, w: &Workload, withheld_only: bool) -> Option<Vec<Part>> {
+        let nodes = if withheld_only {
+            self.choose_withheld(w)?
+        } else if w.nodes == 1 {
+            vec![self.best_fit_single(w)?]
+        } else {
+            self.choose_gang(w)?
+        };
+        let parts: Vec<Part> = nodes
+            .into_iter()
+            .map(|n| Part {
+                node: n,
+                gpus: self.pick_gpus(n, w.gpus_per_node),
+            })
+            .collect();
+        for p in &parts {
+            self.take(p.node, p.gpus);
+        }
+        Some(parts)
+    }
+
+    fn best_fit_single(&self, w: &Workload) -> Option<NodeIdx> {
+        let need = w.gpus_per_node as usize;
+        let mut best: Option<(usize, NodeIdx)> = None;
+        for g in self.groups_for(w) {
+            let buckets = &self.groups[g].buckets;
+            if let Some(k) = (need..buckets.len()).find(|&k| !buckets[k].is_empty()) {
+                let node = *buckets[k].last().expect("non-empty");
+                if best.is_none_or(|(bk, _)| k < bk) {
+                    best = Some((k, node));
+                }
+            }
+        }
+        best.map(|(_, n)| n)
+    }
+
+    /// Nodes of group `g` with at least `need` free GPUs, with their free count.
+    fn candidates(&self, g: usize, need: usize) -> Vec<(usize, NodeIdx)> {
+        let buckets = &self.groups[g].buckets;
+        (need..buckets.len())
+            .flat_map(|k| buckets[k].iter().map(move |&n| (k, n)))
+            .collect()
+    }
+
+    fn count_fitting(&self, g: usize, need: usize) -> usize {
+        let buckets = &self.groups[g].buckets;
+        (need.min(buckets.len())..buckets.len())
+            .map(|k| buckets[k].len())
+            .sum()
+    }
+
+    /// A gang: `w.nodes` distinct nodes of one model with `w.gpus_per_node` free each, from as
+    /// few racks as possible, best fit within them.
+    fn choose_gang(&self, w: &Workload) -> Option<Vec<NodeIdx>> {
+        let (need, n) = (w.gpus_per_node as usize, w.nodes as usize);
+        let mut best: Option<(usize, Vec<NodeIdx>)> = None;
+        for g in self.groups_for(w) {
+            if self.count_fitting(g, need) < n {
+                continue;
+            }
+            let chosen = self.by_topology(self.candidates(g, need), n);
+            let racks = {
+                let mut r: Vec<u32> = chosen.iter().map(|&x| self.rack[x as usize]).collect();
+                r.sort_unstable();
+                r.dedup();
+                r.len()
+            };
+            if best.as_ref().is_none_or(|(br, _)| racks < *br) {
+                best = Some((racks, chosen));
+            }
+        }
+        best.map(|(_, nodes)| nodes)
+    }
+
+    /// Picks `n` of the candidates: a rack that holds the whole gang with the least to spare,
+    /// otherwise the fullest racks first; best fit inside a rack.
+    fn by_topology(&self, mut cands: Vec<(usize, NodeIdx)>, n: usize) -> Vec<NodeIdx> {
+        let mut per_rack: FxHashMap<u32, usize> = FxHashMap::default();
+        for &(_, node) in &cands {
+            *per_rack.entry(self.rack[node as usize]).or_insert(0) += 1;
+        }
+        let mut racks: Vec<(u32, usize)> = per_rack.into_iter().collect();
+        // Racks that fit the gang, smallest first; then the others, largest first.
+        racks.sort_unstable_by_key(|&(rack, count)| {
+            if count >= n {
+                (0, count, rack)
+            } else {
+                (1, usize::MAX - count, rack)
+            }
+        });
+        let order: FxHashMap<u32, usize> = racks
+            .iter()
+            .enumerate()
+            .map(|(i, &(r, _))| (r, i))
+            .collect();
+        cands.sort_unstable_by_key(|&(k, node)| (order[&self.rack[node as usize]], k, node));
+        cands.into_iter().take(n).map(|(_, node)| node).collect()
+    }
+
+    fn choose_withheld(&self, w: &Workload) -> Option<Vec<NodeIdx>> {
+        if w.nodes != 1 {
+            return None;
+        }
+        (0..self.free.len())
+            .filter(|&i| self.withheld[i])
+            .filter(|&i| w.model.is_none_or(|m| m == self.model[i]))
+            .map(|i| (self.free[i].count_ones(), i as NodeIdx))
+            .filter(|&(k, _)| k >= w.gpus_per_node)
+            .min()
+            .map(|(_, n)| vec![n])
+    }
+
+    /// Whether `w` would fit if withheld nodes were open to it.
+    pub fn fits_withheld(&self, w: &Workload) -> bool {
+        let eligible = |i: usize| w.model.is_none_or(|m| m == self.model[i]);
+        let fitting = (0..self.free.len())
+            .filter(|&i| eligible(i) && self.free[i].count_ones() >= w.gpus_per_node)
+            .count();
+        fitting >= w.nodes as usize
+    }
+
+    /// Indexed nodes that could host one member of `w` now.
+    pub fn fitting_nodes(&self, w: &Workload) -> u32 {
+        self.groups_for(w)
+            .map(|g| self.count_fitting(g, w.gpus_per_node as usize))
+            .sum::<usize>() as u32
+    }
+
+    fn eligible_nodes<'a>(
+        &'a self,
+        state: &'a State,
+        w: &'a Workload,
+    ) -> impl Iterator<Item = NodeIdx> + 'a {
+        (0..self.free.len() as NodeIdx).filter(move |&i| {
+            let n = state.cluster.node(i);
+            !self.withheld[i as usize]
+                && w.model.is_none_or(|m| m == n.model_idx)
+                && n.healthy.count_ones() >= w.gpus_per_node
+        })
+    }
+
+    /// The reservation for `w`: the nodes where it could start soonest, given when each holder
+    /// gives its GPUs back (`release`, `None` for unknown), and that start time if known.
+    pub fn reserve(
+        &self,
+        state: &State,
+        w: &Workload,
+        now_ms: u64,
+        release: impl Fn(&Workload) -> Option<u64>,
+    ) -> (Vec<NodeIdx>, Option<u64>) {
+        let need = w.gpus_per_node as usize;
+        let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
+        let mut times: Vec<u64> = Vec::with_capacity(64);
+        let mut memo: FxHashMap<WorkloadId, u64> = FxHashMap::default();
+        for i in self.eligible_nodes(state, w) {
+            let node = state.cluster.node(i);
+            let free = self.free[i as usize];
+            times.clear();
+            for g in 0..node.gpu_count {
+                let bit = 1u64 << g;
+                if node.healthy & bit == 0 {
+                    continue;
+                }
+                let t = if free & bit != 0 {
+                    now_ms
+                } else if let Some(holder) = node.holders[g as usize] {
+                    *memo
+                        .entry(holder)
+                        .or_insert_with(|| release(&state.workloads[&holder]).unwrap_or(u64::MAX))
+                } else {
+                    u64::MAX // placed earlier in this pass
+                };
+                times.push(t);
+            }
+            times.sort_unstable();
+            ready.push((times[need - 1], Reverse(free.count_ones()), i));
+        }
+        ready.sort_unstable();
+        let chosen: Vec<(u64, Reverse<u32>, NodeIdx)> =
+            ready.into_iter().take(w.nodes as usize).collect();
+        let start = chosen.iter().map(|c| c.0).max().filter(|&t| t != u64::MAX);
+        (chosen.into_iter().map(|c| c.2).collect(), start)
+    }
+
+    /// Victims whose preemption makes room for `w` at least cost, and the nodes it would use.
+    /// `eligible` says whether a running workload may be preempted for `w`. The cost prefers
+    /// unallocated victims, then the fewest GPU-milliseconds of work lost since checkpoints.
+    pub fn plan_preemption(
+        &self,
+        state: &State,
+        w: &Workload,
+        now_ms: u64,
+        claimed: &FxHashSet<WorkloadId>,
+        eligible: impl Fn(&Workload) -> bool,
+    ) -> Option<(Vec<NodeIdx>, Vec<WorkloadId>)> {
+        let need = w.gpus_per_node;
+        let mut memo: FxHashMap<WorkloadId, Option<(u32, u64)>> = FxHashMap::default();
+        let mut cost_of = |id: WorkloadId| -> Option<(u32, u64)> {
+            *memo.entry(id).or_insert_with(|| {
+                let v = &state.workloads[&id];
+                if claimed.contains(&id) || !eligible(v) {
+                    return None;
+                }
+                let ran = now_ms.saturating_sub(v.started_at_ms);
+                let lost = match v.checkpoint_ms {
+                    Some(c) if c > 0 => ran % c,
+                    _ => ran,
+                };
+                Some((
+                    u32::from(v.allocation.is_some()),
+                    lost.saturating_mul(v.gpus()),
+                ))
+            })
+        };
+        // Per node: (cost, node, victims).
+        let mut options: Vec<((u32, u64), NodeIdx, Vec<WorkloadId>)> = Vec::new();
+        for i in self.eligible_nodes(state, w) {
+            let node = state.cluster.node(i);
+            let mut have = self.free[i as usize].count_ones();
+            if have >= need {
+                options.push(((0, 0), i, Vec::new()));
+                continue;
+            }
+            // Distinct holders on this node with the healthy GPUs each would free here.
+            let mut holders: Vec<((u32, u64), WorkloadId, u32)> = Vec::new();
+            for g in 0..node.gpu_count {
+                let bit = 1u64 << g;
+                if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {
+                    continue;
+                }
+                let Some(h) = node.holders[g as usize] else {
+                    continue;
+                };
+                match holders.iter_mut().find(|x| x.1 == h) {
+                    Some(x) => x.2 += 1,
+                    None => {
+                        if let Some(c) = cost_of(h) {
+                            holders.push((c, h, 1));
+                        }
+                    }
+                }
+            }
+            holders.sort_unstable();
+            let mut cost = (0u32, 0u64);
+            let mut victims = Vec::new();
+            for (c, h, gpus) in holders {
+                if have >= need {
+                    break;
+                }
+                have += gpus;
+                cost = (cost.0 + c.0, cost.1 + c.1);
+                victims.push(h);
+            }
+            if have >= need {
+                options.push((cost, i, victims));
+            }
+        }
+        if options.len() < w.nodes as usize {
+            return None;
+        }
+        options.sort_unstable_by_key(|o| (o.0, o.1));
+        let chosen = &options[..w.nodes as usize];
+        let mut victims: Vec<WorkloadId> =
+            chosen.iter().flat_map(|o| o.2.iter().copied()).collect();
+        if victims.is_empty() {
+            return None; // it fits without preemption: not a case for this plan
+        }
+        victims.sort_unstable();
+        victims.dedup();
+        Some((chosen.iter().map(|o| o.1).collect(), victims))
+    }
+}

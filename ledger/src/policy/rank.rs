@@ -1,0 +1,263 @@
+//! The order in which one pass considers pending workloads.
+//!
+//! A *tree ranking* descends the allocation tree: at each level it takes the child with the lowest
+//! key among those with pending work left in this pass, down to a leaf, whose queue is ordered by
+//! priority then submission. When a policy updates in the pass, a placed workload's GPUs count
+//! toward its allocation at once, so one under-served team does not take everything. A *flat
+//! ranking* sorts all pending workloads by one key. Unallocated work always comes last.
+
+use std::cmp::Ordering;
+
+use crate::alloc::AllocId;
+use crate::event::WorkloadId;
+use crate::state::{State, Workload};
+
+use super::Policy;
+
+/// How a policy walks the queue.
+#[derive(Clone, Copy, Debug)]
+pub enum Ranking {
+    /// Descend the allocation tree by [`Policy::allocation_key`].
+    Tree,
+    /// One global order by (key, submission), lower first.
+    Flat(fn(&Workload) -> i64),
+}
+
+/// What the keys are computed from, for one allocation's subtree (or a sum over siblings).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// Delivered GPU-milliseconds in the window.
+    pub delivered_w: f64,
+    /// Owed GPU-milliseconds in the window.
+    pub owed_w: f64,
+    /// GPUs held now (plus those placed earlier in this pass).
+    pub held: f64,
+    /// GPUs owed now.
+    pub owed_now: f64,
+    /// Weight among siblings.
+    pub weight: f64,
+}
+
+impl Usage {
+    fn add(&mut self, o: &Usage) {
+        self.delivered_w += o.delivered_w;
+        self.owed_w += o.owed_w;
+        self.held += o.held;
+        self.owed_now += o.owed_now;
+        self.weight += o.weight;
+    }
+}
+
+/// The ranking state of one pass.
+pub struct Rank<'s> {
+    state: &'s State,
+    policy: &'s dyn Policy,
+    tau_ms: f64,
+    mode: Ranking,
+    /// Per allocation: subtree usage and key.
+    usage: Vec<Usage>,
+    key: Vec<f64>,
+    /// Per allocation: candidates left in its subtree this pass.
+    left: Vec<u32>,
+    /// Per leaf: its queue and how far the pass has come.
+    queue: Vec<Vec<WorkloadId>>,
+    cursor: Vec<usize>,
+    /// Flat order, then unallocated work.
+    flat: Vec<WorkloadId>,
+    flat_cursor: usize,
+}
+
+impl<'s> Rank<'s> {
+    /// Prepares a pass at `now_ms`.
+    pub fn new(state: &'s State, now_ms: u64, policy: &'s dyn Policy, tau_ms: f64) -> Self {
+        let n = state.allocations.nodes.len();
+        let mut r = Rank {
+            state,
+            policy,
+            tau_ms,
+            mode: policy.ranking(),
+            usage: vec![Usage::default(); n],
+            key: vec![0.0; n],
+            left: vec![0; n],
+            queue: vec![Vec::new(); n],
+            cursor: vec![0; n],
+            flat: Vec::new(),
+            flat_cursor: 0,
+        };
+        let shape = state.window_shape();
+        let tree = &state.allocations;
+        // Leaves first, then sums up the tree (children always have higher ids than parents).
+        for id in (0..n).rev() {
+            let a = &tree.nodes[id];
+            if a.removed {
+                continue;
+            }
+            if a.is_leaf() {
+                let sums = a.window.sums(shape, now_ms);
+                r.usage[id].delivered_w = sums.delivered_gpu_ms;
+                r.usage[id].owed_w = sums.owed_gpu_ms;
+                r.usage[id].held = a.held_gpus as f64;
+            }
+            r.usage[id].owed_now = a.owed_gpus;
+            r.usage[id].weight = f64::from(a.weight);
+            if let Some(p) = a.parent {
+                let child = r.usage[id];
+                let parent = &mut r.usage[p as usize];
+                parent.delivered_w += child.delivered_w;
+                parent.owed_w += child.owed_w;
+                parent.held += child.held;
+            }
+        }
+        match r.mode {
+            Ranking::Tree => {
+                let mut leaves: Vec<(&AllocId, _)> = state.queues.iter().collect();
+                leaves.sort_unstable_by_key(|(id, _)| **id);
+                for (&leaf, q) in leaves {
+                    r.queue[leaf as usize] = q.iter().map(|k| k.2).collect();
+                    for anc in tree.ancestors(leaf) {
+                        r.left[anc as usize] += q.len() as u32;
+                    }
+                }
+                r.rekey_children_of(None);
+            }
+            Ranking::Flat(key) => {
+                let mut all: Vec<(i64, u64, WorkloadId)> = state
+                    .queues
+                    .values()
+                    .flatten()
+                    .map(|k| {
+                        let w = &state.workloads[&k.2];
+                        (key(w), w.submit_seq, w.id)
+                    })
+                    .collect();
+                all.sort_unstable();
+                r.flat = all.into_iter().map(|k| k.2).collect();
+            }
+        }
+        r.flat.extend(state.unallocated_queue.iter().map(|k| k.2));
+        r
+    }
+
+    fn children(&self, parent: Option<AllocId>) -> &[AllocId] {
+        match parent {
+            Some(p) => &self.state.allocations.node(p).children,
+            None => &self.state.allocations.roots,
+        }
+    }
+
+    /// Recomputes the keys of `parent`'s children (all of them: keys may depend on sibling sums),
+    /// then recursively below.
+    fn rekey_children_of(&mut self, parent: Option<AllocId>) {
+        let kids = self.children(parent).to_vec();
+        self.rekey_level(&kids);
+        for &k in &kids {
+            if !self.state.allocations.node(k).is_leaf() {
+                self.rekey_children_of(Some(k));
+            }
+        }
+    }
+
+    fn rekey_level(&mut self, kids: &[AllocId]) {
+        let mut sum = Usage::default();
+        for &k in kids {
+            sum.add(&self.usage[k as usize]);
+        }
+        for &k in kids {
+            self.key[k as usize] =
+                self.policy
+                    .allocation_key(&self.usage[k as usize], &sum, self.tau_ms);
+        }
+    }
+
+    /// The next workload to consider, or `None` when the pass is over.
+    pub fn next(&mut self) -> Option<WorkloadId> {
+        if matches!(self.mode, Ranking::Tree) {
+            let mut level: Option<AllocId> = None;
+            loop {
+                let best = self
+                    .children(level)
+                    .iter()
+                    .copied()
+                    .filter(|&c| self.left[c as usize] > 0)
+                    .min_by(|&a, &b| {
+                        self.key[a as usize]
+                            .partial_cmp(&self.key[b as usize])
+                            .unwrap_or(Ordering::Equal)
+                            .then(a.cmp(&b))
+                    });
+                let Some(best) = best else { break };
+                if self.state.allocations.node(best).is_leaf() {
+                    let i = self.cursor[best as usize];
+                    self.cursor[best as usize] += 1;
+                    for anc in self.state.allocations.ancestors(best) {
+                        self.left[anc as usize] -= 1;
+                    }
+                    return Some(self.queue[best as usize][i]);
+                }
+                level = Some(best);
+            }
+        }
+        let id = self.flat.get(self.flat_cursor).copied();
+        self.flat_cursor += 1;
+        id
+    }
+
+    /// Records that `w` was placed in this pass.
+    pub fn placed(&mut self, w: &Workload) {
+        let Some(leaf) = w.allocation else { return };
+        let gpus = w.gpus() as f64;
+        for anc in self.state.allocations.ancestors(leaf) {
+            self.usage[anc as usize].held += gpus;
+        }
+        if matches!(self.mode, Ranking::Tree) && self.policy.updates_in_pass() {
+            for anc in self.state.allocations.ancestors(leaf) {
+                let parent = self.state.allocations.node(anc).parent;
+                let kids = self.children(parent).to_vec();
+                self.rekey_level(&kids);
+            }
+        }
+    }
+
+    /// The capped allocation that `w` would push over its cap, if any.
+    pub fn cap_blocks(&self, w: &Workload) -> Option<(String, u32)> {
+        let leaf = w.allocation?;
+        self.state.allocations.ancestors(leaf).find_map(|anc| {
+            let a = self.state.allocations.node(anc);
+            let max = a.max_gpus?;
+            (self.usage[anc as usize].held + w.gpus() as f64 > f64::from(max))
+                .then(|| (a.path.clone(), max))
+        })
+    }
+
+    /// The current key of an allocation.
+    pub fn key(&self, id: AllocId) -> f64 {
+        self.key[id as usize]
+    }
+
+    /// Whether allocation `victim` ranks above `beneficiary` by more than `margin`, comparing the
+    /// two children of their lowest common ancestor on each side. Never within one leaf.
+    pub fn outranks_by(
+        &self,
+        state: &State,
+        beneficiary: AllocId,
+        victim: AllocId,
+        margin: f64,
+    ) -> bool {
+        if beneficiary == victim {
+            return false;
+        }
+        let b_path: Vec<AllocId> = state.allocations.ancestors(beneficiary).collect();
+        let v_path: Vec<AllocId> = state.allocations.ancestors(victim).collect();
+        // Walk down from the top while the paths agree.
+        let (mut bi, mut vi) = (b_path.len(), v_path.len());
+        while bi > 0 && vi > 0 && b_path[bi - 1] == v_path[vi - 1] {
+            bi -= 1;
+            vi -= 1;
+        }
+        if bi == 0 || vi == 0 {
+            return false; // one is an ancestor of the other: not comparable
+        }
+        let (b, v) = (b_path[bi - 1], v_path[vi - 1]);
+        self.key(v) - self.key(b) > margin
+    }
+}

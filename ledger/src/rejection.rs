@@ -1,0 +1,287 @@
+//! Rejections: why an event did not change the state.
+//!
+//! A *rejection* is the fold's answer to an event that is invalid in the current state. It is data,
+//! not a panic: the event stays in the log, every replica rejects it the same way, and the state is
+//! exactly as before. Checks run in the order the variants are listed: ordering first (sequence,
+//! time, schema), then the event's own fields, then its fit with the state.
+
+use uuid::Uuid;
+
+/// The rule an event broke. Each message says what was wrong and what to do.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// Sequences must strictly increase; this one was already applied.
+    #[error(
+        "sequence {seq} is not after the last applied sequence {last}; it was already applied"
+    )]
+    SequenceNotIncreasing {
+        /// The event's sequence.
+        seq: u64,
+        /// The last applied sequence.
+        last: u64,
+    },
+    /// The event claims to have happened before the ledger's present by more than the tolerated
+    /// clock skew.
+    #[error("occurred_at_ms {occurred_at_ms} is before the ledger's time {now_ms} by more than the {tolerance_ms} ms skew tolerated; fix the writer's clock")]
+    TimeWentBackwards {
+        /// The event's time.
+        occurred_at_ms: u64,
+        /// The ledger's time.
+        now_ms: u64,
+        /// The skew tolerated.
+        tolerance_ms: u64,
+    },
+    /// The schema version is not one this build understands.
+    #[error("schema_version {version} is not supported (this build reads {supported}); upgrade fairledger")]
+    UnsupportedSchemaVersion {
+        /// The event's version.
+        version: u16,
+        /// The version supported.
+        supported: u16,
+    },
+    /// A path is empty, has an empty segment or a character outside `[A-Za-z0-9_-]`.
+    #[error("allocation path {path:?} is invalid: {reason}")]
+    InvalidAllocationPath {
+        /// The path given.
+        path: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A count that must be at least 1 was 0.
+    #[error("{field} must be at least 1")]
+    MustBePositive {
+        /// The field at fault.
+        field: &'static str,
+    },
+    /// A node with more GPUs than the ledger tracks per node.
+    #[error("a node may have at most {max} GPUs, not {gpus}")]
+    TooManyGpusOnNode {
+        /// GPUs asked for.
+        gpus: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// The allocation does not exist.
+    #[error("allocation {path:?} does not exist; create it with AllocationSet first")]
+    UnknownAllocation {
+        /// Path given.
+        path: String,
+    },
+    /// Workloads are charged to leaves; this allocation has children.
+    #[error("allocation {path:?} has children; charge the workload to one of its leaves")]
+    AllocationNotLeaf {
+        /// Path given.
+        path: String,
+    },
+    /// An allocation with children cannot be removed.
+    #[error("allocation {path:?} has children; remove them first")]
+    AllocationHasChildren {
+        /// Path given.
+        path: String,
+    },
+    /// An allocation with live workloads cannot be removed or given children.
+    #[error(
+        "allocation {path:?} has {workloads} live workloads; cancel them or let them finish first"
+    )]
+    AllocationInUse {
+        /// Path of the allocation holding workloads.
+        path: String,
+        /// Pending, running or stopped workloads charged to it.
+        workloads: u32,
+    },
+    /// The node name is registered with a different shape.
+    #[error("node {node:?} is already registered with {gpus} x {model}; pick another name")]
+    NodeAlreadyRegistered {
+        /// Node name.
+        node: String,
+        /// Its registered GPU count.
+        gpus: u32,
+        /// Its registered model.
+        model: String,
+    },
+    /// No such node.
+    #[error("node {node:?} is not registered; register it first")]
+    UnknownNode {
+        /// Node name.
+        node: String,
+    },
+    /// No such GPU on the node.
+    #[error("node {node:?} has no GPU {gpu}")]
+    UnknownGpu {
+        /// Node name.
+        node: String,
+        /// GPU index.
+        gpu: u32,
+    },
+    /// The workload id or the idempotency key's workload is already in the ledger.
+    #[error("workload {workload} already exists; use a new id")]
+    DuplicateWorkload {
+        /// The id.
+        workload: Uuid,
+    },
+    /// No node of the model exists.
+    #[error("no node has GPU model {model:?}; pick a registered model or omit it")]
+    UnknownGpuModel {
+        /// The model asked for.
+        model: String,
+    },
+    /// More GPUs per node than the largest node has.
+    #[error("gpus_per_node {gpus_per_node} exceeds the largest node ({largest} GPUs); split the workload across nodes")]
+    GpusPerNodeExceedLargestNode {
+        /// Asked for.
+        gpus_per_node: u32,
+        /// The largest eligible node.
+        largest: u32,
+    },
+    /// The gang needs more nodes than exist.
+    #[error("the gang needs {nodes} nodes with {gpus_per_node} GPUs each but the cluster has only {eligible} such nodes")]
+    GangLargerThanCluster {
+        /// Nodes asked for.
+        nodes: u32,
+        /// GPUs per node asked for.
+        gpus_per_node: u32,
+        /// Nodes that could host one member.
+        eligible: u32,
+    },
+    /// min_runtime_s above the cluster's cap.
+    #[error("min_runtime_s {min_runtime_s} exceeds the cluster's cap of {cap_s} s; ask for at most the cap")]
+    MinRuntimeAboveCap {
+        /// Asked for.
+        min_runtime_s: u64,
+        /// The cap.
+        cap_s: u64,
+    },
+    /// No such workload.
+    #[error("workload {workload} is unknown")]
+    UnknownWorkload {
+        /// The id.
+        workload: Uuid,
+    },
+    /// The event needs the workload in another phase (start of a cancelled workload, ...).
+    #[error("workload {workload} is {phase}, but this event needs it {expected}")]
+    WrongPhase {
+        /// The id.
+        workload: Uuid,
+        /// Its phase now.
+        phase: &'static str,
+        /// The phase the event needs.
+        expected: &'static str,
+    },
+    /// The placement does not match the workload's shape.
+    #[error("placement gives {got}, but the workload needs {nodes} nodes x {gpus_per_node} GPUs on distinct nodes")]
+    PlacementShapeMismatch {
+        /// Nodes needed.
+        nodes: u32,
+        /// GPUs per node needed.
+        gpus_per_node: u32,
+        /// What the placement gave, in words.
+        got: String,
+    },
+    /// The placement uses a node of the wrong model.
+    #[error("node {node:?} has {has}, but the workload needs {model}")]
+    GpuModelMismatch {
+        /// Node.
+        node: String,
+        /// Its model.
+        has: String,
+        /// The model needed.
+        model: String,
+    },
+    /// The GPU is held by another workload.
+    #[error("GPU {gpu} of node {node:?} is already taken by workload {holder}")]
+    GpuTaken {
+        /// Node.
+        node: String,
+        /// GPU index.
+        gpu: u32,
+        /// The holder.
+        holder: Uuid,
+    },
+    /// The GPU is unhealthy.
+    #[error("GPU {gpu} of node {node:?} is unhealthy")]
+    GpuUnhealthy {
+        /// Node.
+        node: String,
+        /// GPU index.
+        gpu: u32,
+    },
+    /// The allocation cap would be exceeded.
+    #[error("allocation {path:?} may hold at most {max_gpus} GPUs; {held} are held and {asked} more were asked")]
+    AllocationCapExceeded {
+        /// The capped allocation.
+        path: String,
+        /// Its cap.
+        max_gpus: u32,
+        /// Held now.
+        held: u64,
+        /// Asked.
+        asked: u64,
+    },
+    /// The scheduling contract protects the workload until `protected_until_ms`.
+    #[error("workload {workload} is protected by its contract until {protected_until_ms} ms; only a hardware failure may preempt it before then")]
+    ContractProtected {
+        /// The workload.
+        workload: Uuid,
+        /// End of its protection.
+        protected_until_ms: u64,
+    },
+    /// A preemption is already in progress.
+    #[error("workload {workload} is already being preempted")]
+    AlreadyPreempting {
+        /// The workload.
+        workload: Uuid,
+    },
+    /// `protected_until_ms` lies before the start.
+    #[error("protected_until_ms {protected_until_ms} is before the start at {started_at_ms}")]
+    ProtectedUntilBeforeStart {
+        /// Given.
+        protected_until_ms: u64,
+        /// The start.
+        started_at_ms: u64,
+    },
+    /// A protection longer than the cap allows.
+    #[error("protected_until_ms {protected_until_ms} gives more than the {cap_s} s contract cap")]
+    ProtectionAboveCap {
+        /// Given.
+        protected_until_ms: u64,
+        /// The cap.
+        cap_s: u64,
+    },
+}
+
+impl Rejection {
+    /// A stable snake_case name of the rule broken, for metrics and the audit.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::SequenceNotIncreasing { .. } => "sequence_not_increasing",
+            Rejection::TimeWentBackwards { .. } => "time_went_backwards",
+            Rejection::UnsupportedSchemaVersion { .. } => "unsupported_schema_version",
+            Rejection::InvalidAllocationPath { .. } => "invalid_allocation_path",
+            Rejection::MustBePositive { .. } => "must_be_positive",
+            Rejection::TooManyGpusOnNode { .. } => "too_many_gpus_on_node",
+            Rejection::UnknownAllocation { .. } => "unknown_allocation",
+            Rejection::AllocationNotLeaf { .. } => "allocation_not_leaf",
+            Rejection::AllocationHasChildren { .. } => "allocation_has_children",
+            Rejection::AllocationInUse { .. } => "allocation_in_use",
+            Rejection::NodeAlreadyRegistered { .. } => "node_already_registered",
+            Rejection::UnknownNode { .. } => "unknown_node",
+            Rejection::UnknownGpu { .. } => "unknown_gpu",
+            Rejection::DuplicateWorkload { .. } => "duplicate_workload",
+            Rejection::UnknownGpuModel { .. } => "unknown_gpu_model",
+            Rejection::GpusPerNodeExceedLargestNode { .. } => "gpus_per_node_exceed_largest_node",
+            Rejection::GangLargerThanCluster { .. } => "gang_larger_than_cluster",
+            Rejection::MinRuntimeAboveCap { .. } => "min_runtime_above_cap",
+            Rejection::UnknownWorkload { .. } => "unknown_workload",
+            Rejection::WrongPhase { .. } => "wrong_phase",
+            Rejection::PlacementShapeMismatch { .. } => "placement_shape_mismatch",
+            Rejection::GpuModelMismatch { .. } => "gpu_model_mismatch",
+            Rejection::GpuTaken { .. } => "gpu_taken",
+            Rejection::GpuUnhealthy { .. } => "gpu_unhealthy",
+            Rejection::AllocationCapExceeded { .. } => "allocation_cap_exceeded",
+            Rejection::ContractProtected { .. } => "contract_protected",
+            Rejection::AlreadyPreempting { .. } => "already_preempting",
+            Rejection::ProtectedUntilBeforeStart { .. } => "protected_until_before_start",
+            Rejection::ProtectionAboveCap { .. } => "protection_above_cap",
+        }
+    }
+}

@@ -1,0 +1,910 @@
+//! The state folded from the events, and the fold itself.
+//!
+//! [`State::apply`] takes the next event of the log with its sequence and either applies it whole
+//! or rejects it whole with a [`Rejection`]: the fold is total and deterministic, so every replica
+//! that folds the same log reaches the same state. Before an event takes effect the state's clock
+//! advances to the event's time and every accumulator (owed, delivered, the metrics) integrates
+//! the rates that held since the previous event exactly: between events nothing changes.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use crate::alloc::{AllocId, AllocationTree};
+use crate::cluster::{mask_of, Cluster, NodeIdx, GPUS_PER_NODE_MAX};
+use crate::event::*;
+use crate::metrics::Counters;
+use crate::rejection::Rejection;
+use crate::window::WindowShape;
+
+/// Settings of the fold that are fixed for a deployment.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StateConfig {
+    /// Usage lookback for the fair-share ranking.
+    pub window_ms: u64,
+    /// Buckets the window is kept in.
+    pub window_buckets: u32,
+    /// The most protection a workload may ask for.
+    pub min_runtime_cap_ms: u64,
+    /// How far an event's time may lie behind the ledger's before it is rejected; events within
+    /// the tolerance take effect at the ledger's time.
+    pub clock_skew_tolerance_ms: u64,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            window_ms: 7 * 24 * 3_600_000,
+            window_buckets: 168,
+            min_runtime_cap_ms: 8 * 3_600_000,
+            clock_skew_tolerance_ms: 5_000,
+        }
+    }
+}
+
+/// Where a workload is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Waiting in the queue.
+    Pending,
+    /// Holding GPUs.
+    Running,
+    /// Stopped without finishing, waiting to be requeued.
+    Stopped,
+    /// Ended by itself (terminal).
+    Finished,
+    /// Withdrawn (terminal).
+    Cancelled,
+}
+
+impl Phase {
+    /// Lower-case name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Pending => "pending",
+            Phase::Running => "running",
+            Phase::Stopped => "stopped",
+            Phase::Finished => "finished",
+            Phase::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// GPUs of one node held by a workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// The node.
+    pub node: NodeIdx,
+    /// The GPUs, as a mask.
+    pub gpus: u64,
+}
+
+/// A preemption in progress.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Preempting {
+    /// When it was asked.
+    pub requested_at_ms: u64,
+    /// The GPUs are taken at this time.
+    pub grace_until_ms: u64,
+    /// Why.
+    pub reason: PreemptionReason,
+    /// For whom.
+    pub beneficiary: Option<WorkloadId>,
+}
+
+/// A live workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// Its id.
+    pub id: WorkloadId,
+    /// The leaf charged, `None` for unallocated work.
+    pub allocation: Option<AllocId>,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Nodes in the gang.
+    pub nodes: u32,
+    /// Required model, as an index into the cluster's models.
+    pub model: Option<u32>,
+    /// Order within the allocation, higher first.
+    pub priority: i32,
+    /// Protection asked for, if less than the default.
+    pub min_runtime_ms: Option<u64>,
+    /// Expected total run time.
+    pub duration_estimate_ms: Option<u64>,
+    /// Checkpoint interval.
+    pub checkpoint_ms: Option<u64>,
+    /// Submission time.
+    pub submitted_at_ms: u64,
+    /// Sequence of the submission: the tie-break of every queue order.
+    pub submit_seq: u64,
+    /// Phase.
+    pub phase: Phase,
+    /// GPUs held while running.
+    pub placement: Vec<Part>,
+    /// Start of the current run.
+    pub started_at_ms: u64,
+    /// End of the current run's protection.
+    pub protected_until_ms: u64,
+    /// A preemption in progress.
+    pub preempting: Option<Preempting>,
+    /// Run time of completed runs, less work lost at requeues.
+    pub work_done_ms: u64,
+    /// Runs started.
+    pub starts: u32,
+}
+
+impl Workload {
+    /// GPUs it needs (and holds while running).
+    pub fn gpus(&self) -> u64 {
+        u64::from(self.gpus_per_node) * u64::from(self.nodes)
+    }
+
+    /// Work still to do if the estimate is right, as of `now_ms`.
+    pub fn remaining_estimate_ms(&self, now_ms: u64) -> Option<u64> {
+        let done = self.work_done_ms
+            + if self.phase == Phase::Running {
+                now_ms.saturating_sub(self.started_at_ms)
+            } else {
+                0
+            };
+        self.duration_estimate_ms.map(|d| d.saturating_sub(done))
+    }
+}
+
+/// The key a leaf's queue is ordered by: priority (higher first), then submission.
+pub type QueueKey = (std::cmp::Reverse<i32>, u64, WorkloadId);
+
+/// The answer of [`State::apply`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// The event took effect.
+    Applied,
+    /// A submission whose idempotency key was already used: the original workload stands.
+    Duplicate {
+        /// The workload created by the first submission with that key.
+        original: WorkloadId,
+    },
+    /// The event broke a rule and changed nothing but the sequence and clock.
+    Rejected(Rejection),
+}
+
+/// Everything the ledger knows, folded from the events.
+#[derive(Clone, Debug, PartialEq)]
+pub struct State {
+    config: StateConfig,
+    shape: WindowShape,
+    /// Last applied sequence (0 before the first event).
+    pub last_seq: u64,
+    /// The ledger's clock: the time of the latest event applied.
+    pub now_ms: u64,
+    /// The allocation tree.
+    pub allocations: AllocationTree,
+    /// Nodes and GPUs.
+    pub cluster: Cluster,
+    /// Live workloads (pending, running, stopped).
+    pub workloads: FxHashMap<WorkloadId, Workload>,
+    /// Phase of every workload that ended, so late events are rejected with the right reason.
+    pub ended: FxHashMap<WorkloadId, Phase>,
+    /// Idempotency keys seen, with the workload each created.
+    pub idempotency: FxHashMap<String, WorkloadId>,
+    /// Pending workloads of each leaf, in queue order.
+    pub queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
+    /// Pending unallocated workloads, in queue order.
+    pub unallocated_queue: BTreeSet<QueueKey>,
+    /// Running workloads, by id (ordered, so iteration is deterministic).
+    pub running: BTreeSet<WorkloadId>,
+    /// GPUs held by running unallocated workloads (healthy or not).
+    pub unallocated_held_gpus: u64,
+    /// Healthy GPUs held by running unallocated workloads.
+    pub unallocated_delivering_gpus: u64,
+    /// Accumulators for the cluster metrics.
+    pub counters: Counters,
+    /// Rejections by rule code.
+    pub rejections: FxHashMap<&'static str, u64>,
+    owed_stale: bool,
+}
+
+impl State {
+    /// An empty ledger.
+    pub fn new(config: StateConfig) -> Self {
+        State {
+            shape: WindowShape::new(config.window_ms, config.window_buckets),
+            config,
+            last_seq: 0,
+            now_ms: 0,
+            allocations: AllocationTree::default(),
+            cluster: Cluster::default(),
+            workloads: FxHashMap::default(),
+            ended: FxHashMap::default(),
+            idempotency: FxHashMap::default(),
+            queues: FxHashMap::default(),
+            unallocated_queue: BTreeSet::new(),
+            running: BTreeSet::new(),
+            unallocated_held_gpus: 0,
+            unallocated_delivering_gpus: 0,
+            counters: Counters::default(),
+            rejections: FxHashMap::default(),
+            owed_stale: false,
+        }
+    }
+
+    /// The fold's settings.
+    pub fn config(&self) -> &StateConfig {
+        &self.config
+    }
+
+    /// The shape of the usage windows.
+    pub fn window_shape(&self) -> WindowShape {
+        self.shape
+    }
+
+    /// Applies the event at `seq`: all of it, or nothing but a recorded rejection.
+    pub fn apply(&mut self, seq: u64, env: &Envelope) -> Outcome {
+        if seq <= self.last_seq {
+            // Not recorded as applied: the sequence is not ours to advance.
+            return self.reject(Rejection::SequenceNotIncreasing {
+                seq,
+                last: self.last_seq,
+            });
+        }
+        self.last_seq = seq;
+        if env.occurred_at_ms + self.config.clock_skew_tolerance_ms < self.now_ms {
+            return self.reject(Rejection::TimeWentBackwards {
+                occurred_at_ms: env.occurred_at_ms,
+                now_ms: self.now_ms,
+                tolerance_ms: self.config.clock_skew_tolerance_ms,
+            });
+        }
+        self.advance_to(env.occurred_at_ms);
+        if env.schema_version != SCHEMA_VERSION {
+            return self.reject(Rejection::UnsupportedSchemaVersion {
+                version: env.schema_version,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        let result = match &env.event {
+            Event::AllocationSet(e) => self.allocation_set(e),
+            Event::AllocationRemoved(e) => self.allocation_removed(e),
+            Event::NodeRegistered(e) => self.node_registered(e),
+            Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
+            Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
+            Event::WorkloadSubmitted(e) => self.workload_submitted(seq, e),
+            Event::WorkloadCancelled(e) => self.workload_cancelled(e),
+            Event::WorkloadStarted(e) => self.workload_started(e),
+            Event::PreemptionRequested(e) => self.preemption_requested(e),
+            Event::WorkloadStopped(e) => self.workload_stopped(e),
+            Event::WorkloadFinished(e) => self.workload_finished(e),
+            Event::WorkloadRequeued(e) => self.workload_requeued(e),
+        };
+        match result {
+            Ok(outcome) => outcome,
+            Err(r) => self.reject(r),
+        }
+    }
+
+    fn reject(&mut self, r: Rejection) -> Outcome {
+        *self.rejections.entry(r.code()).or_insert(0) += 1;
+        Outcome::Rejected(r)
+    }
+
+    /// Moves the clock forward to `t_ms`, integrating every rate over the gap. Earlier times are
+    /// ignored. Use it to read figures at a time after the last event (the end of a period).
+    pub fn advance_to(&mut self, t_ms: u64) {
+        if t_ms <= self.now_ms {
+            return;
+        }
+        if self.owed_stale {
+            self.allocations
+                .split_owed(self.cluster.healthy_gpus as f64);
+            self.owed_stale = false;
+        }
+        let (from, dt) = (self.now_ms, t_ms - self.now_ms);
+        self.counters.integrate(&self.cluster, dt);
+        self.counters.unallocated_delivered_gpu_ms += self.unallocated_delivering_gpus * dt;
+        let dtf = dt as f64;
+        for a in self.allocations.nodes.iter_mut() {
+            if a.removed || !a.is_leaf() || (a.delivering_gpus == 0 && a.owed_gpus == 0.0) {
+                continue;
+            }
+            let delivering = a.delivering_gpus as f64;
+            a.delivered_gpu_ms += a.delivering_gpus * dt;
+            a.owed_gpu_ms += a.owed_gpus * dtf;
+            let within = delivering.min(a.owed_gpus) * dtf;
+            a.within_share_gpu_ms += within;
+            self.counters.within_share_gpu_ms += within;
+            a.window
+                .add(self.shape, from, t_ms, delivering, a.owed_gpus);
+        }
+        self.now_ms = t_ms;
+    }
+
+    /// Recomputes the owed split now if a change since the last event made it stale.
+    pub fn refresh_owed(&mut self) {
+        if self.owed_stale {
+            self.allocations
+                .split_owed(self.cluster.healthy_gpus as f64);
+            self.owed_stale = false;
+        }
+    }
+
+    // ---- allocations -------------------------------------------------------------------------
+
+    fn allocation_set(&mut self, e: &AllocationSet) -> Result<Outcome, Rejection> {
+        self.allocations.check_set(&e.path, e.weight)?;
+        self.allocations
+            .set(self.shape, &e.path, e.weight, e.max_gpus);
+        self.owed_stale = true;
+        Ok(Outcome::Applied)
+    }
+
+    fn allocation_removed(&mut self, e: &AllocationRemoved) -> Result<Outcome, Rejection> {
+        let id = self.allocations.check_remove(&e.path)?;
+        self.allocations.remove(id);
+        self.queues.remove(&id);
+        self.owed_stale = true;
+        Ok(Outcome::Applied)
+    }
+
+    // ---- nodes and GPUs ----------------------------------------------------------------------
+
+    fn node_registered(&mut self, e: &NodeRegistered) -> Result<Outcome, Rejection> {
+        if e.node.is_empty() {
+            return Err(Rejection::MustBePositive { field: "node" });
+        }
+        if e.gpus == 0 {
+            return Err(Rejection::MustBePositive { field: "gpus" });
+        }
+        if e.gpus > GPUS_PER_NODE_MAX {
+            return Err(Rejection::TooManyGpusOnNode {
+                gpus: e.gpus,
+                max: GPUS_PER_NODE_MAX,
+            });
+        }
+        if let Some(idx) = self.cluster.get(&e.node) {
+            let n = self.cluster.node(idx);
+            if n.gpu_count == e.gpus && n.model == e.model {
+                return Ok(Outcome::Applied); // an agent re-registering after a restart
+            }
+            return Err(Rejection::NodeAlreadyRegistered {
+                node: e.node.clone(),
+                gpus: n.gpu_count,
+                model: n.model.clone(),
+            });
+        }
+        self.cluster
+            .register(&e.node, e.gpus, &e.model, e.labels.clone());
+        self.owed_stale = true;
+        Ok(Outcome::Applied)
+    }
+
+    fn gpu_of(&self, node: &str, gpu: u32) -> Result<NodeIdx, Rejection> {
+        let idx = self
+            .cluster
+            .get(node)
+            .ok_or_else(|| Rejection::UnknownNode {
+                node: node.to_string(),
+            })?;
+        if gpu >= self.cluster.node(idx).gpu_count {
+            return Err(Rejection::UnknownGpu {
+                node: node.to_string(),
+                gpu,
+            });
+        }
+        Ok(idx)
+    }
+
+    fn gpu_heartbeat(&mut self, e: &GpuHeartbeat) -> Result<Outcome, Rejection> {
+        let mut idx = None;
+        for r in &e.readings {
+            idx = Some(self.gpu_of(&e.node, r.gpu)?);
+        }
+        let Some(idx) = idx else {
+            return Ok(Outcome::Applied);
+        };
+        self.cluster.update(idx, |n| {
+            for r in &e.readings {
+                n.utilization_pct[r.gpu as usize] = r.utilization_pct.min(100);
+            }
+        });
+        Ok(Outcome::Applied)
+    }
+
+    fn gpu_health_changed(&mut self, e: &GpuHealthChanged) -> Result<Outcome, Rejection> {
+        let idx = self.gpu_of(&e.node, e.gpu)?;
+        let bit = 1u64 << e.gpu;
+        let node = self.cluster.node(idx);
+        if (node.healthy & bit != 0) == e.healthy {
+            return Ok(Outcome::Applied); // already so
+        }
+        if let Some(holder) = node.holders[e.gpu as usize] {
+            let alloc = self.workloads[&holder].allocation;
+            self.adjust_delivering(alloc, if e.healthy { 1 } else { -1 });
+        }
+        self.cluster.update(idx, |n| {
+            if e.healthy {
+                n.healthy |= bit;
+            } else {
+                n.healthy &= !bit;
+            }
+        });
+        self.owed_stale = true;
+        Ok(Outcome::Applied)
+    }
+
+    fn adjust_delivering(&mut self, alloc: Option<AllocId>, delta: i64) {
+        let slot = match alloc {
+            Some(a) => &mut self.allocations.node_mut(a).delivering_gpus,
+            None => &mut self.unallocated_delivering_gpus,
+        };
+        *slot = (*slot as i64 + delta) as u64;
+    }
+
+    // ---- workloads ---------------------------------------------------------------------------
+
+    fn check_known(&self, id: WorkloadId) -> Result<(), Rejection> {
+        if let Some(&phase) = self.ended.get(&id) {
+            return Err(Rejection::WrongPhase {
+                workload: id,
+                phase: phase.name(),
+                expected: "live",
+            });
+        }
+        if !self.workloads.contains_key(&id) {
+            return Err(Rejection::UnknownWorkload { workload: id });
+        }
+        Ok(())
+    }
+
+    fn expect_phase(&self, id: WorkloadId, expected: Phase) -> Result<&Workload, Rejection> {
+        self.check_known(id)?;
+        let w = &self.workloads[&id];
+        if w.phase != expected {
+            return Err(Rejection::WrongPhase {
+                workload: id,
+                phase: w.phase.name(),
+                expected: expected.name(),
+            });
+        }
+        Ok(w)
+    }
+
+    fn workload_submitted(
+        &mut self,
+        seq: u64,
+        e: &WorkloadSubmitted,
+    ) -> Result<Outcome, Rejection> {
+        if let Some(key) = &e.idempotency_key {
+            if let Some(&original) = self.idempotency.get(key) {
+                return Ok(Outcome::Duplicate { original });
+            }
+        }
+        if self.workloads.contains_key(&e.workload) || self.ended.contains_key(&e.workload) {
+            return Err(Rejection::DuplicateWorkload {
+                workload: e.workload,
+            });
+        }
+        if e.gpus_per_node == 0 {
+            return Err(Rejection::MustBePositive {
+                field: "gpus_per_node",
+            });
+        }
+        if e.nodes == 0 {
+            return Err(Rejection::MustBePositive { field: "nodes" });
+        }
+        let allocation = match &e.allocation {
+            None => None,
+            Some(path) => {
+                crate::alloc::validate_path(path)?;
+                let id = self
+                    .allocations
+                    .get(path)
+                    .ok_or_else(|| Rejection::UnknownAllocation { path: path.clone() })?;
+                if !self.allocations.node(id).is_leaf() {
+                    return Err(Rejection::AllocationNotLeaf { path: path.clone() });
+                }
+                Some(id)
+            }
+        };
+        let model = match &e.model {
+            None => None,
+            Some(m) => Some(
+                self.cluster
+                    .model_idx(m)
+                    .ok_or_else(|| Rejection::UnknownGpuModel { model: m.clone() })?,
+            ),
+        };
+        let largest = self.cluster.largest_node(model);
+        if e.gpus_per_node > largest {
+            return Err(Rejection::GpusPerNodeExceedLargestNode {
+                gpus_per_node: e.gpus_per_node,
+                largest,
+            });
+        }
+        let eligible = self.cluster.nodes_with_at_least(model, e.gpus_per_node);
+        if e.nodes > eligible {
+            return Err(Rejection::GangLargerThanCluster {
+                nodes: e.nodes,
+                gpus_per_node: e.gpus_per_node,
+                eligible,
+            });
+        }
+        let cap_s = self.config.min_runtime_cap_ms / 1000;
+        if let Some(m) = e.min_runtime_s {
+            if m > cap_s {
+                return Err(Rejection::MinRuntimeAboveCap {
+                    min_runtime_s: m,
+                    cap_s,
+                });
+            }
+        }
+        let w = Workload {
+            id: e.workload,
+            allocation,
+            gpus_per_node: e.gpus_per_node,
+            nodes: e.nodes,
+            model,
+            priority: e.priority,
+            min_runtime_ms: e.min_runtime_s.map(|s| s * 1000),
+            duration_estimate_ms: e.duration_estimate_s.map(|s| s.saturating_mul(1000)),
+            checkpoint_ms: e.checkpoint_s.map(|s| s.saturating_mul(1000)),
+            submitted_at_ms: self.now_ms,
+            submit_seq: seq,
+            phase: Phase::Pending,
+            placement: Vec::new(),
+            started_at_ms: 0,
+            protected_until_ms: 0,
+            preempting: None,
+            work_done_ms: 0,
+            starts: 0,
+        };
+        if let Some(key) = &e.idempotency_key {
+            self.idempotency.insert(key.clone(), e.workload);
+        }
+        if let Some(a) = allocation {
+            let node = self.allocations.node_mut(a);
+            node.live_workloads += 1;
+            node.demand_gpus += w.gpus();
+            self.owed_stale = true;
+        }
+        self.enqueue(&w);
+        self.workloads.insert(e.workload, w);
+        Ok(Outcome::Applied)
+    }
+
+    fn queue_key(w: &Workload) -> QueueKey {
+        (std::cmp::Reverse(w.priority), w.submit_seq, w.id)
+    }
+
+    fn enqueue(&mut self, w: &Workload) {
+        let key = Self::queue_key(w);
+        match w.allocation {
+            Some(a) => {
+                self.queues.entry(a).or_default().insert(key);
+            }
+            None => {
+                self.unallocated_queue.insert(key);
+            }
+        }
+    }
+
+    fn dequeue(&mut self, id: WorkloadId) {
+        let w = &self.workloads[&id];
+        let key = Self::queue_key(w);
+        match w.allocation {
+            Some(a) => {
+                if let Some(q) = self.queues.get_mut(&a) {
+                    q.remove(&key);
+                    if q.is_empty() {
+                        self.queues.remove(&a);
+                    }
+                }
+            }
+            None => {
+                self.unallocated_queue.remove(&key);
+            }
+        }
+    }
+
+    /// Moves a workload to a terminal phase, releasing its demand.
+    fn end(&mut self, id: WorkloadId, phase: Phase) {
+        let w = self
+            .workloads
+            .remove(&id)
+            .expect("caller checked the workload");
+        debug_assert!(w.placement.is_empty());
+        if let Some(a) = w.allocation {
+            let node = self.allocations.node_mut(a);
+            node.live_workloads -= 1;
+            if w.phase != Phase::Stopped {
+                node.demand_gpus -= w.gpus();
+            }
+            self.owed_stale = true;
+        }
+        self.ended.insert(id, phase);
+    }
+
+    fn workload_cancelled(&mut self, e: &WorkloadCancelled) -> Result<Outcome, Rejection> {
+        self.check_known(e.workload)?;
+        let phase = self.workloads[&e.workload].phase;
+        match phase {
+            Phase::Pending => {
+                self.dequeue(e.workload);
+                self.end(e.workload, Phase::Cancelled);
+                Ok(Outcome::Applied)
+            }
+            Phase::Stopped => {
+                self.end(e.workload, Phase::Cancelled);
+                Ok(Outcome::Applied)
+            }
+            _ => Err(Rejection::WrongPhase {
+                workload: e.workload,
+                phase: phase.name(),
+                expected: "pending or stopped (preempt a running workload first)",
+            }),
+        }
+    }
+
+    /// Resolves and checks a placement against the workload and the cluster.
+    fn check_placement(
+        &self,
+        w: &Workload,
+        placement: &[PlacedNode],
+    ) -> Result<Vec<Part>, Rejection> {
+        let mismatch = |got: String| Rejection::PlacementShapeMismatch {
+            nodes: w.nodes,
+            gpus_per_node: w.gpus_per_node,
+            got,
+        };
+        if placement.len() != w.nodes as usize {
+            return Err(mismatch(format!("{} nodes", placement.len())));
+        }
+        let mut parts: Vec<Part> = Vec::with_capacity(placement.len());
+        for p in placement {
+            let idx = self
+                .cluster
+                .get(&p.node)
+                .ok_or_else(|| Rejection::UnknownNode {
+                    node: p.node.clone(),
+                })?;
+            if parts.iter().any(|q| q.node == idx) {
+                return Err(mismatch(format!("node {:?} twice", p.node)));
+            }
+            let node = self.cluster.node(idx);
+            if let Some(m) = w.model {
+                if node.model_idx != m {
+                    return Err(Rejection::GpuModelMismatch {
+                        node: p.node.clone(),
+                        has: node.model.clone(),
+                        model: self.cluster.models[m as usize].model.clone(),
+                    });
+                }
+            }
+            let mut mask = 0u64;
+            for &g in &p.gpus {
+                if g >= node.gpu_count {
+                    return Err(Rejection::UnknownGpu {
+                        node: p.node.clone(),
+                        gpu: g,
+                    });
+                }
+                mask |= 1 << g;
+            }
+            if p.gpus.len() != w.gpus_per_node as usize || mask.count_ones() != w.gpus_per_node {
+                return Err(mismatch(format!(
+                    "{} distinct GPUs on node {:?}",
+                    mask.count_ones(),
+                    p.node
+                )));
+            }
+            if let Some(g) = (0..node.gpu_count).find(|&g| node.used & mask & (1 << g) != 0) {
+                return Err(Rejection::GpuTaken {
+                    node: p.node.clone(),
+                    gpu: g,
+                    holder: node.holders[g as usize].expect("used GPUs have holders"),
+                });
+            }
+            if let Some(g) = (0..node.gpu_count).find(|&g| mask & !node.healthy & (1 << g) != 0) {
+                return Err(Rejection::GpuUnhealthy {
+                    node: p.node.clone(),
+                    gpu: g,
+                });
+            }
+            parts.push(Part {
+                node: idx,
+                gpus: mask & mask_of(node.gpu_count),
+            });
+        }
+        Ok(parts)
+    }
+
+    fn workload_started(&mut self, e: &WorkloadStarted) -> Result<Outcome, Rejection> {
+        let w = self.expect_phase(e.workload, Phase::Pending)?;
+        let parts = self.check_placement(w, &e.placement)?;
+        if e.protected_until_ms < self.now_ms {
+            return Err(Rejection::ProtectedUntilBeforeStart {
+                protected_until_ms: e.protected_until_ms,
+                started_at_ms: self.now_ms,
+            });
+        }
+        if e.protected_until_ms - self.now_ms > self.config.min_runtime_cap_ms {
+            return Err(Rejection::ProtectionAboveCap {
+                protected_until_ms: e.protected_until_ms,
+                cap_s: self.config.min_runtime_cap_ms / 1000,
+            });
+        }
+        if let Some(a) = w.allocation {
+            for anc in self.allocations.ancestors(a) {
+                let node = self.allocations.node(anc);
+                if let Some(max) = node.max_gpus {
+                    let held = self.allocations.held_in_subtree(anc);
+                    if held + w.gpus() > u64::from(max) {
+                        return Err(Rejection::AllocationCapExceeded {
+                            path: node.path.clone(),
+                            max_gpus: max,
+                            held,
+                            asked: w.gpus(),
+                        });
+                    }
+                }
+            }
+        }
+        // Checked; from here on nothing fails.
+        let (id, gpus, alloc) = (w.id, w.gpus(), w.allocation);
+        self.dequeue(id);
+        for part in &parts {
+            self.cluster.update(part.node, |n| {
+                n.used |= part.gpus;
+                for g in 0..n.gpu_count {
+                    if part.gpus & (1 << g) != 0 {
+                        n.holders[g as usize] = Some(id);
+                    }
+                }
+            });
+        }
+        match alloc {
+            Some(a) => self.allocations.node_mut(a).held_gpus += gpus,
+            None => self.unallocated_held_gpus += gpus,
+        }
+        self.adjust_delivering(alloc, gpus as i64);
+        self.running.insert(id);
+        let now = self.now_ms;
+        let w = self.workloads.get_mut(&id).expect("checked");
+        w.phase = Phase::Running;
+        w.placement = parts;
+        w.started_at_ms = now;
+        w.protected_until_ms = e.protected_until_ms;
+        w.starts += 1;
+        Ok(Outcome::Applied)
+    }
+
+    fn holds_unhealthy_gpu(&self, w: &Workload) -> bool {
+        w.placement
+            .iter()
+            .any(|p| p.gpus & !self.cluster.node(p.node).healthy != 0)
+    }
+
+    fn preemption_requested(&mut self, e: &PreemptionRequested) -> Result<Outcome, Rejection> {
+        let w = self.expect_phase(e.workload, Phase::Running)?;
+        if w.preempting.is_some() {
+            return Err(Rejection::AlreadyPreempting {
+                workload: e.workload,
+            });
+        }
+        let contract_applies = match e.reason {
+            PreemptionReason::HardwareFailure => !self.holds_unhealthy_gpu(w),
+            PreemptionReason::UserCancelled => false,
+            PreemptionReason::FairShare | PreemptionReason::Opportunistic => w.allocation.is_some(),
+        };
+        if contract_applies && self.now_ms < w.protected_until_ms {
+            return Err(Rejection::ContractProtected {
+                workload: e.workload,
+                protected_until_ms: w.protected_until_ms,
+            });
+        }
+        let alloc = w.allocation;
+        let now = self.now_ms;
+        let w = self.workloads.get_mut(&e.workload).expect("checked");
+        w.preempting = Some(Preempting {
+            requested_at_ms: now,
+            grace_until_ms: now.saturating_add(e.grace_s.saturating_mul(1000)),
+            reason: e.reason,
+            beneficiary: e.beneficiary,
+        });
+        if let Some(a) = alloc {
+            self.allocations.node_mut(a).preemptions += 1;
+        }
+        self.counters.preemptions += 1;
+        Ok(Outcome::Applied)
+    }
+
+    /// Frees a running workload's GPUs and records its run.
+    fn release(&mut self, id: WorkloadId) {
+        let now = self.now_ms;
+        let w = self.workloads.get_mut(&id).expect("caller checked");
+        let parts = std::mem::take(&mut w.placement);
+        w.work_done_ms += now - w.started_at_ms;
+        w.preempting = None;
+        let (alloc, gpus) = (w.allocation, w.gpus());
+        let mut healthy_held = 0u64;
+        for part in &parts {
+            healthy_held +=
+                u64::from((part.gpus & self.cluster.node(part.node).healthy).count_ones());
+            self.cluster.update(part.node, |n| {
+                n.used &= !part.gpus;
+                for g in 0..n.gpu_count {
+                    if part.gpus & (1 << g) != 0 {
+                        n.holders[g as usize] = None;
+                    }
+                }
+            });
+        }
+        match alloc {
+            Some(a) => self.allocations.node_mut(a).held_gpus -= gpus,
+            None => self.unallocated_held_gpus -= gpus,
+        }
+        self.adjust_delivering(alloc, -(healthy_held as i64));
+        self.running.remove(&id);
+    }
+
+    fn workload_stopped(&mut self, e: &WorkloadStopped) -> Result<Outcome, Rejection> {
+        let w = self.expect_phase(e.workload, Phase::Running)?;
+        let hardware = e.reason == StopReason::HardwareFailure && self.holds_unhealthy_gpu(w);
+        let early = self.now_ms < w.protected_until_ms;
+        let violation = early
+            && w.allocation.is_some()
+            && matches!(
+                e.reason,
+                StopReason::Preempted | StopReason::HardwareFailure
+            )
+            && !hardware
+            && !matches!(
+                w.preempting,
+                Some(Preempting {
+                    reason: PreemptionReason::UserCancelled | PreemptionReason::HardwareFailure,
+                    ..
+                })
+            );
+        let alloc = w.allocation;
+        self.release(e.workload);
+        if violation {
+            self.counters.contract_violations += 1;
+            if let Some(a) = alloc {
+                self.allocations.node_mut(a).contract_violations += 1;
+            }
+        }
+        if e.reason == StopReason::Cancelled {
+            self.end(e.workload, Phase::Cancelled);
+        } else {
+            let w = self.workloads.get_mut(&e.workload).expect("checked");
+            w.phase = Phase::Stopped;
+            if let Some(a) = alloc {
+                self.allocations.node_mut(a).demand_gpus -= w.gpus();
+                self.owed_stale = true;
+            }
+        }
+        Ok(Outcome::Applied)
+    }
+
+    fn workload_finished(&mut self, e: &WorkloadFinished) -> Result<Outcome, Rejection> {
+        self.expect_phase(e.workload, Phase::Running)?;
+        self.release(e.workload);
+        self.end(e.workload, Phase::Finished);
+        Ok(Outcome::Applied)
+    }
+
+    fn workload_requeued(&mut self, e: &WorkloadRequeued) -> Result<Outcome, Rejection> {
+        self.expect_phase(e.workload, Phase::Stopped)?;
+        let w = self.workloads.get_mut(&e.workload).expect("checked");
+        w.phase = Phase::Pending;
+        w.work_done_ms = w
+            .work_done_ms
+            .saturating_sub(e.work_lost_s.saturating_mul(1000));
+        let w = w.clone();
+        if let Some(a) = w.allocation {
+            self.allocations.node_mut(a).demand_gpus += w.gpus();
+            self.owed_stale = true;
+        }
+        self.enqueue(&w);
+        Ok(Outcome::Applied)
+    }
+}
