@@ -50,6 +50,7 @@ pub mod event;
 pub mod metrics;
 pub mod policy;
 pub mod rejection;
+pub mod sim;
 pub mod state;
 pub mod window;
 

@@ -1,0 +1,327 @@
+//! The simulation engine: the fold and [`decide`] driven by a virtual clock.
+//!
+//! A *simulation* replays a submission schedule whose true run times are known. The engine jumps
+//! from one instant to the next — the earliest submission, completion, grace end, contract expiry
+//! or fault — writes the events that happen then, folds them, and asks [`decide`] what to do; its
+//! decisions become events too. Nothing here is a second implementation of a rule: the fold judges
+//! every event, the policy makes every choice. Event ids are UUIDv7 built from the virtual time and
+//! a counter, so the same inputs always give the same ledger.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+
+use uuid::Uuid;
+
+use crate::event::*;
+use crate::policy::{decide, Decision, PolicyConfig};
+use crate::state::{Outcome, Phase, State};
+
+/// One workload of a schedule, with its true run time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimWorkload {
+    /// Submission, with every field the live API would send.
+    pub submitted: WorkloadSubmitted,
+    /// When it is submitted.
+    pub submit_ms: u64,
+    /// Run time it needs if never preempted.
+    pub work_ms: u64,
+}
+
+/// A fault injected at a time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fault {
+    /// When the GPU fails.
+    pub at_ms: u64,
+    /// Node name.
+    pub node: String,
+    /// GPU index.
+    pub gpu: u32,
+    /// When it is repaired, if ever.
+    pub repaired_at_ms: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    /// A run of a workload ends (the `u32` is its start count, to ignore stale timers).
+    Finish(WorkloadId, u32),
+    /// A preempted workload's grace ends.
+    GraceEnds(WorkloadId, u32),
+    /// Something may be decided differently now (a contract ended).
+    Wake,
+    /// Fault number `n` strikes or is repaired.
+    Fail(usize),
+    Repair(usize),
+}
+
+/// The engine. Feed it a schedule with [`Engine::submit_all`] and run it with [`Engine::run`].
+pub struct Engine {
+    /// The ledger.
+    pub state: State,
+    /// The scheduler's settings.
+    pub policy: PolicyConfig,
+    seq: u64,
+    id_counter: u64,
+    timers: BinaryHeap<Reverse<(u64, Timer)>>,
+    /// Submissions not yet made, by time then order given.
+    submissions: BTreeMap<(u64, u64), SimWorkload>,
+    work_ms: BTreeMap<WorkloadId, u64>,
+    faults: Vec<Fault>,
+    /// Rejections of events the engine wrote; a correct policy never causes one.
+    pub rejected: Vec<(u64, Envelope, crate::Rejection)>,
+    decide_passes: u64,
+}
+
+impl Engine {
+    /// A simulation starting at time 0 on an empty ledger.
+    pub fn new(state: State, policy: PolicyConfig) -> Self {
+        Engine {
+            state,
+            policy,
+            seq: 0,
+            id_counter: 0,
+            timers: BinaryHeap::new(),
+            submissions: BTreeMap::new(),
+            work_ms: BTreeMap::new(),
+            faults: Vec::new(),
+            rejected: Vec::new(),
+            decide_passes: 0,
+        }
+    }
+
+    /// Sequences of events written so far.
+    pub fn last_seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Scheduling passes run so far.
+    pub fn decide_passes(&self) -> u64 {
+        self.decide_passes
+    }
+
+    /// A UUIDv7 for virtual time `t_ms`, unique within this engine.
+    pub fn next_id(&mut self, t_ms: u64) -> Uuid {
+        self.id_counter += 1;
+        let mut tail = [0u8; 10];
+        tail[2..].copy_from_slice(&self.id_counter.to_be_bytes());
+        uuid::Builder::from_unix_timestamp_millis(t_ms, &tail).into_uuid()
+    }
+
+    /// Writes one event at `t_ms` and folds it.
+    pub fn write(
+        &mut self,
+        t_ms: u64,
+        event: Event,
+        observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome),
+    ) -> Outcome {
+        let env = Envelope::new(self.next_id(t_ms), t_ms, "sim", event);
+        self.seq += 1;
+        let outcome = self.state.apply(self.seq, &env);
+        if let Outcome::Rejected(r) = &outcome {
+            self.rejected.push((self.seq, env.clone(), r.clone()));
+        }
+        observe(&self.state, self.seq, &env, &outcome);
+        outcome
+    }
+
+    /// Queues a schedule.
+    pub fn submit_all(&mut self, workloads: impl IntoIterator<Item = SimWorkload>) {
+        for w in workloads {
+            let n = self.submissions.len() as u64;
+            self.submissions.insert((w.submit_ms, n), w);
+        }
+    }
+
+    /// Queues GPU faults.
+    pub fn inject(&mut self, faults: impl IntoIterator<Item = Fault>) {
+        for f in faults {
+            let i = self.faults.len();
+            self.timers.push(Reverse((f.at_ms, Timer::Fail(i))));
+            if let Some(r) = f.repaired_at_ms {
+                self.timers.push(Reverse((r, Timer::Repair(i))));
+            }
+            self.faults.push(f);
+        }
+    }
+
+    fn next_instant(&self) -> Option<u64> {
+        let sub = self.submissions.keys().next().map(|k| k.0);
+        let timer = self.timers.peek().map(|Reverse((t, _))| *t);
+        match (sub, timer) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Runs until nothing is left to happen or the next instant is past `until_ms`; then the
+    /// ledger's clock is moved to `until_ms` (when given) so every figure covers `[0, until]`.
+    /// `observe` sees every event with its outcome, after it is folded.
+    pub fn run(
+        &mut self,
+        until_ms: Option<u64>,
+        mut observe: impl FnMut(&State, u64, &Envelope, &Outcome),
+    ) {
+        while let Some(t) = self.next_instant() {
+            if until_ms.is_some_and(|u| t > u) {
+                break;
+            }
+            self.step(t, &mut observe);
+        }
+        if let Some(u) = until_ms {
+            self.state.advance_to(u);
+        }
+    }
+
+    /// Everything that happens at instant `t`, then one scheduling pass (repeated while it starts
+    /// or preempts with no grace, so the instant settles).
+    pub fn step(&mut self, t: u64, observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome)) {
+        while let Some(Reverse((at, timer))) = self.timers.peek().copied() {
+            if at != t {
+                break;
+            }
+            self.timers.pop();
+            self.fire(t, timer, observe);
+        }
+        while let Some(entry) = self.submissions.first_entry() {
+            if entry.key().0 != t {
+                break;
+            }
+            let w = entry.remove();
+            let id = w.submitted.workload;
+            if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
+                self.work_ms.insert(id, w.work_ms);
+            }
+        }
+        for _ in 0..4 {
+            self.decide_passes += 1;
+            let plan = decide(&self.state, t, &self.policy);
+            if plan.decisions.is_empty() {
+                break;
+            }
+            let mut immediate = false;
+            for d in plan.decisions {
+                let event = d.to_event();
+                if self.write(t, event, observe) != Outcome::Applied {
+                    continue;
+                }
+                match d {
+                    Decision::Start {
+                        workload,
+                        protected_until_ms,
+                        ..
+                    } => {
+                        let w = &self.state.workloads[&workload];
+                        let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
+                        self.timers
+                            .push(Reverse((t + left, Timer::Finish(workload, w.starts))));
+                        if protected_until_ms > t {
+                            self.timers.push(Reverse((protected_until_ms, Timer::Wake)));
+                        }
+                    }
+                    Decision::Preempt {
+                        workload, grace_s, ..
+                    } => {
+                        let starts = self.state.workloads[&workload].starts;
+                        if grace_s == 0 {
+                            self.fire(t, Timer::GraceEnds(workload, starts), observe);
+                            immediate = true;
+                        } else {
+                            self.timers.push(Reverse((
+                                t + grace_s * 1000,
+                                Timer::GraceEnds(workload, starts),
+                            )));
+                        }
+                    }
+                }
+            }
+            if !immediate {
+                break;
+            }
+        }
+    }
+
+    fn running_run(&self, id: WorkloadId, starts: u32) -> bool {
+        self.state
+            .workloads
+            .get(&id)
+            .is_some_and(|w| w.phase == Phase::Running && w.starts == starts)
+    }
+
+    fn fire(
+        &mut self,
+        t: u64,
+        timer: Timer,
+        observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome),
+    ) {
+        match timer {
+            Timer::Finish(id, starts) => {
+                if self.running_run(id, starts) {
+                    self.write(
+                        t,
+                        Event::WorkloadFinished(WorkloadFinished {
+                            workload: id,
+                            exit_code: Some(0),
+                            signal: None,
+                        }),
+                        observe,
+                    );
+                    self.work_ms.remove(&id);
+                }
+            }
+            Timer::GraceEnds(id, starts) => {
+                if !self.running_run(id, starts) {
+                    return;
+                }
+                let w = &self.state.workloads[&id];
+                let hardware = w
+                    .placement
+                    .iter()
+                    .any(|p| p.gpus & !self.state.cluster.node(p.node).healthy != 0);
+                let reason = match w.preempting.map(|p| p.reason) {
+                    Some(PreemptionReason::UserCancelled) => StopReason::Cancelled,
+                    Some(PreemptionReason::HardwareFailure) if hardware => {
+                        StopReason::HardwareFailure
+                    }
+                    _ => StopReason::Preempted,
+                };
+                let ran = t - w.started_at_ms;
+                let lost_s = w
+                    .checkpoint_ms
+                    .filter(|&c| c > 0)
+                    .map_or(0, |c| (ran % c) / 1000);
+                self.write(
+                    t,
+                    Event::WorkloadStopped(WorkloadStopped {
+                        workload: id,
+                        reason,
+                    }),
+                    observe,
+                );
+                if reason != StopReason::Cancelled {
+                    self.write(
+                        t,
+                        Event::WorkloadRequeued(WorkloadRequeued {
+                            workload: id,
+                            work_lost_s: lost_s,
+                        }),
+                        observe,
+                    );
+                }
+            }
+            Timer::Wake => {}
+            Timer::Fail(i) | Timer::Repair(i) => {
+                let f = &self.faults[i];
+                let event = Event::GpuHealthChanged(GpuHealthChanged {
+                    node: f.node.clone(),
+                    gpu: f.gpu,
+                    healthy: matches!(timer, Timer::Repair(_)),
+                    reason: if matches!(timer, Timer::Fail(_)) {
+                        "injected fault".into()
+                    } else {
+                        "repaired".into()
+                    },
+                });
+                self.write(t, event, observe);
+            }
+        }
+    }
+}

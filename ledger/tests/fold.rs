@@ -1,0 +1,412 @@
+//! The fold's rules, each with a hand-worked example.
+
+mod common;
+
+use common::*;
+use ledger::event::*;
+use ledger::metrics::Metrics;
+use ledger::{Outcome, Phase, Rejection, StateConfig};
+
+fn rejected(outcome: Outcome) -> Rejection {
+    match outcome {
+        Outcome::Rejected(r) => r,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+/// One node of 8 GPUs, teams a and b with equal weights.
+fn two_teams() -> Ledger {
+    let mut l = Ledger::default();
+    l.node(0, "n1", 8, "H100", None);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l
+}
+
+#[test]
+fn owed_and_delivered_integrate_exactly_between_events() {
+    // t=0   a submits an 8-GPU job and it starts. Demand a=8 → owed a=8, delivered a=8.
+    // t=10s b submits 4 GPUs (pending). Demand a=8, b=4: the 8 GPUs split 4/4.
+    //       owed a=4, b=4; delivered a=8, b=0.
+    // t=20s a finishes, b starts. Demand b=4 → owed b=4 (capped by demand), delivered b=4.
+    // t=30s read.
+    // a: delivered 8·20 = 160 GPU-s; owed 8·10 + 4·10 = 120; within share 8·10 + 4·10 = 120.
+    // b: delivered 4·10 = 40 GPU-s;  owed 4·10 + 4·10 = 80;  within share 40.
+    // Allocated 8·20 + 4·10 = 200 GPU-s of 240 healthy: occupancy 5/6, impact 160/200 = 0.8.
+    let mut l = two_teams();
+    let start = l.state.counters.clone();
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    assert_eq!(
+        l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 0),
+        Outcome::Applied
+    );
+    l.submit(10 * S, wid(2), Some("b"), 4, 1);
+    l.finish(20 * S, wid(1));
+    assert_eq!(
+        l.start(20 * S, wid(2), &[("n1", &[0, 1, 2, 3])], 20 * S),
+        Outcome::Applied
+    );
+    l.state.advance_to(30 * S);
+
+    let (a, b) = (l.leaf("a"), l.leaf("b"));
+    assert_eq!(a.delivered_gpu_ms, 160 * S);
+    approx(a.owed_gpu_ms, 120_000.0);
+    approx(a.within_share_gpu_ms, 120_000.0);
+    assert_eq!(b.delivered_gpu_ms, 40 * S);
+    approx(b.owed_gpu_ms, 80_000.0);
+    approx(b.within_share_gpu_ms, 40_000.0);
+
+    let m = Metrics::between(&start, &l.state.counters);
+    approx(m.availability, 1.0);
+    approx(m.occupancy, 200.0 / 240.0);
+    approx(m.impact, 0.8);
+}
+
+#[test]
+fn unhealthy_gpus_leave_capacity_and_owed() {
+    // 8 GPUs, a alone with demand 8 but 2 GPUs fail at t=10s: owed drops from 8 to 6.
+    // Over 20 s: owed 8·10 + 6·10 = 140 GPU-s; availability (80 + 60) / 160 = 0.875.
+    let mut l = two_teams();
+    let start = l.state.counters.clone();
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.health(10 * S, "n1", 0, false);
+    l.health(10 * S, "n1", 1, false);
+    l.state.advance_to(20 * S);
+    approx(l.leaf("a").owed_gpu_ms, 140_000.0);
+    approx(
+        Metrics::between(&start, &l.state.counters).availability,
+        0.875,
+    );
+}
+
+#[test]
+fn contract_no_preemption_before_min_runtime_and_allowed_at_exactly_min_runtime() {
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 2 * H);
+    let r = rejected(l.preempt(2 * H - 1, wid(1), PreemptionReason::FairShare));
+    assert_eq!(
+        r,
+        Rejection::ContractProtected {
+            workload: wid(1),
+            protected_until_ms: 2 * H
+        }
+    );
+    assert!(
+        l.state.workloads[&wid(1)].preempting.is_none(),
+        "a rejection changes nothing"
+    );
+    assert_eq!(
+        l.preempt(2 * H, wid(1), PreemptionReason::FairShare),
+        Outcome::Applied
+    );
+    l.stop(2 * H, wid(1), StopReason::Preempted);
+    assert_eq!(l.state.counters.contract_violations, 0);
+    assert_eq!(l.state.workloads[&wid(1)].phase, Phase::Stopped);
+    assert_eq!(l.state.counters.preemptions, 1);
+}
+
+#[test]
+fn contract_hardware_failure_is_the_one_exception() {
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 2 * H);
+    // Claiming a hardware failure on healthy GPUs does not lift the contract.
+    let r = rejected(l.preempt(H, wid(1), PreemptionReason::HardwareFailure));
+    assert!(matches!(r, Rejection::ContractProtected { .. }));
+    l.health(H, "n1", 2, false);
+    assert_eq!(
+        l.preempt(H, wid(1), PreemptionReason::HardwareFailure),
+        Outcome::Applied
+    );
+    l.stop(H, wid(1), StopReason::HardwareFailure);
+    assert_eq!(l.state.counters.contract_violations, 0);
+    l.ok(
+        H,
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: wid(1),
+            work_lost_s: 0,
+        }),
+    );
+    let w = &l.state.workloads[&wid(1)];
+    assert_eq!((w.phase, w.work_done_ms), (Phase::Pending, H));
+}
+
+#[test]
+fn contract_a_stop_before_min_runtime_counts_as_a_violation() {
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 2 * H);
+    l.stop(H, wid(1), StopReason::Preempted);
+    assert_eq!(l.state.counters.contract_violations, 1);
+    assert_eq!(l.leaf("a").contract_violations, 1);
+}
+
+#[test]
+fn requeued_work_keeps_its_progress_less_work_lost() {
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0);
+    l.preempt(100 * S, wid(1), PreemptionReason::FairShare);
+    l.stop(100 * S, wid(1), StopReason::Preempted);
+    l.ok(
+        100 * S,
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: wid(1),
+            work_lost_s: 30,
+        }),
+    );
+    assert_eq!(l.state.workloads[&wid(1)].work_done_ms, 70 * S);
+    assert_eq!(
+        l.state.queues[&l.state.allocations.get("a").unwrap()].len(),
+        1
+    );
+}
+
+#[test]
+fn idempotency_key_answers_with_the_original_workload() {
+    let mut l = two_teams();
+    let mut s = submission(wid(1), Some("a"), 1, 1);
+    s.idempotency_key = Some("k1".into());
+    l.ok(0, Event::WorkloadSubmitted(s.clone()));
+    s.workload = wid(2);
+    assert_eq!(
+        l.apply(1, Event::WorkloadSubmitted(s)),
+        Outcome::Duplicate { original: wid(1) }
+    );
+    assert_eq!(l.state.workloads.len(), 1);
+}
+
+/// Applies `event` and checks it is rejected with `code` and changes nothing but the clock, the
+/// sequence and the rejection count.
+#[track_caller]
+fn rejects_without_change(l: &mut Ledger, t_ms: u64, event: Event, code: &str) {
+    let mut before = l.state.clone();
+    before.advance_to(t_ms);
+    let r = rejected(l.apply(t_ms, event));
+    assert_eq!(r.code(), code, "{r}");
+    assert!(!r.to_string().is_empty());
+    before.last_seq = l.state.last_seq;
+    before.rejections = l.state.rejections.clone();
+    assert_eq!(before, l.state, "a rejected event must change nothing");
+}
+
+#[test]
+fn bad_input_is_rejected_with_a_reason_and_changes_nothing() {
+    let mut l = two_teams();
+    l.node(0, "n2", 8, "H100", None);
+    let sub =
+        |id, alloc: Option<&str>, g, n| Event::WorkloadSubmitted(submission(wid(id), alloc, g, n));
+    rejects_without_change(&mut l, 1, sub(1, Some("nope"), 1, 1), "unknown_allocation");
+    rejects_without_change(&mut l, 1, sub(1, Some("a"), 0, 1), "must_be_positive");
+    rejects_without_change(&mut l, 1, sub(1, Some("a"), 1, 0), "must_be_positive");
+    rejects_without_change(
+        &mut l,
+        1,
+        sub(1, Some("a"), 9, 1),
+        "gpus_per_node_exceed_largest_node",
+    );
+    rejects_without_change(
+        &mut l,
+        1,
+        sub(1, Some("a"), 8, 3),
+        "gang_larger_than_cluster",
+    );
+    rejects_without_change(
+        &mut l,
+        1,
+        sub(1, Some("a/b//c"), 1, 1),
+        "invalid_allocation_path",
+    );
+    let mut model = submission(wid(1), Some("a"), 1, 1);
+    model.model = Some("A100".into());
+    rejects_without_change(
+        &mut l,
+        1,
+        Event::WorkloadSubmitted(model),
+        "unknown_gpu_model",
+    );
+    let mut long = submission(wid(1), Some("a"), 1, 1);
+    long.min_runtime_s = Some(9 * 3600);
+    rejects_without_change(
+        &mut l,
+        1,
+        Event::WorkloadSubmitted(long),
+        "min_runtime_above_cap",
+    );
+    rejects_without_change(
+        &mut l,
+        1,
+        Event::AllocationSet(AllocationSet {
+            path: "c".into(),
+            weight: 0,
+            max_gpus: None,
+        }),
+        "must_be_positive",
+    );
+    rejects_without_change(
+        &mut l,
+        1,
+        Event::NodeRegistered(NodeRegistered {
+            node: "n1".into(),
+            gpus: 4,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+        "node_already_registered",
+    );
+    rejects_without_change(
+        &mut l,
+        1,
+        Event::NodeRegistered(NodeRegistered {
+            node: "big".into(),
+            gpus: 65,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+        "too_many_gpus_on_node",
+    );
+
+    l.submit(10, wid(1), Some("a"), 4, 1);
+    rejects_without_change(&mut l, 10, sub(1, Some("a"), 1, 1), "duplicate_workload");
+    l.start(10, wid(1), &[("n1", &[0, 1, 2, 3])], 10);
+    l.submit(10, wid(2), Some("b"), 4, 1);
+    let start2 = |gpus: &[u32]| {
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: wid(2),
+            placement: vec![PlacedNode {
+                node: "n1".into(),
+                gpus: gpus.to_vec(),
+            }],
+            protected_until_ms: 10,
+        })
+    };
+    rejects_without_change(&mut l, 10, start2(&[3, 4, 5, 6]), "gpu_taken");
+    rejects_without_change(&mut l, 10, start2(&[4, 5, 6]), "placement_shape_mismatch");
+    rejects_without_change(&mut l, 10, start2(&[4, 5, 6, 9]), "unknown_gpu");
+    l.ok(
+        10,
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: wid(2),
+            reason: None,
+        }),
+    );
+    rejects_without_change(&mut l, 10, start2(&[4, 5, 6, 7]), "wrong_phase");
+    rejects_without_change(
+        &mut l,
+        10,
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: wid(1),
+            reason: None,
+        }),
+        "wrong_phase",
+    );
+    rejects_without_change(
+        &mut l,
+        10,
+        Event::WorkloadFinished(WorkloadFinished {
+            workload: wid(9),
+            exit_code: None,
+            signal: None,
+        }),
+        "unknown_workload",
+    );
+    rejects_without_change(
+        &mut l,
+        10,
+        Event::AllocationRemoved(AllocationRemoved { path: "a".into() }),
+        "allocation_in_use",
+    );
+    rejects_without_change(
+        &mut l,
+        10,
+        Event::AllocationSet(AllocationSet {
+            path: "a/child".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        "allocation_in_use",
+    );
+}
+
+#[test]
+fn time_going_backwards_is_rejected_beyond_the_skew_tolerated() {
+    let mut l = Ledger::new(StateConfig {
+        clock_skew_tolerance_ms: 100,
+        ..StateConfig::default()
+    });
+    l.node(1_000, "n1", 8, "H100", None);
+    l.alloc(950, "a", 1); // within tolerance: takes effect at the ledger's time
+    assert_eq!(l.state.now_ms, 1_000);
+    let r = rejected(l.apply(
+        800,
+        Event::AllocationSet(AllocationSet {
+            path: "b".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+    ));
+    assert_eq!(
+        r,
+        Rejection::TimeWentBackwards {
+            occurred_at_ms: 800,
+            now_ms: 1_000,
+            tolerance_ms: 100
+        }
+    );
+    assert!(l.state.allocations.get("b").is_none());
+    // A replayed sequence is refused too.
+    let env = l.log[0].1.clone();
+    assert!(matches!(
+        l.state.apply(1, &env),
+        Outcome::Rejected(Rejection::SequenceNotIncreasing { .. })
+    ));
+}
+
+#[test]
+fn fragmentation_counts_stranded_gpus_and_the_largest_gang() {
+    // Two 8-GPU nodes; a 3-GPU job on n1 strands its other 5 GPUs. The largest gang that could
+    // start is n2's 8 whole GPUs. Over 10 s: stranded 5·10 = 50 GPU-s.
+    let mut l = two_teams();
+    l.node(0, "n2", 8, "H100", None);
+    let start = l.state.counters.clone();
+    l.submit(0, wid(1), Some("a"), 3, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2])], 0);
+    assert_eq!(l.state.cluster.stranded_gpus(), 5);
+    assert_eq!(l.state.cluster.largest_startable_gang(), 8);
+    l.state.advance_to(10 * S);
+    let m = Metrics::between(&start, &l.state.counters);
+    approx(m.stranded_gpu_hours, 50.0 / 3600.0);
+    assert_eq!(m.largest_startable_gang_p50, 8);
+}
+
+#[test]
+fn utilization_is_the_mean_reported_utilization_of_allocated_gpus() {
+    // 2 GPUs held reporting 50% and 100%, 6 free GPUs reporting 0: utilization 0.75.
+    let mut l = two_teams();
+    let start = l.state.counters.clone();
+    l.submit(0, wid(1), Some("a"), 2, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1])], 0);
+    let reading = |gpu, pct| GpuReading {
+        gpu,
+        uuid: None,
+        utilization_pct: pct,
+        memory_used_mib: 0,
+        memory_total_mib: 0,
+        temperature_c: 0,
+        power_w: 0,
+        ecc_errors_uncorrected: 0,
+    };
+    l.ok(
+        0,
+        Event::GpuHeartbeat(GpuHeartbeat {
+            node: "n1".into(),
+            readings: vec![reading(0, 50), reading(1, 100), reading(2, 0)],
+        }),
+    );
+    l.state.advance_to(10 * S);
+    approx(
+        Metrics::between(&start, &l.state.counters).utilization,
+        0.75,
+    );
+}
