@@ -250,12 +250,22 @@ impl AllocationTree {
 
     /// Recomputes every allocation's instantaneous owed GPUs from `capacity` healthy GPUs.
     pub(crate) fn split_owed(&mut self, capacity: f64) {
-        let roots = self.roots.clone();
+        let owed = self.owed_split(capacity);
+        for (a, o) in self.nodes.iter_mut().zip(owed) {
+            a.owed_gpus = o;
+        }
+    }
+
+    /// The owed GPUs of every allocation (indexed by [`AllocId`]) if `capacity` healthy GPUs were
+    /// split now among the demands as they stand.
+    pub fn owed_split(&self, capacity: f64) -> Vec<f64> {
         let mut demand = vec![0.0; self.nodes.len()];
-        for &r in &roots {
+        for &r in &self.roots {
             self.subtree_demand(r, &mut demand);
         }
-        self.fill(&roots, capacity, &demand);
+        let mut owed = vec![0.0; self.nodes.len()];
+        self.fill(&self.roots, capacity, &demand, &mut owed);
+        owed
     }
 
     fn subtree_demand(&self, id: AllocId, demand: &mut [f64]) -> f64 {
@@ -276,25 +286,22 @@ impl AllocationTree {
     }
 
     /// Weighted water-filling of `capacity` among `children`, then down each subtree.
-    fn fill(&mut self, children: &[AllocId], capacity: f64, demand: &[f64]) {
-        let mut open: Vec<AllocId> = Vec::with_capacity(children.len());
-        for &c in children {
-            self.nodes[c as usize].owed_gpus = 0.0;
-            if demand[c as usize] > 0.0 {
-                open.push(c);
-            }
-        }
+    fn fill(&self, children: &[AllocId], capacity: f64, demand: &[f64], owed: &mut [f64]) {
+        let mut open: Vec<AllocId> = children
+            .iter()
+            .copied()
+            .filter(|&c| demand[c as usize] > 0.0)
+            .collect();
         let mut left = capacity;
         while !open.is_empty() && left > 0.0 {
             let weights: f64 = open.iter().map(|&c| f64::from(self.node(c).weight)).sum();
             let per_weight = left / weights;
-            // Satisfy every child whose remaining demand fits its share; repeat with the rest.
+            // Satisfy every child whose demand fits its share; repeat with the rest.
             let before = open.len();
             open.retain(|&c| {
-                let a = &mut self.nodes[c as usize];
-                let want = demand[c as usize] - a.owed_gpus;
-                if want <= per_weight * f64::from(a.weight) {
-                    a.owed_gpus = demand[c as usize];
+                let want = demand[c as usize];
+                if want <= per_weight * f64::from(self.node(c).weight) {
+                    owed[c as usize] = want;
                     left -= want;
                     false
                 } else {
@@ -303,8 +310,7 @@ impl AllocationTree {
             });
             if open.len() == before {
                 for &c in &open {
-                    let a = &mut self.nodes[c as usize];
-                    a.owed_gpus += per_weight * f64::from(a.weight);
+                    owed[c as usize] = per_weight * f64::from(self.node(c).weight);
                 }
                 left = 0.0;
             }
@@ -312,8 +318,7 @@ impl AllocationTree {
         for &c in children {
             let a = self.node(c);
             if !a.is_leaf() {
-                let (kids, owed) = (a.children.clone(), a.owed_gpus);
-                self.fill(&kids, owed, demand);
+                self.fill(&a.children, owed[c as usize], demand, owed);
             }
         }
     }

@@ -318,6 +318,17 @@ impl State {
         self.now_ms = t_ms;
     }
 
+    /// Owed GPUs of every allocation now, indexed by allocation id, even when events since the
+    /// last change of time have not yet been folded into the stored split.
+    pub fn owed_now(&self) -> Vec<f64> {
+        if self.owed_stale {
+            self.allocations
+                .owed_split(self.cluster.healthy_gpus as f64)
+        } else {
+            self.allocations.nodes.iter().map(|a| a.owed_gpus).collect()
+        }
+    }
+
     /// Recomputes the owed split now if a change since the last event made it stale.
     pub fn refresh_owed(&mut self) {
         if self.owed_stale {

@@ -86,6 +86,9 @@ impl<'s> Rank<'s> {
         };
         let shape = state.window_shape();
         let tree = &state.allocations;
+        let owed = state.owed_now();
+        // A pass later than the last event extends the current rates to `now_ms`.
+        let gap_ms = now_ms.saturating_sub(state.now_ms) as f64;
         // Leaves first, then sums up the tree (children always have higher ids than parents).
         for id in (0..n).rev() {
             let a = &tree.nodes[id];
@@ -94,11 +97,11 @@ impl<'s> Rank<'s> {
             }
             if a.is_leaf() {
                 let sums = a.window.sums(shape, now_ms);
-                r.usage[id].delivered_w = sums.delivered_gpu_ms;
-                r.usage[id].owed_w = sums.owed_gpu_ms;
+                r.usage[id].delivered_w = sums.delivered_gpu_ms + a.delivering_gpus as f64 * gap_ms;
+                r.usage[id].owed_w = sums.owed_gpu_ms + owed[id] * gap_ms;
                 r.usage[id].held = a.held_gpus as f64;
             }
-            r.usage[id].owed_now = a.owed_gpus;
+            r.usage[id].owed_now = owed[id];
             r.usage[id].weight = f64::from(a.weight);
             if let Some(p) = a.parent {
                 let child = r.usage[id];

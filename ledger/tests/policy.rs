@@ -1,0 +1,376 @@
+//! The scheduler's rules: given a state, when a pass runs, expect these decisions and reasons.
+
+mod common;
+
+use common::*;
+use ledger::event::*;
+use ledger::policy::{decide, Blocked, Decision, PolicyConfig};
+use uuid::Uuid;
+
+fn started(plan: &ledger::policy::Plan) -> Vec<(Uuid, Vec<PlacedNode>)> {
+    plan.starts()
+        .map(|d| match d {
+            Decision::Start {
+                workload,
+                placement,
+                ..
+            } => (*workload, placement.clone()),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+fn preempted(plan: &ledger::policy::Plan) -> Vec<Uuid> {
+    plan.preemptions()
+        .map(|d| match d {
+            Decision::Preempt { workload, .. } => *workload,
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+fn reason(plan: &ledger::policy::Plan, id: Uuid) -> &Blocked {
+    &plan
+        .pending
+        .iter()
+        .find(|p| p.workload == id)
+        .expect("workload is pending")
+        .reason
+}
+
+fn cluster(nodes: &[(&str, u32, Option<&str>)]) -> Ledger {
+    let mut l = Ledger::default();
+    for &(name, gpus, rack) in nodes {
+        l.node(0, name, gpus, "H100", rack);
+    }
+    l
+}
+
+#[test]
+fn fairshare_updates_the_order_within_a_pass() {
+    // Two equal teams, each with four 8-GPU jobs, on two 8-GPU nodes: one node each, not both to
+    // whichever team ranked first when the pass began.
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for i in 0..4 {
+        l.submit(0, wid(10 + i), Some("a"), 8, 1);
+        l.submit(0, wid(20 + i), Some("b"), 8, 1);
+    }
+    let plan = decide(&l.state, 0, &PolicyConfig::default());
+    let ids: Vec<Uuid> = started(&plan).into_iter().map(|s| s.0).collect();
+    assert_eq!(ids, vec![wid(10), wid(20)]);
+}
+
+#[test]
+fn fifo_ignores_allocations() {
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for i in 0..4 {
+        l.submit(0, wid(10 + i), Some("a"), 8, 1);
+    }
+    l.submit(0, wid(20), Some("b"), 8, 1);
+    let cfg = PolicyConfig {
+        policy: "fifo",
+        ..PolicyConfig::default()
+    };
+    let ids: Vec<Uuid> = started(&decide(&l.state, 0, &cfg))
+        .into_iter()
+        .map(|s| s.0)
+        .collect();
+    assert_eq!(ids, vec![wid(10), wid(11)]);
+}
+
+#[test]
+fn priority_orders_by_workload_priority_then_submission() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    let mut urgent = submission(wid(2), Some("a"), 8, 1);
+    urgent.priority = 5;
+    l.ok(0, Event::WorkloadSubmitted(urgent));
+    let cfg = PolicyConfig {
+        policy: "priority",
+        ..PolicyConfig::default()
+    };
+    assert_eq!(started(&decide(&l.state, 0, &cfg))[0].0, wid(2));
+}
+
+#[test]
+fn placement_best_fit_packs_small_jobs_onto_busy_nodes() {
+    // n1 runs a 6-GPU job (2 free); n2 is whole. A 2-GPU job goes to n1, keeping n2 whole.
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), Some("a"), 6, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5])], 0);
+    l.submit(0, wid(2), Some("a"), 2, 1);
+    let s = started(&decide(&l.state, 0, &PolicyConfig::default()));
+    assert_eq!(
+        s,
+        vec![(
+            wid(2),
+            vec![PlacedNode {
+                node: "n1".into(),
+                gpus: vec![6, 7]
+            }]
+        )]
+    );
+}
+
+#[test]
+fn placement_gangs_are_all_or_nothing_and_prefer_one_rack() {
+    // Four whole nodes, two racks of two. A 2-node gang lands in one rack; a 3-node gang with only
+    // two whole nodes left starts nowhere.
+    let mut l = cluster(&[
+        ("a1", 8, Some("ra")),
+        ("b1", 8, Some("rb")),
+        ("a2", 8, Some("ra")),
+        ("b2", 8, Some("rb")),
+    ]);
+    l.alloc(0, "t", 1);
+    l.submit(0, wid(1), Some("t"), 8, 2);
+    l.submit(0, wid(2), Some("t"), 8, 3);
+    let plan = decide(&l.state, 0, &PolicyConfig::default());
+    let s = started(&plan);
+    assert_eq!(s.len(), 1);
+    let nodes: Vec<&str> = s[0].1.iter().map(|p| p.node.as_str()).collect();
+    let racks: Vec<char> = nodes.iter().map(|n| n.chars().next().unwrap()).collect();
+    assert_eq!(racks[0], racks[1], "gang split across racks: {nodes:?}");
+    assert!(matches!(
+        reason(&plan, wid(2)),
+        Blocked::HoldsReservation { nodes: 3, .. }
+    ));
+}
+
+#[test]
+fn placement_respects_the_gpu_model() {
+    let mut l = Ledger::default();
+    l.node(0, "h", 8, "H100", None);
+    l.node(0, "a", 8, "A100", None);
+    l.alloc(0, "t", 1);
+    let mut s = submission(wid(1), Some("t"), 8, 1);
+    s.model = Some("A100".into());
+    l.ok(0, Event::WorkloadSubmitted(s));
+    assert_eq!(
+        started(&decide(&l.state, 0, &PolicyConfig::default()))[0].1[0].node,
+        "a"
+    );
+}
+
+#[test]
+fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
+    // Two 8-GPU nodes each run a 1-GPU job of team a until t=1h (estimates known). Team b wants a
+    // 2-node gang: it holds the reservation on both nodes from 1h. A later 1-GPU job of a with no
+    // estimate may not take the reserved GPUs; one estimated to end by 1h may.
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for (i, node) in [(1, "n1"), (2, "n2")] {
+        let mut s = submission(wid(i), Some("a"), 1, 1);
+        s.duration_estimate_s = Some(3600);
+        l.ok(0, Event::WorkloadSubmitted(s));
+        l.start(0, wid(i), &[(node, &[0])], 2 * H);
+    }
+    l.submit(0, wid(3), Some("b"), 8, 2);
+    l.submit(0, wid(4), Some("a"), 1, 1);
+    let mut short = submission(wid(5), Some("a"), 1, 1);
+    short.duration_estimate_s = Some(1800);
+    l.ok(0, Event::WorkloadSubmitted(short));
+
+    let cfg = PolicyConfig {
+        min_runtime_ms: 4 * H,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, 0, &cfg);
+    assert_eq!(
+        plan.reservation
+            .as_ref()
+            .map(|r| (r.workload, r.start_at_ms)),
+        Some((wid(3), Some(H)))
+    );
+    assert_eq!(
+        started(&plan).into_iter().map(|s| s.0).collect::<Vec<_>>(),
+        vec![wid(5)]
+    );
+    assert_eq!(
+        reason(&plan, wid(4)),
+        &Blocked::BehindReservation { holder: wid(3) }
+    );
+}
+
+#[test]
+fn preemption_waits_for_the_contract_then_takes_the_squatters_gpus() {
+    // Team a squats on the whole 8-GPU node from t=0 with a 2 h contract; team b arrives.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    let cfg = PolicyConfig::default();
+    l.schedule(0, &cfg);
+    l.submit(H, wid(2), Some("b"), 8, 1);
+
+    // Inside the contract: no preemption; b holds the reservation from contract end + grace.
+    let plan = l.schedule(H, &cfg);
+    assert!(plan.decisions.is_empty());
+    assert_eq!(
+        reason(&plan, wid(2)),
+        &Blocked::HoldsReservation {
+            nodes: 1,
+            start_at_ms: Some(2 * H + cfg.grace_ms)
+        }
+    );
+
+    // At exactly the end of the contract: a is over-served by far more than the margin.
+    let plan = l.schedule(2 * H, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(1)]);
+    assert!(matches!(
+        reason(&plan, wid(2)),
+        Blocked::WaitingForPreemption { victims: 1, .. }
+    ));
+    // A second pass does not preempt again.
+    assert!(decide(&l.state, 2 * H + 1, &cfg).decisions.is_empty());
+}
+
+#[test]
+fn preemption_hysteresis_spares_teams_near_balance() {
+    // a and b each ran 4 GPUs for 10 h on 8 GPUs (delivered/owed = 1 each). Then b's job ended
+    // and a took the whole node past its contracts while b waits for 4 GPUs. Whether a loses a
+    // job depends only on whether the gap between their keys exceeds the margin.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.submit(0, wid(2), Some("b"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0);
+    l.start(0, wid(2), &[("n1", &[4, 5, 6, 7])], 0);
+    l.finish(10 * H, wid(2));
+    l.submit(10 * H, wid(3), Some("b"), 4, 1);
+    l.submit(10 * H, wid(4), Some("a"), 4, 1);
+    l.start(10 * H, wid(4), &[("n1", &[4, 5, 6, 7])], 10 * H);
+    // At 12h: a delivered 4·12 + 4·2 = 56 GPU-h, owed 4·10 + 4·2 = 48 (b's demand 4 since 10 h:
+    // 4/4 split). Keys with τ = 2h: a (56 + 8·2)/(48 + 4·2) = 72/56 ≈ 1.286; b (40 + 0)/(48 + 8)
+    // = 40/56 ≈ 0.714. Gap ≈ 0.571: a margin of 0.6 spares a, 0.5 does not.
+    let spare = PolicyConfig {
+        margin: 0.6,
+        ..PolicyConfig::default()
+    };
+    assert!(decide(&l.state, 12 * H, &spare)
+        .preemptions()
+        .next()
+        .is_none());
+    let strict = PolicyConfig {
+        margin: 0.5,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(preempted(&decide(&l.state, 12 * H, &strict)).len(), 1);
+}
+
+#[test]
+fn preemption_chooses_victims_that_lose_the_fewest_gpu_hours() {
+    // Team a runs two 4-GPU jobs on n1 (started at 0 and at 1h, both past contract at 4h); team b
+    // needs 4 GPUs. The younger job loses less work and is chosen.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0);
+    l.submit(H, wid(2), Some("a"), 4, 1);
+    l.start(H, wid(2), &[("n1", &[4, 5, 6, 7])], H);
+    l.submit(4 * H, wid(3), Some("b"), 4, 1);
+    assert_eq!(
+        preempted(&decide(&l.state, 4 * H, &PolicyConfig::default())),
+        vec![wid(2)]
+    );
+}
+
+#[test]
+fn unallocated_work_fills_idle_gpus_ranks_last_and_yields_at_once() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), None, 8, 1);
+    let cfg = PolicyConfig::default();
+    let plan = l.schedule(0, &cfg);
+    assert_eq!(started(&plan)[0].0, wid(1));
+    assert_eq!(l.state.unallocated_delivering_gpus, 8);
+    // Allocated work arrives a minute later: the opportunistic job has no contract.
+    l.submit(60 * S, wid(2), Some("a"), 4, 1);
+    let plan = decide(&l.state, 60 * S, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(1)]);
+    assert!(matches!(
+        plan.decisions[0],
+        Decision::Preempt {
+            reason: PreemptionReason::Opportunistic,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn hardware_failure_stops_work_at_once_whatever_the_contract() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    let cfg = PolicyConfig::default();
+    l.schedule(0, &cfg);
+    l.health(60 * S, "n1", 3, false);
+    let plan = l.schedule(60 * S, &cfg);
+    assert_eq!(
+        plan.decisions[0],
+        Decision::Preempt {
+            workload: wid(1),
+            reason: PreemptionReason::HardwareFailure,
+            beneficiary: None,
+            grace_s: 0
+        }
+    );
+}
+
+#[test]
+fn allocation_caps_hold_work_back_with_a_reason() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.ok(
+        0,
+        Event::AllocationSet(AllocationSet {
+            path: "a".into(),
+            weight: 1,
+            max_gpus: Some(4),
+        }),
+    );
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.submit(0, wid(2), Some("a"), 4, 1);
+    let plan = decide(&l.state, 0, &PolicyConfig::default());
+    assert_eq!(started(&plan).len(), 1);
+    assert_eq!(
+        reason(&plan, wid(2)),
+        &Blocked::AllocationCap {
+            path: "a".into(),
+            max_gpus: 4
+        }
+    );
+}
+
+#[test]
+fn every_pending_workload_is_explained_in_order() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    for i in 0..5 {
+        l.submit(0, wid(i), Some("a"), 4, 1);
+    }
+    let plan = decide(&l.state, 0, &PolicyConfig::default());
+    assert_eq!(started(&plan).len(), 2);
+    let positions: Vec<u32> = plan.pending.iter().map(|p| p.position).collect();
+    assert_eq!(positions, vec![3, 4, 5]);
+    assert!(matches!(
+        plan.pending[0].reason,
+        Blocked::HoldsReservation { .. }
+    ));
+    assert!(matches!(
+        plan.pending[1].reason,
+        Blocked::NoCapacity {
+            gpus_per_node: 4,
+            nodes: 1,
+            fitting_nodes: 0
+        }
+    ));
+}
