@@ -136,14 +136,16 @@ impl Cluster {
             .unwrap_or(0)
     }
 
-    /// Nodes (of `model`, or any) with at least `gpus` GPUs installed.
-    pub fn nodes_with_at_least(&self, model: Option<u32>, gpus: u32) -> u32 {
+    /// The most nodes a gang could span: nodes of `model` (or of the one model that has the most)
+    /// with at least `gpus` GPUs installed. A gang runs on nodes of one model.
+    pub fn gang_capacity(&self, model: Option<u32>, gpus: u32) -> u32 {
         self.models
             .iter()
             .enumerate()
             .filter(|(i, _)| model.is_none_or(|m| m as usize == *i))
             .map(|(_, g)| g.nodes_by_size.range(gpus..).map(|(_, n)| n).sum::<u32>())
-            .sum()
+            .max()
+            .unwrap_or(0)
     }
 
     /// The largest node (of `model`, or any).

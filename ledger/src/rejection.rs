@@ -134,13 +134,13 @@ pub enum Rejection {
         largest: u32,
     },
     /// The gang needs more nodes than exist.
-    #[error("the gang needs {nodes} nodes with {gpus_per_node} GPUs each but the cluster has only {eligible} such nodes")]
+    #[error("the gang needs {nodes} nodes with {gpus_per_node} GPUs each but the cluster has at most {eligible} such nodes of one model; use fewer nodes")]
     GangLargerThanCluster {
         /// Nodes asked for.
         nodes: u32,
         /// GPUs per node asked for.
         gpus_per_node: u32,
-        /// Nodes that could host one member.
+        /// Nodes of one model that could host one member.
         eligible: u32,
     },
     /// min_runtime_s above the cluster's cap.

@@ -531,7 +531,7 @@ impl State {
                 largest,
             });
         }
-        let eligible = self.cluster.nodes_with_at_least(model, e.gpus_per_node);
+        let eligible = self.cluster.gang_capacity(model, e.gpus_per_node);
         if e.nodes > eligible {
             return Err(Rejection::GangLargerThanCluster {
                 nodes: e.nodes,

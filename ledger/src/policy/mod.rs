@@ -250,6 +250,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let cap_ms = state.config().min_runtime_cap_ms;
 
     // Hardware failure is the contract's one exception: stop work on failed GPUs at once.
+    let mut claimed: FxHashSet<WorkloadId> = FxHashSet::default();
     for id in &state.running {
         let w = &state.workloads[id];
         if w.preempting.is_none()
@@ -257,6 +258,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 .iter()
                 .any(|p| p.gpus & !state.cluster.node(p.node).healthy != 0)
         {
+            claimed.insert(*id);
             plan.decisions.push(Decision::Preempt {
                 workload: *id,
                 reason: PreemptionReason::HardwareFailure,
@@ -282,7 +284,6 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
 
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
-    let mut claimed: FxHashSet<WorkloadId> = FxHashSet::default();
     let mut preemptors = 0u32;
     let mut position = 0u32;
 
@@ -449,10 +450,13 @@ fn can_preempt(
     let Some(b) = beneficiary.allocation else {
         return false;
     };
+    if victim.preempting.is_some() {
+        return false;
+    }
     let Some(v) = victim.allocation else {
         return true; // unallocated work has no contract
     };
-    if victim.preempting.is_some() || now_ms < victim.protected_until_ms {
+    if now_ms < victim.protected_until_ms {
         return false;
     }
     policy.preempts_for_fair_share() && rank.outranks_by(state, b, v, cfg.margin)

@@ -257,15 +257,17 @@ impl Scratch {
             .sum::<usize>() as u32
     }
 
+    /// Indexed nodes of model group `group` with enough healthy GPUs for one member of `w`.
     fn eligible_nodes<'a>(
         &'a self,
         state: &'a State,
         w: &'a Workload,
+        group: usize,
     ) -> impl Iterator<Item = NodeIdx> + 'a {
         (0..self.free.len() as NodeIdx).filter(move |&i| {
             let n = state.cluster.node(i);
             !self.withheld[i as usize]
-                && w.model.is_none_or(|m| m == n.model_idx)
+                && n.model_idx as usize == group
                 && n.healthy.count_ones() >= w.gpus_per_node
         })
     }
@@ -280,37 +282,48 @@ impl Scratch {
         release: impl Fn(&Workload) -> Option<u64>,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node as usize;
-        let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
         let mut times: Vec<u64> = Vec::with_capacity(64);
         let mut memo: FxHashMap<WorkloadId, u64> = FxHashMap::default();
-        for i in self.eligible_nodes(state, w) {
-            let node = state.cluster.node(i);
-            let free = self.free[i as usize];
-            times.clear();
-            for g in 0..node.gpu_count {
-                let bit = 1u64 << g;
-                if node.healthy & bit == 0 {
-                    continue;
+        let mut best: Option<(u64, Vec<NodeIdx>)> = None;
+        for group in self.groups_for(w) {
+            let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
+            for i in self.eligible_nodes(state, w, group) {
+                let node = state.cluster.node(i);
+                let free = self.free[i as usize];
+                times.clear();
+                for g in 0..node.gpu_count {
+                    let bit = 1u64 << g;
+                    if node.healthy & bit == 0 {
+                        continue;
+                    }
+                    let t = if free & bit != 0 {
+                        now_ms
+                    } else if let Some(holder) = node.holders[g as usize] {
+                        *memo.entry(holder).or_insert_with(|| {
+                            release(&state.workloads[&holder]).unwrap_or(u64::MAX)
+                        })
+                    } else {
+                        u64::MAX // placed earlier in this pass
+                    };
+                    times.push(t);
                 }
-                let t = if free & bit != 0 {
-                    now_ms
-                } else if let Some(holder) = node.holders[g as usize] {
-                    *memo
-                        .entry(holder)
-                        .or_insert_with(|| release(&state.workloads[&holder]).unwrap_or(u64::MAX))
-                } else {
-                    u64::MAX // placed earlier in this pass
-                };
-                times.push(t);
+                times.sort_unstable();
+                ready.push((times[need - 1], Reverse(free.count_ones()), i));
             }
-            times.sort_unstable();
-            ready.push((times[need - 1], Reverse(free.count_ones()), i));
+            if ready.len() < w.nodes as usize {
+                continue;
+            }
+            ready.sort_unstable();
+            ready.truncate(w.nodes as usize);
+            let start = ready.iter().map(|c| c.0).max().unwrap_or(u64::MAX);
+            if best.as_ref().is_none_or(|b| start < b.0) {
+                best = Some((start, ready.into_iter().map(|c| c.2).collect()));
+            }
         }
-        ready.sort_unstable();
-        let chosen: Vec<(u64, Reverse<u32>, NodeIdx)> =
-            ready.into_iter().take(w.nodes as usize).collect();
-        let start = chosen.iter().map(|c| c.0).max().filter(|&t| t != u64::MAX);
-        (chosen.into_iter().map(|c| c.2).collect(), start)
+        match best {
+            Some((start, nodes)) => (nodes, Some(start).filter(|&t| t != u64::MAX)),
+            None => (Vec::new(), None),
+        }
     }
 
     /// Victims whose preemption makes room for `w` at least cost, and the nodes it would use.
@@ -343,61 +356,70 @@ impl Scratch {
                 ))
             })
         };
-        // Per node: (cost, node, victims).
-        let mut options: Vec<((u32, u64), NodeIdx, Vec<WorkloadId>)> = Vec::new();
-        for i in self.eligible_nodes(state, w) {
-            let node = state.cluster.node(i);
-            let mut have = self.free[i as usize].count_ones();
-            if have >= need {
-                options.push(((0, 0), i, Vec::new()));
-                continue;
-            }
-            // Distinct holders on this node with the healthy GPUs each would free here.
-            let mut holders: Vec<((u32, u64), WorkloadId, u32)> = Vec::new();
-            for g in 0..node.gpu_count {
-                let bit = 1u64 << g;
-                if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {
+        let mut best: Option<((u32, u64), Vec<NodeIdx>, Vec<WorkloadId>)> = None;
+        for group in self.groups_for(w) {
+            // Per node: (cost, node, victims).
+            let mut options: Vec<((u32, u64), NodeIdx, Vec<WorkloadId>)> = Vec::new();
+            for i in self.eligible_nodes(state, w, group) {
+                let node = state.cluster.node(i);
+                let mut have = self.free[i as usize].count_ones();
+                if have >= need {
+                    options.push(((0, 0), i, Vec::new()));
                     continue;
                 }
-                let Some(h) = node.holders[g as usize] else {
-                    continue;
-                };
-                match holders.iter_mut().find(|x| x.1 == h) {
-                    Some(x) => x.2 += 1,
-                    None => {
-                        if let Some(c) = cost_of(h) {
-                            holders.push((c, h, 1));
+                // Distinct holders on this node with the healthy GPUs each would free here.
+                let mut holders: Vec<((u32, u64), WorkloadId, u32)> = Vec::new();
+                for g in 0..node.gpu_count {
+                    let bit = 1u64 << g;
+                    if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {
+                        continue;
+                    }
+                    let Some(h) = node.holders[g as usize] else {
+                        continue;
+                    };
+                    match holders.iter_mut().find(|x| x.1 == h) {
+                        Some(x) => x.2 += 1,
+                        None => {
+                            if let Some(c) = cost_of(h) {
+                                holders.push((c, h, 1));
+                            }
                         }
                     }
                 }
-            }
-            holders.sort_unstable();
-            let mut cost = (0u32, 0u64);
-            let mut victims = Vec::new();
-            for (c, h, gpus) in holders {
-                if have >= need {
-                    break;
+                holders.sort_unstable();
+                let mut cost = (0u32, 0u64);
+                let mut victims = Vec::new();
+                for (c, h, gpus) in holders {
+                    if have >= need {
+                        break;
+                    }
+                    have += gpus;
+                    cost = (cost.0 + c.0, cost.1 + c.1);
+                    victims.push(h);
                 }
-                have += gpus;
-                cost = (cost.0 + c.0, cost.1 + c.1);
-                victims.push(h);
+                if have >= need {
+                    options.push((cost, i, victims));
+                }
             }
-            if have >= need {
-                options.push((cost, i, victims));
+            if options.len() < w.nodes as usize {
+                continue;
+            }
+            options.sort_unstable_by_key(|o| (o.0, o.1));
+            options.truncate(w.nodes as usize);
+            let mut victims: Vec<WorkloadId> =
+                options.iter().flat_map(|o| o.2.iter().copied()).collect();
+            if victims.is_empty() {
+                continue; // it fits without preemption: not a case for this plan
+            }
+            victims.sort_unstable();
+            victims.dedup();
+            let cost = options
+                .iter()
+                .fold((0, 0), |acc, o| (acc.0 + o.0 .0, acc.1 + o.0 .1));
+            if best.as_ref().is_none_or(|b| cost < b.0) {
+                best = Some((cost, options.iter().map(|o| o.1).collect(), victims));
             }
         }
-        if options.len() < w.nodes as usize {
-            return None;
-        }
-        options.sort_unstable_by_key(|o| (o.0, o.1));
-        let chosen = &options[..w.nodes as usize];
-        let mut victims: Vec<WorkloadId> =
-            chosen.iter().flat_map(|o| o.2.iter().copied()).collect();
-        if victims.is_empty() {
-            return None; // it fits without preemption: not a case for this plan
-        }
-        victims.sort_unstable();
-        victims.dedup();
-        Some((chosen.iter().map(|o| o.1).collect(), victims))
+        best.map(|(_, nodes, victims)| (nodes, victims))
     }
 }

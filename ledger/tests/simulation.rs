@@ -1,0 +1,392 @@
+//! Deterministic simulation: seeded random clusters, allocation trees, workload streams and GPU
+//! faults, driven through the fold and `decide` by the simulation engine, with every invariant
+//! checked after every event. Safety first (faults strike and are repaired), then liveness (the
+//! run drains: every workload finishes).
+//!
+//! `FAIRLEDGER_SIM_SEEDS=N` runs N seeds (default 200); `FAIRLEDGER_SIM_SEED=S` runs only seed S.
+//! A failure prints the seed that reproduces it.
+
+use std::collections::BTreeMap;
+
+use ledger::event::*;
+use ledger::policy::{PolicyConfig, POLICY_NAMES};
+use ledger::sim::{Engine, Fault, SimWorkload};
+use ledger::{Outcome, Phase, State, StateConfig};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use uuid::Uuid;
+
+const MIN: u64 = 60_000;
+const HOUR: u64 = 3_600_000;
+
+/// Prints the seed if the test panics while it is alive.
+struct SeedGuard(u64);
+
+impl Drop for SeedGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "simulation failed: reproduce with FAIRLEDGER_SIM_SEED={}",
+                self.0
+            );
+        }
+    }
+}
+
+struct Scenario {
+    state_config: StateConfig,
+    policy: PolicyConfig,
+    setup: Vec<Event>,
+    workloads: Vec<SimWorkload>,
+    faults: Vec<Fault>,
+}
+
+fn scenario(seed: u64) -> Scenario {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let models: &[&str] = if rng.random_bool(0.3) {
+        &["H100", "A100"]
+    } else {
+        &["H100"]
+    };
+    let mut setup = Vec::new();
+    let mut nodes: Vec<(String, u32, &str)> = Vec::new();
+    for i in 0..rng.random_range(2..10) {
+        let gpus = [2, 4, 8, 8][rng.random_range(0..4)];
+        let model = models[rng.random_range(0..models.len())];
+        let name = format!("n{i}");
+        let labels = BTreeMap::from([("rack".to_string(), format!("r{}", rng.random_range(0..3)))]);
+        setup.push(Event::NodeRegistered(NodeRegistered {
+            node: name.clone(),
+            gpus,
+            model: model.into(),
+            labels,
+        }));
+        nodes.push((name, gpus, model));
+    }
+    let mut leaves = Vec::new();
+    for org in 0..rng.random_range(1..4) {
+        let kids = rng.random_range(0..4);
+        if kids == 0 {
+            leaves.push(format!("o{org}"));
+        }
+        for k in 0..kids {
+            leaves.push(format!("o{org}/t{k}"));
+        }
+    }
+    for path in &leaves {
+        setup.push(Event::AllocationSet(AllocationSet {
+            path: path.clone(),
+            weight: rng.random_range(1..5),
+            max_gpus: None,
+        }));
+    }
+    let horizon = rng.random_range(6..48) * HOUR;
+    let mut workloads = Vec::new();
+    for i in 0..rng.random_range(20..150) {
+        // Pick a model constraint, then a shape that some nodes of it can host.
+        let model = (models.len() > 1 && rng.random_bool(0.3))
+            .then(|| models[rng.random_range(0..models.len())]);
+        let fits: Vec<u32> = nodes
+            .iter()
+            .filter(|n| model.is_none_or(|m| m == n.2))
+            .map(|n| n.1)
+            .collect();
+        if fits.is_empty() {
+            continue;
+        }
+        let size = fits[rng.random_range(0..fits.len())];
+        let gpus_per_node = [1, 1, 2, size / 2, size][rng.random_range(0..5)].clamp(1, size);
+        // A gang spans nodes of one model.
+        let eligible = models
+            .iter()
+            .filter(|m| model.is_none_or(|x| x == **m))
+            .map(|m| {
+                nodes
+                    .iter()
+                    .filter(|n| n.2 == *m && n.1 >= gpus_per_node)
+                    .count() as u32
+            })
+            .max()
+            .unwrap_or(0);
+        let gang = if rng.random_bool(0.15) {
+            rng.random_range(1..=eligible.min(3))
+        } else {
+            1
+        };
+        let work_ms = rng.random_range(5 * MIN..12 * HOUR);
+        let submit_ms = rng.random_range(0..horizon) / MIN * MIN; // whole minutes: many ties
+        let allocation =
+            (!rng.random_bool(0.1)).then(|| leaves[rng.random_range(0..leaves.len())].clone());
+        let id = Uuid::from_u64_pair(seed, i);
+        workloads.push(SimWorkload {
+            submitted: WorkloadSubmitted {
+                workload: id,
+                allocation,
+                gpus_per_node,
+                nodes: gang,
+                model: model.map(str::to_string),
+                priority: rng.random_range(-2..3),
+                min_runtime_s: rng.random_bool(0.2).then(|| rng.random_range(0..4 * 3600)),
+                duration_estimate_s: rng
+                    .random_bool(0.5)
+                    .then(|| work_ms * rng.random_range(5..20) / 10 / 1000),
+                checkpoint_s: rng.random_bool(0.3).then(|| rng.random_range(60..3600)),
+                name: None,
+                command: vec![],
+                env: BTreeMap::new(),
+                idempotency_key: None,
+            },
+            submit_ms,
+            work_ms,
+        });
+    }
+    let mut faults = Vec::new();
+    for _ in 0..rng.random_range(0..4) {
+        let (node, gpus, _) = &nodes[rng.random_range(0..nodes.len())];
+        let at_ms = rng.random_range(0..horizon);
+        faults.push(Fault {
+            at_ms,
+            node: node.clone(),
+            gpu: rng.random_range(0..*gpus),
+            repaired_at_ms: Some(at_ms + rng.random_range(10 * MIN..5 * HOUR)),
+        });
+    }
+    let policy = PolicyConfig {
+        policy: POLICY_NAMES[rng.random_range(0..POLICY_NAMES.len())],
+        min_runtime_ms: rng.random_range(30 * MIN..3 * HOUR),
+        grace_ms: rng.random_range(0..10) * MIN,
+        margin: rng.random_range(0.0..0.2),
+        ..PolicyConfig::default()
+    };
+    let state_config = StateConfig {
+        window_ms: rng.random_range(6..72) * HOUR,
+        window_buckets: rng.random_range(4..64),
+        min_runtime_cap_ms: 4 * HOUR,
+        clock_skew_tolerance_ms: 0,
+    };
+    Scenario {
+        state_config,
+        policy,
+        setup,
+        workloads,
+        faults,
+    }
+}
+
+/// Every invariant that must hold after every event.
+fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) {
+    let at = || {
+        format!(
+            "after event {seq} ({}) at {} ms",
+            env.event.kind(),
+            env.occurred_at_ms
+        )
+    };
+    assert!(
+        !matches!(outcome, Outcome::Rejected(_)),
+        "the engine wrote an event the fold rejected {}: {outcome:?}",
+        at()
+    );
+
+    // No GPU double-booked: running placements are disjoint and match the nodes' books.
+    let mut used: Vec<u64> = vec![0; state.cluster.nodes.len()];
+    for id in &state.running {
+        let w = &state.workloads[id];
+        assert_eq!(w.phase, Phase::Running, "{}", at());
+        assert_eq!(w.placement.len(), w.nodes as usize, "{}", at());
+        for p in &w.placement {
+            assert_eq!(
+                used[p.node as usize] & p.gpus,
+                0,
+                "GPU double-booked {}",
+                at()
+            );
+            assert_eq!(p.gpus.count_ones(), w.gpus_per_node, "{}", at());
+            used[p.node as usize] |= p.gpus;
+            let node = state.cluster.node(p.node);
+            for g in 0..node.gpu_count {
+                if p.gpus & (1 << g) != 0 {
+                    assert_eq!(node.holders[g as usize], Some(*id), "{}", at());
+                }
+            }
+        }
+    }
+    for (i, n) in state.cluster.nodes.iter().enumerate() {
+        assert_eq!(
+            n.used,
+            used[i],
+            "node {} books disagree with placements {}",
+            n.name,
+            at()
+        );
+    }
+    assert_eq!(
+        state.cluster,
+        state.cluster.recount(),
+        "incremental cluster totals drifted {}",
+        at()
+    );
+
+    // No contract violated.
+    assert_eq!(state.counters.contract_violations, 0, "{}", at());
+
+    // Delivered never exceeds healthy capacity; delivered GPU-time equals occupied GPU-time.
+    let leaves = state
+        .allocations
+        .nodes
+        .iter()
+        .filter(|a| !a.removed && a.is_leaf());
+    let delivering: u64 =
+        leaves.clone().map(|a| a.delivering_gpus).sum::<u64>() + state.unallocated_delivering_gpus;
+    assert!(delivering <= state.cluster.healthy_gpus, "{}", at());
+    assert_eq!(delivering, state.cluster.allocated_gpus, "{}", at());
+    let delivered_ms: u64 = leaves.clone().map(|a| a.delivered_gpu_ms).sum::<u64>()
+        + state.counters.unallocated_delivered_gpu_ms;
+    assert_eq!(
+        delivered_ms,
+        state.counters.allocated_gpu_ms,
+        "conservation of GPU-time {}",
+        at()
+    );
+    assert!(delivered_ms <= state.counters.healthy_gpu_ms, "{}", at());
+
+    // Demand books, and owed sums to min(total demand, healthy GPUs).
+    let mut demand: BTreeMap<u32, u64> = BTreeMap::new();
+    for w in state.workloads.values() {
+        if let (Some(a), Phase::Pending | Phase::Running) = (w.allocation, w.phase) {
+            *demand.entry(a).or_insert(0) += w.gpus();
+        }
+    }
+    for (id, a) in state.allocations.nodes.iter().enumerate() {
+        if !a.removed && a.is_leaf() {
+            assert_eq!(
+                a.demand_gpus,
+                demand.get(&(id as u32)).copied().unwrap_or(0),
+                "demand of {} {}",
+                a.path,
+                at()
+            );
+        }
+    }
+    let owed = state.owed_now();
+    let owed_sum: f64 = leaves
+        .map(|a| owed[state.allocations.get(&a.path).unwrap() as usize])
+        .sum();
+    let want = (demand.values().sum::<u64>() as f64).min(state.cluster.healthy_gpus as f64);
+    assert!(
+        (owed_sum - want).abs() < 1e-6,
+        "owed {owed_sum} != min(demand, healthy) {want} {}",
+        at()
+    );
+}
+
+fn run_seed(seed: u64) {
+    let _guard = SeedGuard(seed);
+    let sc = scenario(seed);
+    let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
+    let mut log: Vec<(u64, Envelope)> = Vec::new();
+    let mut observe = |state: &State, seq: u64, env: &Envelope, outcome: &Outcome| {
+        check_invariants(state, seq, env, outcome);
+        log.push((seq, env.clone()));
+    };
+    for event in sc.setup {
+        engine.write(0, event, &mut observe);
+    }
+    let submitted = sc.workloads.len();
+    engine.submit_all(sc.workloads);
+    engine.inject(sc.faults);
+    engine.run(None, &mut observe);
+
+    // Liveness: with every fault repaired, the run drained and every workload finished.
+    assert!(
+        engine.state.workloads.is_empty(),
+        "{} workloads never finished",
+        engine.state.workloads.len()
+    );
+    let finished = engine
+        .state
+        .ended
+        .values()
+        .filter(|&&p| p == Phase::Finished)
+        .count();
+    assert_eq!(finished, submitted);
+    assert_eq!(engine.state.cluster.allocated_gpus, 0);
+
+    // Replaying the recorded events into a fresh state yields the identical state.
+    let mut replayed = State::new(sc.state_config);
+    for (seq, env) in &log {
+        replayed.apply(*seq, env);
+    }
+    assert!(
+        replayed == engine.state,
+        "replay diverged from the live fold"
+    );
+}
+
+#[test]
+fn simulation_invariants_hold_for_every_seed() {
+    if let Ok(seed) = std::env::var("FAIRLEDGER_SIM_SEED") {
+        run_seed(seed.parse().expect("FAIRLEDGER_SIM_SEED is a number"));
+        return;
+    }
+    let seeds: u64 = std::env::var("FAIRLEDGER_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    for seed in 0..seeds {
+        run_seed(seed);
+    }
+    eprintln!("simulated {seeds} seeds");
+}
+
+#[test]
+fn simulation_is_deterministic() {
+    let ledger_of = |seed| {
+        let sc = scenario(seed);
+        let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
+        let mut lines = Vec::new();
+        let mut observe =
+            |_: &State, seq: u64, env: &Envelope, _: &Outcome| lines.push(format!("{seq} {env:?}"));
+        for event in sc.setup {
+            engine.write(0, event, &mut observe);
+        }
+        engine.submit_all(sc.workloads);
+        engine.inject(sc.faults);
+        engine.run(None, &mut observe);
+        lines
+    };
+    for seed in [1, 7, 42] {
+        let (a, b) = (ledger_of(seed), ledger_of(seed));
+        assert!(a.len() > 10);
+        assert_eq!(a, b, "seed {seed} gave two different ledgers");
+    }
+}
+
+#[test]
+fn debug_seed() {
+    let Ok(seed) = std::env::var("DEBUG_SEED") else {
+        return;
+    };
+    let seed: u64 = seed.parse().unwrap();
+    let sc = scenario(seed);
+    let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
+    let mut observe = |_: &State, _: u64, _: &Envelope, _: &Outcome| {};
+    for event in sc.setup {
+        engine.write(0, event, &mut observe);
+    }
+    engine.submit_all(sc.workloads);
+    engine.inject(sc.faults);
+    engine.run(None, &mut observe);
+    eprintln!("policy {:?}", engine.policy);
+    for n in &engine.state.cluster.nodes {
+        eprintln!(
+            "node {} {} {} healthy {:b} used {:b}",
+            n.name, n.model, n.gpu_count, n.healthy, n.used
+        );
+    }
+    for w in engine.state.workloads.values() {
+        eprintln!("{:?}", w);
+    }
+    let plan = ledger::policy::decide(&engine.state, engine.state.now_ms, &engine.policy);
+    eprintln!("{plan:#?}");
+}
