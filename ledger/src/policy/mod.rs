@@ -287,7 +287,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut preemptors = 0u32;
     let mut position = 0u32;
 
-    while let Some(id) = rank.next() {
+    while let Some(id) = rank.next_candidate() {
         position += 1;
         let w = &state.workloads[&id];
         let mut blocked = None;

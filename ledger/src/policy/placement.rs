@@ -15,6 +15,10 @@ use crate::cluster::NodeIdx;
 use crate::event::WorkloadId;
 use crate::state::{Part, State, Workload};
 
+/// Cost of a preemption: allocated victims (unallocated ones go first), then GPU-milliseconds
+/// of work lost since their checkpoints.
+type Cost = (u32, u64);
+
 /// Per-model index of nodes by free GPU count.
 struct FreeIndex {
     /// `buckets[k]`: nodes with exactly `k` free GPUs.
@@ -338,8 +342,8 @@ impl Scratch {
         eligible: impl Fn(&Workload) -> bool,
     ) -> Option<(Vec<NodeIdx>, Vec<WorkloadId>)> {
         let need = w.gpus_per_node;
-        let mut memo: FxHashMap<WorkloadId, Option<(u32, u64)>> = FxHashMap::default();
-        let mut cost_of = |id: WorkloadId| -> Option<(u32, u64)> {
+        let mut memo: FxHashMap<WorkloadId, Option<Cost>> = FxHashMap::default();
+        let mut cost_of = |id: WorkloadId| -> Option<Cost> {
             *memo.entry(id).or_insert_with(|| {
                 let v = &state.workloads[&id];
                 if claimed.contains(&id) || !eligible(v) {
@@ -356,10 +360,10 @@ impl Scratch {
                 ))
             })
         };
-        let mut best: Option<((u32, u64), Vec<NodeIdx>, Vec<WorkloadId>)> = None;
+        let mut best: Option<(Cost, Vec<NodeIdx>, Vec<WorkloadId>)> = None;
         for group in self.groups_for(w) {
             // Per node: (cost, node, victims).
-            let mut options: Vec<((u32, u64), NodeIdx, Vec<WorkloadId>)> = Vec::new();
+            let mut options: Vec<(Cost, NodeIdx, Vec<WorkloadId>)> = Vec::new();
             for i in self.eligible_nodes(state, w, group) {
                 let node = state.cluster.node(i);
                 let mut have = self.free[i as usize].count_ones();
@@ -368,7 +372,7 @@ impl Scratch {
                     continue;
                 }
                 // Distinct holders on this node with the healthy GPUs each would free here.
-                let mut holders: Vec<((u32, u64), WorkloadId, u32)> = Vec::new();
+                let mut holders: Vec<(Cost, WorkloadId, u32)> = Vec::new();
                 for g in 0..node.gpu_count {
                     let bit = 1u64 << g;
                     if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {

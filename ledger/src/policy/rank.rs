@@ -173,7 +173,7 @@ impl<'s> Rank<'s> {
     }
 
     /// The next workload to consider, or `None` when the pass is over.
-    pub fn next(&mut self) -> Option<WorkloadId> {
+    pub fn next_candidate(&mut self) -> Option<WorkloadId> {
         if matches!(self.mode, Ranking::Tree) {
             let mut level: Option<AllocId> = None;
             loop {
