@@ -71,6 +71,7 @@ pub struct AllocationTree {
     /// Live top-level allocations.
     pub roots: Vec<AllocId>,
     by_path: FxHashMap<String, AllocId>,
+    buf: SplitBuffers,
 }
 
 /// Checks a path: non-empty segments of `[A-Za-z0-9_-]`, at most 8 levels.
@@ -250,22 +251,32 @@ impl AllocationTree {
 
     /// Recomputes every allocation's instantaneous owed GPUs from `capacity` healthy GPUs.
     pub(crate) fn split_owed(&mut self, capacity: f64) {
-        let owed = self.owed_split(capacity);
-        for (a, o) in self.nodes.iter_mut().zip(owed) {
+        let mut buf = std::mem::take(&mut self.buf);
+        self.split_into(capacity, &mut buf);
+        for (a, &o) in self.nodes.iter_mut().zip(&buf.owed) {
             a.owed_gpus = o;
         }
+        self.buf = buf;
     }
 
     /// The owed GPUs of every allocation (indexed by [`AllocId`]) if `capacity` healthy GPUs were
     /// split now among the demands as they stand.
     pub fn owed_split(&self, capacity: f64) -> Vec<f64> {
-        let mut demand = vec![0.0; self.nodes.len()];
+        let mut buf = SplitBuffers::default();
+        self.split_into(capacity, &mut buf);
+        buf.owed
+    }
+
+    fn split_into(&self, capacity: f64, buf: &mut SplitBuffers) {
+        let n = self.nodes.len();
+        buf.demand.clear();
+        buf.demand.resize(n, 0.0);
+        buf.owed.clear();
+        buf.owed.resize(n, 0.0);
         for &r in &self.roots {
-            self.subtree_demand(r, &mut demand);
+            self.subtree_demand(r, &mut buf.demand);
         }
-        let mut owed = vec![0.0; self.nodes.len()];
-        self.fill(&self.roots, capacity, &demand, &mut owed);
-        owed
+        self.fill(&self.roots, capacity, buf);
     }
 
     fn subtree_demand(&self, id: AllocId, demand: &mut [f64]) -> f64 {
@@ -273,10 +284,11 @@ impl AllocationTree {
         let mut d = if a.is_leaf() {
             a.demand_gpus as f64
         } else {
-            a.children
-                .iter()
-                .map(|&c| self.subtree_demand(c, demand))
-                .sum()
+            let mut sum = 0.0;
+            for &c in &a.children {
+                sum += self.subtree_demand(c, demand);
+            }
+            sum
         };
         if let Some(cap) = a.max_gpus {
             d = d.min(f64::from(cap));
@@ -286,41 +298,64 @@ impl AllocationTree {
     }
 
     /// Weighted water-filling of `capacity` among `children`, then down each subtree.
-    fn fill(&self, children: &[AllocId], capacity: f64, demand: &[f64], owed: &mut [f64]) {
-        let mut open: Vec<AllocId> = children
-            .iter()
-            .copied()
-            .filter(|&c| demand[c as usize] > 0.0)
-            .collect();
+    fn fill(&self, children: &[AllocId], capacity: f64, buf: &mut SplitBuffers) {
+        buf.open.clear();
+        buf.open.extend(
+            children
+                .iter()
+                .copied()
+                .filter(|&c| buf.demand[c as usize] > 0.0),
+        );
         let mut left = capacity;
-        while !open.is_empty() && left > 0.0 {
-            let weights: f64 = open.iter().map(|&c| f64::from(self.node(c).weight)).sum();
+        while !buf.open.is_empty() && left > 0.0 {
+            let mut weights = 0.0;
+            for &c in &buf.open {
+                weights += f64::from(self.node(c).weight);
+            }
             let per_weight = left / weights;
             // Satisfy every child whose demand fits its share; repeat with the rest.
-            let before = open.len();
-            open.retain(|&c| {
-                let want = demand[c as usize];
+            let before = buf.open.len();
+            let mut kept = 0;
+            for i in 0..before {
+                let c = buf.open[i];
+                let want = buf.demand[c as usize];
                 if want <= per_weight * f64::from(self.node(c).weight) {
-                    owed[c as usize] = want;
+                    buf.owed[c as usize] = want;
                     left -= want;
-                    false
                 } else {
-                    true
+                    buf.open[kept] = c;
+                    kept += 1;
                 }
-            });
-            if open.len() == before {
-                for &c in &open {
-                    owed[c as usize] = per_weight * f64::from(self.node(c).weight);
+            }
+            buf.open.truncate(kept);
+            if kept == before {
+                for &c in &buf.open {
+                    buf.owed[c as usize] = per_weight * f64::from(self.node(c).weight);
                 }
                 left = 0.0;
             }
         }
         for &c in children {
             let a = self.node(c);
-            if !a.is_leaf() {
-                self.fill(&a.children, owed[c as usize], demand, owed);
+            if !a.is_leaf() && buf.owed[c as usize] > 0.0 {
+                self.fill(&a.children, buf.owed[c as usize], buf);
             }
         }
+    }
+}
+
+/// Reused space for the owed split, so the fold does not allocate on every change of time.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SplitBuffers {
+    demand: Vec<f64>,
+    owed: Vec<f64>,
+    open: Vec<AllocId>,
+}
+
+impl PartialEq for SplitBuffers {
+    /// Scratch space holds no state: any two are equal.
+    fn eq(&self, _: &Self) -> bool {
+        true
     }
 }
 

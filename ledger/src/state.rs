@@ -302,6 +302,9 @@ impl State {
         self.counters.integrate(&self.cluster, dt);
         self.counters.unallocated_delivered_gpu_ms += self.unallocated_delivering_gpus * dt;
         let dtf = dt as f64;
+        let bucket = self.shape.bucket_of(from);
+        let one_bucket = bucket == self.shape.bucket_of(t_ms - 1);
+        let slot = (bucket % u64::from(self.shape.bucket_count)) as usize;
         for a in self.allocations.nodes.iter_mut() {
             if a.removed || !a.is_leaf() || (a.delivering_gpus == 0 && a.owed_gpus == 0.0) {
                 continue;

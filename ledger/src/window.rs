@@ -25,7 +25,8 @@ impl WindowShape {
         }
     }
 
-    fn bucket_of(&self, t_ms: u64) -> u64 {
+    /// Index of the bucket holding instant `t_ms`.
+    pub fn bucket_of(&self, t_ms: u64) -> u64 {
         t_ms / self.bucket_ms
     }
 }
@@ -76,6 +77,23 @@ impl Window {
             let slot = (b % n) as usize;
             self.delivered[slot] += delivered * dt;
             self.owed[slot] += owed * dt;
+        }
+    }
+
+    /// Adds amounts (GPU-milliseconds) to one bucket: the fast path of [`Window::add`] when an
+    /// interval lies inside one bucket. `slot` is `bucket % bucket_count`.
+    pub fn add_to_bucket(
+        &mut self,
+        shape: WindowShape,
+        bucket: u64,
+        slot: usize,
+        delivered_gpu_ms: f64,
+        owed_gpu_ms: f64,
+    ) {
+        self.roll_to(shape, bucket);
+        if bucket + u64::from(shape.bucket_count) > self.newest {
+            self.delivered[slot] += delivered_gpu_ms;
+            self.owed[slot] += owed_gpu_ms;
         }
     }
 

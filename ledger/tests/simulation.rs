@@ -361,32 +361,3 @@ fn simulation_is_deterministic() {
         assert_eq!(a, b, "seed {seed} gave two different ledgers");
     }
 }
-
-#[test]
-fn debug_seed() {
-    let Ok(seed) = std::env::var("DEBUG_SEED") else {
-        return;
-    };
-    let seed: u64 = seed.parse().unwrap();
-    let sc = scenario(seed);
-    let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
-    let mut observe = |_: &State, _: u64, _: &Envelope, _: &Outcome| {};
-    for event in sc.setup {
-        engine.write(0, event, &mut observe);
-    }
-    engine.submit_all(sc.workloads);
-    engine.inject(sc.faults);
-    engine.run(None, &mut observe);
-    eprintln!("policy {:?}", engine.policy);
-    for n in &engine.state.cluster.nodes {
-        eprintln!(
-            "node {} {} {} healthy {:b} used {:b}",
-            n.name, n.model, n.gpu_count, n.healthy, n.used
-        );
-    }
-    for w in engine.state.workloads.values() {
-        eprintln!("{:?}", w);
-    }
-    let plan = ledger::policy::decide(&engine.state, engine.state.now_ms, &engine.policy);
-    eprintln!("{plan:#?}");
-}

@@ -74,7 +74,8 @@ pub struct PolicyConfig {
     /// Hysteresis: a victim's allocation must rank above the beneficiary's by more than this on
     /// the ranking key, compared where their paths split.
     pub margin: f64,
-    /// The most blocked workloads per pass that may preempt, bounding the work of a pass.
+    /// The most blocked workloads per pass that may look for victims, bounding the work of a
+    /// pass (each look costs a scan of the cluster).
     pub preemptors_per_pass_max: u32,
     /// Node label whose equal values mean "close" (same rack) for gang placement.
     pub topology_label: String,
@@ -329,13 +330,20 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 } else {
                     let mut plan_preempt = None;
                     if preemptors < cfg.preemptors_per_pass_max && w.allocation.is_some() {
+                        preemptors += 1;
+                        // Whether the victim's allocation may lose work to this one: the same
+                        // for all its workloads, so asked once per allocation.
+                        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
                         plan_preempt = scratch.plan_preemption(state, w, now_ms, &claimed, |v| {
-                            can_preempt(state, &rank, policy, cfg, w, v, now_ms)
+                            v.preempting.is_none()
+                                && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
+                                && *by_alloc.entry(v.allocation).or_insert_with(|| {
+                                    can_preempt(state, &rank, policy, cfg, w, v, now_ms)
+                                })
                         });
                     }
                     match plan_preempt {
                         Some((nodes, victims)) => {
-                            preemptors += 1;
                             let until_ms = now_ms + cfg.grace_ms;
                             for v in &victims {
                                 claimed.insert(*v);

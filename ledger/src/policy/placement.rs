@@ -29,6 +29,8 @@ struct FreeIndex {
 pub struct Scratch {
     free: Vec<u64>,
     withheld: Vec<bool>,
+    /// The withheld nodes, in the order they were withheld.
+    withheld_list: Vec<NodeIdx>,
     /// Position of each indexed node in its bucket.
     pos: Vec<u32>,
     model: Vec<u32>,
@@ -44,6 +46,7 @@ impl Scratch {
         let mut s = Scratch {
             free: nodes.iter().map(|n| n.free_mask()).collect(),
             withheld: vec![false; nodes.len()],
+            withheld_list: Vec::new(),
             pos: vec![0; nodes.len()],
             model: nodes.iter().map(|n| n.model_idx).collect(),
             groups: state
@@ -99,6 +102,7 @@ impl Scratch {
             if !self.withheld[n as usize] {
                 self.unindex(n);
                 self.withheld[n as usize] = true;
+                self.withheld_list.push(n);
             }
         }
     }
@@ -236,10 +240,10 @@ impl Scratch {
         if w.nodes != 1 {
             return None;
         }
-        (0..self.free.len())
-            .filter(|&i| self.withheld[i])
-            .filter(|&i| w.model.is_none_or(|m| m == self.model[i]))
-            .map(|i| (self.free[i].count_ones(), i as NodeIdx))
+        self.withheld_list
+            .iter()
+            .filter(|&&i| w.model.is_none_or(|m| m == self.model[i as usize]))
+            .map(|&i| (self.free[i as usize].count_ones(), i))
             .filter(|&(k, _)| k >= w.gpus_per_node)
             .min()
             .map(|(_, n)| vec![n])
@@ -247,11 +251,18 @@ impl Scratch {
 
     /// Whether `w` would fit if withheld nodes were open to it.
     pub fn fits_withheld(&self, w: &Workload) -> bool {
-        let eligible = |i: usize| w.model.is_none_or(|m| m == self.model[i]);
-        let fitting = (0..self.free.len())
-            .filter(|&i| eligible(i) && self.free[i].count_ones() >= w.gpus_per_node)
-            .count();
-        fitting >= w.nodes as usize
+        self.groups_for(w).any(|g| {
+            let withheld = self
+                .withheld_list
+                .iter()
+                .filter(|&&i| {
+                    self.model[i as usize] as usize == g
+                        && self.free[i as usize].count_ones() >= w.gpus_per_node
+                })
+                .count();
+            withheld > 0
+                && withheld + self.count_fitting(g, w.gpus_per_node as usize) >= w.nodes as usize
+        })
     }
 
     /// Indexed nodes that could host one member of `w` now.
@@ -339,7 +350,7 @@ impl Scratch {
         w: &Workload,
         now_ms: u64,
         claimed: &FxHashSet<WorkloadId>,
-        eligible: impl Fn(&Workload) -> bool,
+        mut eligible: impl FnMut(&Workload) -> bool,
     ) -> Option<(Vec<NodeIdx>, Vec<WorkloadId>)> {
         let need = w.gpus_per_node;
         let mut memo: FxHashMap<WorkloadId, Option<Cost>> = FxHashMap::default();

@@ -238,7 +238,8 @@ impl<'s> Rank<'s> {
     }
 
     /// Whether allocation `victim` ranks above `beneficiary` by more than `margin`, comparing the
-    /// two children of their lowest common ancestor on each side. Never within one leaf.
+    /// two children of their lowest common ancestor on each side. Never within one leaf, nor
+    /// between an allocation and its own ancestor.
     pub fn outranks_by(
         &self,
         state: &State,
@@ -246,21 +247,50 @@ impl<'s> Rank<'s> {
         victim: AllocId,
         margin: f64,
     ) -> bool {
-        if beneficiary == victim {
+        let tree = &state.allocations;
+        let depth = |mut a: AllocId| {
+            let mut d = 0;
+            while let Some(p) = tree.node(a).parent {
+                a = p;
+                d += 1;
+            }
+            d
+        };
+        let (mut b, mut v) = (beneficiary, victim);
+        let (mut db, mut dv) = (depth(b), depth(v));
+        // Climb to equal depth, then together until the parents agree.
+        while db > dv {
+            let Some(p) = tree.node(b).parent else {
+                return false;
+            };
+            if p == v {
+                return false;
+            }
+            b = p;
+            db -= 1;
+        }
+        while dv > db {
+            let Some(p) = tree.node(v).parent else {
+                return false;
+            };
+            if p == b {
+                return false;
+            }
+            v = p;
+            dv -= 1;
+        }
+        if b == v {
             return false;
         }
-        let b_path: Vec<AllocId> = state.allocations.ancestors(beneficiary).collect();
-        let v_path: Vec<AllocId> = state.allocations.ancestors(victim).collect();
-        // Walk down from the top while the paths agree.
-        let (mut bi, mut vi) = (b_path.len(), v_path.len());
-        while bi > 0 && vi > 0 && b_path[bi - 1] == v_path[vi - 1] {
-            bi -= 1;
-            vi -= 1;
+        while tree.node(b).parent != tree.node(v).parent {
+            match (tree.node(b).parent, tree.node(v).parent) {
+                (Some(pb), Some(pv)) => {
+                    b = pb;
+                    v = pv;
+                }
+                _ => break,
+            }
         }
-        if bi == 0 || vi == 0 {
-            return false; // one is an ancestor of the other: not comparable
-        }
-        let (b, v) = (b_path[bi - 1], v_path[vi - 1]);
         self.key(v) - self.key(b) > margin
     }
 }
