@@ -315,8 +315,13 @@ impl State {
             let within = delivering.min(a.owed_gpus) * dtf;
             a.within_share_gpu_ms += within;
             self.counters.within_share_gpu_ms += within;
-            a.window
-                .add(self.shape, from, t_ms, delivering, a.owed_gpus);
+            if one_bucket {
+                let (d, o) = (delivering * dtf, a.owed_gpus * dtf);
+                a.window.add_to_bucket(self.shape, bucket, slot, d, o);
+            } else {
+                a.window
+                    .add(self.shape, from, t_ms, delivering, a.owed_gpus);
+            }
         }
         self.now_ms = t_ms;
     }

@@ -163,4 +163,17 @@ mod tests {
         // At 1000 bucket 100 opens and bucket 96 leaves the window.
         assert_eq!(w.sums(shape, 1_000).delivered_gpu_ms, 30.0);
     }
+
+    #[test]
+    fn window_one_bucket_fast_path_matches_the_general_add() {
+        let shape = WindowShape::new(40, 4);
+        let (mut general, mut fast) = (Window::new(shape), Window::new(shape));
+        for (from, to) in [(0, 3), (3, 9), (12, 19), (21, 22), (55, 58)] {
+            general.add(shape, from, to, 2.0, 0.5);
+            let b = shape.bucket_of(from);
+            let dt = (to - from) as f64;
+            fast.add_to_bucket(shape, b, (b % 4) as usize, 2.0 * dt, 0.5 * dt);
+            assert_eq!(general, fast, "after [{from}, {to})");
+        }
+    }
 }
