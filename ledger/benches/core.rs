@@ -155,8 +155,8 @@ fn bench_fold(c: &mut Criterion) {
     g.finish();
 }
 
-/// 2,000 nodes x 8 GPUs, 90% busy with 1-GPU to whole-node work of 48 allocations, and 50,000
-/// pending workloads of mixed shapes, gangs included.
+/// 2,000 nodes x 8 GPUs, 90% busy with 1-GPU to whole-node work of 48 allocations (half of it
+/// past its contract), and 50,000 pending workloads of mixed shapes, gangs included.
 fn big_state() -> State {
     let mut log = setup(NODES);
     let mut seq = log.len() as u64;
@@ -184,13 +184,15 @@ fn big_state() -> State {
                 gpus: (next..next + g).collect(),
             }];
             next += g;
+            // Half the nodes run work past its contract, so preemption has candidates.
+            let protected_until_ms = if n % 2 == 0 { t } else { t + 7_200_000 };
             log.push(env(
                 seq,
                 t,
                 Event::WorkloadStarted(WorkloadStarted {
                     workload: Uuid::from_u128(id),
                     placement,
-                    protected_until_ms: t + 7_200_000,
+                    protected_until_ms,
                 }),
             ));
         }

@@ -286,6 +286,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
     let mut preemptors = 0u32;
+    let mut victim_nodes: Option<Vec<u32>> = None;
     let mut position = 0u32;
 
     while let Some(id) = rank.next_candidate() {
@@ -329,18 +330,30 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     Blocked::WaitingForPreemption { victims, until_ms }
                 } else {
                     let mut plan_preempt = None;
-                    if preemptors < cfg.preemptors_per_pass_max && w.allocation.is_some() {
+                    let victim_nodes =
+                        victim_nodes.get_or_insert_with(|| preemptible_nodes(state, now_ms));
+                    if preemptors < cfg.preemptors_per_pass_max
+                        && w.allocation.is_some()
+                        && !victim_nodes.is_empty()
+                    {
                         preemptors += 1;
                         // Whether the victim's allocation may lose work to this one: the same
                         // for all its workloads, so asked once per allocation.
                         let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
-                        plan_preempt = scratch.plan_preemption(state, w, now_ms, &claimed, |v| {
-                            v.preempting.is_none()
-                                && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
-                                && *by_alloc.entry(v.allocation).or_insert_with(|| {
-                                    can_preempt(state, &rank, policy, cfg, w, v, now_ms)
-                                })
-                        });
+                        plan_preempt = scratch.plan_preemption(
+                            state,
+                            w,
+                            now_ms,
+                            &claimed,
+                            victim_nodes,
+                            |v| {
+                                v.preempting.is_none()
+                                    && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
+                                    && *by_alloc.entry(v.allocation).or_insert_with(|| {
+                                        can_preempt(state, &rank, policy, cfg, w, v, now_ms)
+                                    })
+                            },
+                        );
                     }
                     match plan_preempt {
                         Some((nodes, victims)) => {
@@ -443,6 +456,23 @@ fn start(
             .collect(),
         protected_until_ms: now_ms + protection,
     }
+}
+
+/// Nodes holding running work that some beneficiary could preempt now: unallocated work, or work
+/// past its contract, not already being preempted.
+fn preemptible_nodes(state: &State, now_ms: u64) -> Vec<u32> {
+    let mut nodes: Vec<u32> = state
+        .running
+        .iter()
+        .map(|id| &state.workloads[id])
+        .filter(|w| {
+            w.preempting.is_none() && (w.allocation.is_none() || now_ms >= w.protected_until_ms)
+        })
+        .flat_map(|w| w.placement.iter().map(|p| p.node))
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
 }
 
 /// Whether `beneficiary` may take the GPUs of `victim` now.

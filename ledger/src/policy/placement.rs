@@ -272,6 +272,15 @@ impl Scratch {
             .sum::<usize>() as u32
     }
 
+    /// Whether node `i` is indexed, of model group `group`, with enough healthy GPUs for one
+    /// member of `w`.
+    fn eligible(&self, state: &State, w: &Workload, group: usize, i: NodeIdx) -> bool {
+        let n = state.cluster.node(i);
+        !self.withheld[i as usize]
+            && n.model_idx as usize == group
+            && n.healthy.count_ones() >= w.gpus_per_node
+    }
+
     /// Indexed nodes of model group `group` with enough healthy GPUs for one member of `w`.
     fn eligible_nodes<'a>(
         &'a self,
@@ -279,12 +288,7 @@ impl Scratch {
         w: &'a Workload,
         group: usize,
     ) -> impl Iterator<Item = NodeIdx> + 'a {
-        (0..self.free.len() as NodeIdx).filter(move |&i| {
-            let n = state.cluster.node(i);
-            !self.withheld[i as usize]
-                && n.model_idx as usize == group
-                && n.healthy.count_ones() >= w.gpus_per_node
-        })
+        (0..self.free.len() as NodeIdx).filter(move |&i| self.eligible(state, w, group, i))
     }
 
     /// The reservation for `w`: the nodes where it could start soonest, given when each holder
@@ -342,14 +346,17 @@ impl Scratch {
     }
 
     /// Victims whose preemption makes room for `w` at least cost, and the nodes it would use.
-    /// `eligible` says whether a running workload may be preempted for `w`. The cost prefers
-    /// unallocated victims, then the fewest GPU-milliseconds of work lost since checkpoints.
+    /// Only `victim_nodes` (nodes holding work that may be preemptible at all) and nodes with
+    /// room to spare are looked at. `eligible` says whether a running workload may be preempted
+    /// for `w`. The cost prefers unallocated victims, then the fewest GPU-milliseconds of work
+    /// lost since checkpoints.
     pub fn plan_preemption(
         &self,
         state: &State,
         w: &Workload,
         now_ms: u64,
         claimed: &FxHashSet<WorkloadId>,
+        victim_nodes: &[NodeIdx],
         mut eligible: impl FnMut(&Workload) -> bool,
     ) -> Option<(Vec<NodeIdx>, Vec<WorkloadId>)> {
         let need = w.gpus_per_node;
@@ -375,7 +382,22 @@ impl Scratch {
         for group in self.groups_for(w) {
             // Per node: (cost, node, victims).
             let mut options: Vec<(Cost, NodeIdx, Vec<WorkloadId>)> = Vec::new();
-            for i in self.eligible_nodes(state, w, group) {
+            let mut nodes: Vec<NodeIdx> = victim_nodes
+                .iter()
+                .copied()
+                .filter(|&i| self.eligible(state, w, group, i))
+                .collect();
+            if w.nodes > 1 {
+                // A gang may combine victims' nodes with nodes that have room already.
+                nodes.extend(
+                    self.candidates(group, need as usize)
+                        .into_iter()
+                        .map(|(_, n)| n),
+                );
+                nodes.sort_unstable();
+                nodes.dedup();
+            }
+            for i in nodes {
                 let node = state.cluster.node(i);
                 let mut have = self.free[i as usize].count_ones();
                 if have >= need {
