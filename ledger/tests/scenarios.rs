@@ -1,0 +1,265 @@
+//! Whole scenarios through the simulation engine: the outcomes a manager would check, with the
+//! expected figures derived in each test's comment.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ledger::event::*;
+use ledger::policy::PolicyConfig;
+use ledger::sim::{Engine, Fault, SimWorkload};
+use ledger::{Outcome, State, StateConfig};
+use uuid::Uuid;
+
+const MIN: u64 = 60_000;
+const HOUR: u64 = 3_600_000;
+
+struct Run {
+    engine: Engine,
+    first_start: HashMap<Uuid, u64>,
+    rejected: u32,
+    next_id: u64,
+}
+
+impl Run {
+    fn new(nodes: u32, gpus: u32, allocations: &[(&str, u32)]) -> Self {
+        let state = State::new(StateConfig {
+            window_ms: 1_000 * HOUR,
+            window_buckets: 250,
+            ..StateConfig::default()
+        });
+        let mut run = Run {
+            engine: Engine::new(state, PolicyConfig::default()),
+            first_start: HashMap::new(),
+            rejected: 0,
+            next_id: 0,
+        };
+        for n in 0..nodes {
+            run.write(Event::NodeRegistered(NodeRegistered {
+                node: format!("n{n}"),
+                gpus,
+                model: "H100".into(),
+                labels: BTreeMap::new(),
+            }));
+        }
+        for &(path, weight) in allocations {
+            run.write(Event::AllocationSet(AllocationSet {
+                path: path.into(),
+                weight,
+                max_gpus: None,
+            }));
+        }
+        run
+    }
+
+    fn write(&mut self, event: Event) {
+        let mut rejected = 0;
+        self.engine
+            .write(0, event, &mut |_: &State, _, _: &Envelope, o: &Outcome| {
+                rejected += u32::from(matches!(o, Outcome::Rejected(_)))
+            });
+        self.rejected += rejected;
+    }
+
+    fn submit(
+        &mut self,
+        allocation: &str,
+        at_ms: u64,
+        gpus_per_node: u32,
+        nodes: u32,
+        work_ms: u64,
+    ) -> Uuid {
+        self.next_id += 1;
+        let id = Uuid::from_u64_pair(7, self.next_id);
+        let submitted = WorkloadSubmitted {
+            workload: id,
+            allocation: Some(allocation.into()),
+            gpus_per_node,
+            nodes,
+            model: None,
+            priority: 0,
+            min_runtime_s: None,
+            duration_estimate_s: None,
+            checkpoint_s: None,
+            name: None,
+            command: vec![],
+            env: BTreeMap::new(),
+            idempotency_key: None,
+        };
+        self.engine.submit_all([SimWorkload {
+            submitted,
+            submit_ms: at_ms,
+            work_ms,
+        }]);
+        id
+    }
+
+    fn run(&mut self, until_ms: Option<u64>) {
+        let (first, rejected) = (&mut self.first_start, &mut self.rejected);
+        self.engine
+            .run(until_ms, |_: &State, _, env: &Envelope, o: &Outcome| {
+                if let Event::WorkloadStarted(s) = &env.event {
+                    first.entry(s.workload).or_insert(env.occurred_at_ms);
+                }
+                *rejected += u32::from(matches!(o, Outcome::Rejected(_)));
+            });
+        assert_eq!(
+            self.rejected, 0,
+            "the fold rejected an event the engine wrote"
+        );
+        assert_eq!(self.engine.state.counters.contract_violations, 0);
+    }
+
+    fn delivered_h(&self, path: &str) -> f64 {
+        let s = &self.engine.state;
+        s.allocations
+            .node(s.allocations.get(path).unwrap())
+            .delivered_gpu_ms as f64
+            / HOUR as f64
+    }
+
+    fn ratio(&self, path: &str) -> f64 {
+        let s = &self.engine.state;
+        let a = s.allocations.node(s.allocations.get(path).unwrap());
+        a.delivered_gpu_ms as f64 / a.owed_gpu_ms
+    }
+}
+
+#[test]
+fn two_equal_teams_saturating_the_cluster_split_it_evenly() {
+    // 4 x 8 GPUs; teams a and b each queue sixty 8-GPU jobs of 4 h at t=0: 1,920 GPU-h each
+    // against 32 GPU x 100 h = 3,200 GPU-h of cluster, so both always have demand. Owed is 16 GPUs
+    // each throughout: 1,600 GPU-h. Whole-node jobs of 4 h quantise the split, so over 100 h each
+    // gets 1,600 GPU-h within one job (32 GPU-h).
+    let mut r = Run::new(4, 8, &[("a", 1), ("b", 1)]);
+    for _ in 0..60 {
+        r.submit("a", 0, 8, 1, 4 * HOUR);
+        r.submit("b", 0, 8, 1, 4 * HOUR);
+    }
+    r.run(Some(100 * HOUR));
+    let (a, b) = (r.delivered_h("a"), r.delivered_h("b"));
+    assert!(
+        (a - 1_600.0).abs() <= 32.0 && (b - 1_600.0).abs() <= 32.0,
+        "a {a} b {b}"
+    );
+    assert!(r.ratio("a") > 0.98 && r.ratio("b") > 0.98);
+}
+
+#[test]
+fn weights_one_two_one_give_one_two_one() {
+    // 8 x 8 = 64 GPUs, weights 1:2:1: owed 16, 32 and 16 GPUs while all three have demand. Each
+    // team queues 2,000 2-GPU jobs of 2 h (8,000 GPU-h) against 12,800 GPU-h of cluster, far
+    // beyond its share, so over 200 h delivered should be 3,200 : 6,400 : 3,200 GPU-h, within 3%.
+    let mut r = Run::new(8, 8, &[("p", 1), ("q", 2), ("r", 1)]);
+    for _ in 0..2_000 {
+        for team in ["p", "q", "r"] {
+            r.submit(team, 0, 2, 1, 2 * HOUR);
+        }
+    }
+    r.run(Some(200 * HOUR));
+    for (team, want) in [("p", 3_200.0), ("q", 6_400.0), ("r", 3_200.0)] {
+        let got = r.delivered_h(team);
+        assert!(
+            (got - want).abs() / want < 0.03,
+            "{team}: {got} GPU-h, want {want}"
+        );
+    }
+}
+
+#[test]
+fn a_hierarchy_shares_between_orgs_first() {
+    // Org A has three teams, org B one; orgs weigh the same. A and B each get half the cluster
+    // (16 of 32 GPUs): over 100 h, 1,600 GPU-h each, A's split three ways. Every team queues
+    // 1-GPU jobs of 2 h: A's three 800 each (2,400 GPU-h), B's one 1,200 (2,400 GPU-h), so
+    // both orgs have demand throughout.
+    let mut r = Run::new(4, 8, &[("A/x", 1), ("A/y", 1), ("A/z", 1), ("B/w", 1)]);
+    for _ in 0..800 {
+        for team in ["A/x", "A/y", "A/z"] {
+            r.submit(team, 0, 1, 1, 2 * HOUR);
+        }
+    }
+    for _ in 0..1_200 {
+        r.submit("B/w", 0, 1, 1, 2 * HOUR);
+    }
+    r.run(Some(100 * HOUR));
+    let a: f64 = ["A/x", "A/y", "A/z"].iter().map(|t| r.delivered_h(t)).sum();
+    let b = r.delivered_h("B/w");
+    assert!(
+        (a - 1_600.0).abs() / 1_600.0 < 0.03 && (b - 1_600.0).abs() / 1_600.0 < 0.03,
+        "A {a} B {b}"
+    );
+}
+
+#[test]
+fn a_squatter_yields_to_an_arriving_team_within_min_runtime_and_grace() {
+    // Team a fills 4 x 8 GPUs with 100-hour jobs at t=0. Team b submits an 8-GPU job at t=1h,
+    // inside a's 2 h contracts. b must start by contract end + grace = 2 h 5 min, with exactly one
+    // preemption and no contract broken.
+    let mut r = Run::new(4, 8, &[("a", 1), ("b", 1)]);
+    for _ in 0..4 {
+        r.submit("a", 0, 8, 1, 100 * HOUR);
+    }
+    let b = r.submit("b", HOUR, 8, 1, 10 * HOUR);
+    r.run(Some(4 * HOUR));
+    let grace = r.engine.policy.grace_ms;
+    let started = r.first_start[&b];
+    assert!(started <= 2 * HOUR + grace, "b started at {started} ms");
+    assert!(started >= 2 * HOUR, "b started before a's contract ended");
+    assert_eq!(r.engine.state.counters.preemptions, 1);
+}
+
+#[test]
+fn a_flood_of_small_jobs_cannot_starve_a_whole_cluster_gang() {
+    // Team a submits a 1-GPU, 1-hour job every minute, forever enough to fill 4 x 8 GPUs. Team b
+    // submits a 4-node x 8-GPU gang at t=5h. The reservation stops a's new jobs taking the
+    // reserved nodes, and a's post-contract work may be preempted: the gang must start within
+    // min_runtime + grace of its submission, and finish.
+    let mut r = Run::new(4, 8, &[("a", 1), ("b", 1)]);
+    for m in 0..(30 * 60) {
+        r.submit("a", m * MIN, 1, 1, HOUR);
+    }
+    let gang = r.submit("b", 5 * HOUR, 8, 4, 10 * HOUR);
+    r.run(Some(30 * HOUR));
+    let started = r
+        .first_start
+        .get(&gang)
+        .copied()
+        .expect("the gang never started");
+    let cfg = &r.engine.policy;
+    assert!(
+        started <= 5 * HOUR + cfg.min_runtime_ms + cfg.grace_ms,
+        "gang started at {started} ms"
+    );
+    assert!(
+        r.engine.state.ended.contains_key(&gang),
+        "the gang never finished"
+    );
+}
+
+#[test]
+fn a_gpu_failure_requeues_its_workload_without_a_contract_violation() {
+    // One 4-GPU job on GPUs 0-3 of the one 8-GPU node; GPU 3 fails 30 min in, inside the 2 h
+    // contract. The job is stopped for hardware failure, requeued, restarted on GPUs 4-7, and
+    // finishes its remaining 3.5 h: delivered 4 x 0.5 h + 4 x 3.5 h = 16 GPU-h.
+    let mut r = Run::new(1, 8, &[("a", 1)]);
+    let job = r.submit("a", 0, 4, 1, 4 * HOUR);
+    r.engine.inject([Fault {
+        at_ms: 30 * MIN,
+        node: "n0".into(),
+        gpu: 3,
+        repaired_at_ms: None,
+    }]);
+    r.run(None);
+    let s = &r.engine.state;
+    assert_eq!(s.ended.get(&job), Some(&ledger::Phase::Finished));
+    assert_eq!(s.counters.preemptions, 1);
+    assert_eq!(s.counters.contract_violations, 0);
+    assert!(
+        (r.delivered_h("a") - 16.0).abs() < 1e-9,
+        "{}",
+        r.delivered_h("a")
+    );
+    assert_eq!(
+        s.now_ms,
+        4 * HOUR,
+        "it finished exactly when its remaining work was done"
+    );
+}
