@@ -13,6 +13,6 @@ impl Policy for Priority {
     }
 
     fn ranking(&self) -> Ranking {
-        Ranking::Flat(|w| -i64::from(w.priority))
+        Ranking::Flat(|priority| -i64::from(priority))
     }
 }

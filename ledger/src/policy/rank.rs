@@ -19,8 +19,9 @@ use super::Policy;
 pub enum Ranking {
     /// Descend the allocation tree by [`Policy::allocation_key`].
     Tree,
-    /// One global order by (key, submission), lower first.
-    Flat(fn(&Workload) -> i64),
+    /// One global order by (key of the workload's priority, submission), lower first. Built
+    /// from the queues' own keys, without looking workloads up.
+    Flat(fn(i32) -> i64),
 }
 
 /// What the keys are computed from, for one allocation's subtree (or a sum over siblings).
@@ -128,10 +129,7 @@ impl<'s> Rank<'s> {
                     .queues
                     .values()
                     .flatten()
-                    .map(|k| {
-                        let w = &state.workloads[&k.2];
-                        (key(w), w.submit_seq, w.id)
-                    })
+                    .map(|&(std::cmp::Reverse(priority), seq, id)| (key(priority), seq, id))
                     .collect();
                 all.sort_unstable();
                 r.flat = all.into_iter().map(|k| k.2).collect();
