@@ -34,6 +34,11 @@ pub struct Allocation {
     pub removed: bool,
     /// GPUs of pending, running and preempting workloads charged here (leaves only).
     pub demand_gpus: u64,
+    /// Demand of the subtree before this allocation's cap: `demand_gpus` for a leaf, the sum of
+    /// the children's `subtree_demand_gpus` otherwise. Kept up to date on every change.
+    pub raw_demand_gpus: u64,
+    /// Demand of the subtree as the split sees it: `raw_demand_gpus` capped by `max_gpus`.
+    pub subtree_demand_gpus: u64,
     /// GPUs held by its running workloads (leaves only), healthy or not.
     pub held_gpus: u64,
     /// Healthy GPUs held: what is being delivered now (leaves only).
@@ -70,6 +75,8 @@ pub struct AllocationTree {
     pub nodes: Vec<Allocation>,
     /// Live top-level allocations.
     pub roots: Vec<AllocId>,
+    /// Sum of the top-level allocations' `subtree_demand_gpus`.
+    pub roots_demand_gpus: u64,
     by_path: FxHashMap<String, AllocId>,
     buf: SplitBuffers,
 }
@@ -162,6 +169,105 @@ impl AllocationTree {
         let a = self.node_mut(id);
         a.weight = weight;
         a.max_gpus = max_gpus;
+        self.recompute_demands();
+    }
+
+    /// Recomputes every subtree demand from the leaves' demands (after the shape of the tree or a
+    /// cap changed).
+    pub(crate) fn recompute_demands(&mut self) {
+        // Children always have higher ids than their parents: one pass from the end suffices.
+        for a in self.nodes.iter_mut() {
+            if !a.is_leaf() {
+                a.raw_demand_gpus = 0;
+            }
+        }
+        self.roots_demand_gpus = 0;
+        for id in (0..self.nodes.len()).rev() {
+            let a = &mut self.nodes[id];
+            if a.removed {
+                continue;
+            }
+            if a.is_leaf() {
+                a.raw_demand_gpus = a.demand_gpus;
+            }
+            a.subtree_demand_gpus = capped(a.raw_demand_gpus, a.max_gpus);
+            let (d, parent) = (a.subtree_demand_gpus, a.parent);
+            match parent {
+                Some(p) => self.nodes[p as usize].raw_demand_gpus += d,
+                None => self.roots_demand_gpus += d,
+            }
+        }
+    }
+
+    /// Changes a leaf's demand by `delta` GPUs, keeping subtree demands right. When `split_fresh`,
+    /// also tries to keep the owed split right without recomputing it: only the path from the
+    /// leaf to the top can change, and level by level (top down) either the path's node stays
+    /// short of its demand with an unchanged capacity to share (then max-min gives everyone the
+    /// same), or every sibling at that level is satisfied before and after (then only the path's
+    /// node changes, to its new demand). Returns whether the stored split is still right; when it
+    /// is not, the caller must recompute it.
+    pub(crate) fn change_demand(
+        &mut self,
+        leaf: AllocId,
+        delta: i64,
+        capacity: f64,
+        split_fresh: bool,
+    ) -> bool {
+        // Bottom-up: the path with each node's demand before and after.
+        let mut path: Vec<(AllocId, u64, u64)> = Vec::with_capacity(8);
+        let mut id = leaf;
+        let mut raw_delta = delta;
+        let (old_sum_top, new_sum_top);
+        loop {
+            let a = &mut self.nodes[id as usize];
+            if id == leaf {
+                a.demand_gpus = (a.demand_gpus as i64 + delta) as u64;
+            }
+            let old = a.subtree_demand_gpus;
+            a.raw_demand_gpus = (a.raw_demand_gpus as i64 + raw_delta) as u64;
+            a.subtree_demand_gpus = capped(a.raw_demand_gpus, a.max_gpus);
+            let new = a.subtree_demand_gpus;
+            path.push((id, old, new));
+            raw_delta = new as i64 - old as i64;
+            match a.parent {
+                Some(p) => id = p,
+                None => {
+                    old_sum_top = self.roots_demand_gpus;
+                    self.roots_demand_gpus = (self.roots_demand_gpus as i64 + raw_delta) as u64;
+                    new_sum_top = self.roots_demand_gpus;
+                    break;
+                }
+            }
+        }
+        if !split_fresh {
+            return false;
+        }
+        // Top-down: the capacity shared at each level, before and after.
+        let (mut cap_old, mut cap_new) = (capacity, capacity);
+        let (mut sum_old, mut sum_new) = (old_sum_top, new_sum_top);
+        for (i, &(x, d_old, d_new)) in path.iter().enumerate().rev() {
+            let owed = self.nodes[x as usize].owed_gpus;
+            let unsatisfied = owed < d_old as f64 && owed < d_new as f64;
+            let next_owed = if cap_old == cap_new && unsatisfied {
+                owed
+            } else if sum_old as f64 <= cap_old && sum_new as f64 <= cap_new {
+                d_new as f64
+            } else {
+                return false;
+            };
+            self.nodes[x as usize].owed_gpus = next_owed;
+            cap_old = owed;
+            cap_new = next_owed;
+            // The next level down shares this node's owed among its children.
+            if i > 0 {
+                let a = &self.nodes[x as usize];
+                let child_old = path[i - 1].1;
+                let child_new = path[i - 1].2;
+                sum_new = a.raw_demand_gpus;
+                sum_old = (sum_new as i64 - child_new as i64 + child_old as i64) as u64;
+            }
+        }
+        true
     }
 
     fn ensure(&mut self, shape: WindowShape, path: &str) -> AllocId {
@@ -178,6 +284,8 @@ impl AllocationTree {
             max_gpus: None,
             removed: false,
             demand_gpus: 0,
+            raw_demand_gpus: 0,
+            subtree_demand_gpus: 0,
             held_gpus: 0,
             delivering_gpus: 0,
             owed_gpus: 0.0,
@@ -232,6 +340,7 @@ impl AllocationTree {
         a.path = path;
         a.removed = true;
         a.owed_gpus = 0.0;
+        self.recompute_demands();
     }
 
     /// Live allocations from `id` up to its top-level ancestor.
@@ -270,31 +379,16 @@ impl AllocationTree {
     fn split_into(&self, capacity: f64, buf: &mut SplitBuffers) {
         let n = self.nodes.len();
         buf.demand.clear();
-        buf.demand.resize(n, 0.0);
+        buf.demand.extend(self.nodes.iter().map(|a| {
+            if a.removed {
+                0.0
+            } else {
+                a.subtree_demand_gpus as f64
+            }
+        }));
         buf.owed.clear();
         buf.owed.resize(n, 0.0);
-        for &r in &self.roots {
-            self.subtree_demand(r, &mut buf.demand);
-        }
         self.fill(&self.roots, capacity, buf);
-    }
-
-    fn subtree_demand(&self, id: AllocId, demand: &mut [f64]) -> f64 {
-        let a = self.node(id);
-        let mut d = if a.is_leaf() {
-            a.demand_gpus as f64
-        } else {
-            let mut sum = 0.0;
-            for &c in &a.children {
-                sum += self.subtree_demand(c, demand);
-            }
-            sum
-        };
-        if let Some(cap) = a.max_gpus {
-            d = d.min(f64::from(cap));
-        }
-        demand[id as usize] = d;
-        d
     }
 
     /// Weighted water-filling of `capacity` among `children`, then down each subtree.
@@ -344,6 +438,10 @@ impl AllocationTree {
     }
 }
 
+fn capped(demand: u64, max_gpus: Option<u32>) -> u64 {
+    max_gpus.map_or(demand, |m| demand.min(u64::from(m)))
+}
+
 /// Reused space for the owed split, so the fold does not allocate on every change of time.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SplitBuffers {
@@ -372,6 +470,7 @@ mod tests {
             let id = t.get(path).unwrap();
             t.node_mut(id).demand_gpus = demand;
         }
+        t.recompute_demands();
         t
     }
 
@@ -426,6 +525,7 @@ mod tests {
         let mut t = tree(&[("p", 1, 30), ("q", 1, 30)]);
         let q = t.get("q").unwrap();
         t.node_mut(q).max_gpus = Some(1);
+        t.recompute_demands();
         t.split_owed(10.0);
         assert_eq!([owed(&t, "p"), owed(&t, "q")], [9.0, 1.0]);
     }

@@ -450,6 +450,16 @@ impl State {
         Ok(Outcome::Applied)
     }
 
+    /// Changes a leaf's demand, keeping the owed split fresh when only the path to the top is
+    /// affected, and marking it stale otherwise.
+    fn change_demand(&mut self, leaf: AllocId, delta: i64) {
+        let capacity = self.cluster.healthy_gpus as f64;
+        let fresh = self
+            .allocations
+            .change_demand(leaf, delta, capacity, !self.owed_stale);
+        self.owed_stale = !fresh;
+    }
+
     fn adjust_delivering(&mut self, alloc: Option<AllocId>, delta: i64) {
         let slot = match alloc {
             Some(a) => &mut self.allocations.node_mut(a).delivering_gpus,
@@ -580,10 +590,8 @@ impl State {
             self.idempotency.insert(key.clone(), e.workload);
         }
         if let Some(a) = allocation {
-            let node = self.allocations.node_mut(a);
-            node.live_workloads += 1;
-            node.demand_gpus += w.gpus();
-            self.owed_stale = true;
+            self.allocations.node_mut(a).live_workloads += 1;
+            self.change_demand(a, w.gpus() as i64);
         }
         self.enqueue(&w);
         self.workloads.insert(e.workload, w);
@@ -632,12 +640,10 @@ impl State {
             .expect("caller checked the workload");
         debug_assert!(w.placement.is_empty());
         if let Some(a) = w.allocation {
-            let node = self.allocations.node_mut(a);
-            node.live_workloads -= 1;
+            self.allocations.node_mut(a).live_workloads -= 1;
             if w.phase != Phase::Stopped {
-                node.demand_gpus -= w.gpus();
+                self.change_demand(a, -(w.gpus() as i64));
             }
-            self.owed_stale = true;
         }
         self.ended.insert(id, phase);
     }
@@ -896,9 +902,9 @@ impl State {
         } else {
             let w = self.workloads.get_mut(&e.workload).expect("checked");
             w.phase = Phase::Stopped;
+            let gpus = w.gpus() as i64;
             if let Some(a) = alloc {
-                self.allocations.node_mut(a).demand_gpus -= w.gpus();
-                self.owed_stale = true;
+                self.change_demand(a, -gpus);
             }
         }
         Ok(Outcome::Applied)
@@ -920,8 +926,7 @@ impl State {
             .saturating_sub(e.work_lost_s.saturating_mul(1000));
         let w = w.clone();
         if let Some(a) = w.allocation {
-            self.allocations.node_mut(a).demand_gpus += w.gpus();
-            self.owed_stale = true;
+            self.change_demand(a, w.gpus() as i64);
         }
         self.enqueue(&w);
         Ok(Outcome::Applied)

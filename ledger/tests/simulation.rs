@@ -269,6 +269,19 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         }
     }
     let owed = state.owed_now();
+    let recomputed = state
+        .allocations
+        .owed_split(state.cluster.healthy_gpus as f64);
+    for (id, a) in state.allocations.nodes.iter().enumerate() {
+        assert!(
+            (owed[id] - recomputed[id]).abs() < 1e-9,
+            "owed of {} kept incrementally is {} but a full split gives {} {}",
+            a.path,
+            owed[id],
+            recomputed[id],
+            at()
+        );
+    }
     let owed_sum: f64 = leaves
         .map(|a| owed[state.allocations.get(&a.path).unwrap() as usize])
         .sum();

@@ -201,6 +201,12 @@ proptest! {
                 prop_assert_eq!(&expected, &state, "rejected {:?} changed the state", r);
             }
             prop_assert_eq!(&state.cluster, &state.cluster.recount());
+            // The owed split kept incrementally equals a full recomputation.
+            let kept = state.owed_now();
+            let full = state.allocations.owed_split(state.cluster.healthy_gpus as f64);
+            for (k, f) in kept.iter().zip(&full) {
+                prop_assert!((k - f).abs() < 1e-9, "owed kept {} != recomputed {}", k, f);
+            }
             prop_assert!(state.cluster.allocated_gpus <= state.cluster.healthy_gpus);
         }
     }
