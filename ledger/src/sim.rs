@@ -64,6 +64,8 @@ pub struct Engine {
     timers: BinaryHeap<Reverse<(u64, Timer)>>,
     /// Submissions not yet made, by time then order given.
     submissions: BTreeMap<(u64, u64), SimWorkload>,
+    /// A schedule read as the run goes, in submission order, so memory holds only what is live.
+    source: Option<std::iter::Peekable<Box<dyn Iterator<Item = SimWorkload>>>>,
     work_ms: BTreeMap<WorkloadId, u64>,
     faults: Vec<Fault>,
     /// Rejections of events the engine wrote; a correct policy never causes one.
@@ -81,6 +83,7 @@ impl Engine {
             id_counter: 0,
             timers: BinaryHeap::new(),
             submissions: BTreeMap::new(),
+            source: None,
             work_ms: BTreeMap::new(),
             faults: Vec::new(),
             rejected: Vec::new(),
@@ -131,6 +134,12 @@ impl Engine {
         }
     }
 
+    /// Reads the schedule from `source` as the run goes. It must be in submission order; a
+    /// workload that comes late is submitted at the engine's present.
+    pub fn stream_from(&mut self, source: Box<dyn Iterator<Item = SimWorkload>>) {
+        self.source = Some(source.peekable());
+    }
+
     /// Queues GPU faults.
     pub fn inject(&mut self, faults: impl IntoIterator<Item = Fault>) {
         for f in faults {
@@ -143,13 +152,19 @@ impl Engine {
         }
     }
 
-    fn next_instant(&self) -> Option<u64> {
-        let sub = self.submissions.keys().next().map(|k| k.0);
-        let timer = self.timers.peek().map(|Reverse((t, _))| *t);
-        match (sub, timer) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+    fn next_instant(&mut self) -> Option<u64> {
+        let now = self.state.now_ms;
+        [
+            self.submissions.keys().next().map(|k| k.0),
+            self.timers.peek().map(|Reverse((t, _))| *t),
+            self.source
+                .as_mut()
+                .and_then(|s| s.peek())
+                .map(|w| w.submit_ms.max(now)),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Runs until nothing is left to happen or the next instant is past `until_ms`; then the
@@ -186,6 +201,16 @@ impl Engine {
                 break;
             }
             let w = entry.remove();
+            let id = w.submitted.workload;
+            if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
+                self.work_ms.insert(id, w.work_ms);
+            }
+        }
+        while let Some(w) = self
+            .source
+            .as_mut()
+            .and_then(|s| s.next_if(|w| w.submit_ms <= t))
+        {
             let id = w.submitted.workload;
             if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
                 self.work_ms.insert(id, w.work_ms);

@@ -47,6 +47,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay a workload trace through the scheduler on a virtual clock and report owed versus
+    /// delivered GPU-hours, waits and the cluster metrics.
+    Sim(SimArgs),
     /// Fold a ledger written as JSON lines (one event per line, in order) and print the audit.
     Replay {
         /// The events file.
@@ -58,6 +61,40 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct SimArgs {
+    /// The scenario: cluster, allocation tree, policy, faults.
+    #[arg(long)]
+    scenario: PathBuf,
+    /// The workload trace.
+    #[arg(long)]
+    workloads: PathBuf,
+    /// Trace format: native (CSV or JSON lines by extension) or alibaba-openb.
+    #[arg(long, default_value = "native")]
+    format: String,
+    /// Policy, overriding the scenario's.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Run each of these policies on the same input, side by side (e.g. fifo,fairshare).
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// Seed for random faults.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop at this simulated second and report on [0, until]; otherwise run until all finish.
+    #[arg(long)]
+    until: Option<u64>,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Skip and count bad trace rows instead of stopping at the first.
+    #[arg(long)]
+    skip_bad_rows: bool,
+    /// alibaba-openb: the allocation of each pod: qos, none, or teams:N.
+    #[arg(long, default_value = "qos")]
+    allocation_column: String,
 }
 
 fn main() -> ExitCode {
@@ -125,6 +162,7 @@ fn run(cli: Cli) -> Result<(), String> {
             );
             Ok(())
         }
+        Command::Sim(args) => simulate(args),
         Command::Replay {
             events,
             at_ms,
@@ -157,5 +195,90 @@ fn run(cli: Cli) -> Result<(), String> {
             );
             Ok(())
         }
+    }
+}
+
+fn simulate(args: SimArgs) -> Result<(), String> {
+    let scenario = sim::scenario::Scenario::load(&args.scenario).map_err(|e| e.to_string())?;
+    let trace = sim::trace::TraceOptions {
+        format: sim::trace::Format::parse(&args.format).map_err(|e| e.to_string())?,
+        skip_bad_rows: args.skip_bad_rows,
+        allocation_column: args.allocation_column.clone(),
+    };
+    let policies: Vec<Option<String>> = if args.compare.is_empty() {
+        vec![args.policy.clone()]
+    } else {
+        args.compare
+            .iter()
+            .map(|p| Some(p.trim().to_string()))
+            .collect()
+    };
+    let mut reports = Vec::new();
+    for policy in &policies {
+        let prepared = scenario
+            .prepare(policy.as_deref())
+            .map_err(|e| e.to_string())?;
+        let name = prepared.policy.policy;
+        let out = if args.compare.is_empty() {
+            args.out.clone()
+        } else {
+            args.out.join(name)
+        };
+        let spec = sim::RunSpec {
+            scenario: prepared,
+            workloads: args.workloads.clone(),
+            trace: trace.clone(),
+            seed: args.seed,
+            until_s: args.until,
+            out: out.clone(),
+        };
+        let result = sim::run(&spec, |_| {}).map_err(|e| e.to_string())?;
+        for (rule, n) in &result.rejections {
+            eprintln!("{name}: {n} events rejected by the ledger: {rule}");
+        }
+        if result.bad_rows > 0 {
+            eprintln!("{name}: skipped {} bad rows", result.bad_rows);
+        }
+        print_sim(&result.report, &out);
+        reports.push(result.report);
+    }
+    if !args.compare.is_empty() {
+        let path = args.out.join("compare.json");
+        sim::write_json(&path, &serde_json::json!({ "policies": reports }))
+            .map_err(|e| e.to_string())?;
+        println!("comparison: {}", path.display());
+    }
+    Ok(())
+}
+
+fn print_sim(r: &sim::report::Report, out: &std::path::Path) {
+    println!(
+        "{}: delivered/owed {:.3}, occupancy {:.3}, impact {:.3}, {} started, {} preemptions, {} contract violations, {:.0} simulated h in {:.2} s -> {}",
+        r.policy,
+        r.fairness.delivered_over_owed,
+        r.metrics.occupancy,
+        r.metrics.impact,
+        r.workloads.started,
+        r.workloads.preemptions,
+        r.workloads.contract_violations,
+        r.sim.horizon_s / 3600.0,
+        r.sim.wall_s,
+        out.display()
+    );
+    println!(
+        "  {:<24} {:>6} {:>12} {:>12} {:>9} {:>10} {:>8}",
+        "ALLOCATION", "WEIGHT", "OWED GPU-H", "GOT GPU-H", "GOT/OWED", "WAIT P50", "PREEMPT"
+    );
+    for a in &r.allocations {
+        let ratio = if a.owed_gpu_hours > 0.0 {
+            format!("{:.3}", a.delivered_gpu_hours / a.owed_gpu_hours)
+        } else {
+            "-".into()
+        };
+        let wait = a.wait_p50_s.map_or("-".into(), |w| format!("{w:.0}s"));
+        println!(
+            "  {:<24} {:>6} {:>12.1} {:>12.1} {:>9} {:>10} {:>8}",
+            a.path, a.weight, a.owed_gpu_hours, a.delivered_gpu_hours, ratio, wait, a.preemptions
+        );
     }
 }

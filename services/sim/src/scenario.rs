@@ -1,0 +1,360 @@
+//! `scenario.toml`: the cluster, the allocation tree, the policy and optional faults of a run.
+//!
+//! ```toml
+//! [policy]
+//! name = "fairshare"        # fairshare | fairtree | fifo | priority
+//! window_s = 604800         # usage lookback
+//! min_runtime_s = 7200      # scheduling contract default
+//! max_min_runtime_s = 28800 # cap on what a workload may ask for
+//! grace_s = 300             # time to checkpoint after a preemption request
+//! margin = 0.05             # hysteresis on the ranking key
+//!
+//! [[nodes]]                 # a group of identical nodes; repeat for more groups
+//! count = 16
+//! gpus = 8
+//! model = "H100"
+//! labels = { rack = "r1" }  # optional topology
+//!
+//! [[allocations]]           # the allocation tree; parents are implied by the paths
+//! path = "ai2/olmo"
+//! weight = 3
+//!
+//! [[faults]]                # optional: a GPU fails at a time, and may be repaired
+//! at_s = 3600
+//! node = "H100-0-3"
+//! gpu = 2
+//! repair_s = 7200
+//!
+//! [failures]                # optional: random GPU failures, seeded by --seed
+//! per_gpu_day = 0.001
+//! repair_s = 14400
+//! ```
+//!
+//! Nodes are named `<model>-<group>-<index>`. `nodes_file` may name an Alibaba 2023
+//! `openb_node_list` CSV instead of (or besides) `[[nodes]]`, relative to the scenario file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ledger::event::{AllocationSet, Event, NodeRegistered};
+use ledger::policy::{self, PolicyConfig};
+use ledger::sim::Fault;
+use ledger::StateConfig;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+use crate::SimError;
+
+/// The file as written.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Scheduler settings.
+    #[serde(default)]
+    pub policy: PolicySection,
+    /// Node groups.
+    #[serde(default)]
+    pub nodes: Vec<NodeGroup>,
+    /// An Alibaba 2023 node list to add as nodes, relative to the scenario file.
+    #[serde(default)]
+    pub nodes_file: Option<PathBuf>,
+    /// The allocation tree.
+    #[serde(default)]
+    pub allocations: Vec<AllocationEntry>,
+    /// Scheduled GPU faults.
+    #[serde(default)]
+    pub faults: Vec<FaultEntry>,
+    /// Random GPU failures.
+    #[serde(default)]
+    pub failures: Option<Failures>,
+}
+
+/// `[policy]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicySection {
+    /// Policy name.
+    pub name: String,
+    /// Usage lookback.
+    pub window_s: u64,
+    /// Buckets of the lookback.
+    pub window_buckets: u32,
+    /// Contract default.
+    pub min_runtime_s: u64,
+    /// Contract cap.
+    pub max_min_runtime_s: u64,
+    /// Grace after a preemption request.
+    pub grace_s: u64,
+    /// Hysteresis margin on the ranking key.
+    pub margin: f64,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        PolicySection {
+            name: "fairshare".into(),
+            window_s: 7 * 24 * 3600,
+            window_buckets: 168,
+            min_runtime_s: 7200,
+            max_min_runtime_s: 28_800,
+            grace_s: 300,
+            margin: 0.05,
+        }
+    }
+}
+
+/// `[[nodes]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeGroup {
+    /// Identical nodes in the group.
+    pub count: u32,
+    /// GPUs per node.
+    pub gpus: u32,
+    /// GPU model.
+    pub model: String,
+    /// Topology labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// `[[allocations]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocationEntry {
+    /// Path.
+    pub path: String,
+    /// Weight.
+    pub weight: u32,
+    /// Optional GPU cap.
+    #[serde(default)]
+    pub max_gpus: Option<u32>,
+}
+
+/// `[[faults]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultEntry {
+    /// When.
+    pub at_s: u64,
+    /// Node name.
+    pub node: String,
+    /// GPU index.
+    pub gpu: u32,
+    /// Seconds until repair; never if absent.
+    #[serde(default)]
+    pub repair_s: Option<u64>,
+}
+
+/// `[failures]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Failures {
+    /// Expected failures per GPU per day.
+    pub per_gpu_day: f64,
+    /// Seconds until a failed GPU is repaired.
+    pub repair_s: u64,
+}
+
+/// A scenario made ready to run.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// The fold's settings.
+    pub state_config: StateConfig,
+    /// The scheduler's settings.
+    pub policy: PolicyConfig,
+    /// Node registrations and allocations, written at time 0.
+    pub setup: Vec<Event>,
+    /// `(name, gpus)` of every node.
+    pub nodes: Vec<(String, u32)>,
+    /// Weight of every allocation path given.
+    pub weights: BTreeMap<String, u32>,
+    /// Scheduled faults.
+    pub faults: Vec<Fault>,
+    /// Random failures to draw once the horizon is known.
+    pub failures: Option<Failures>,
+}
+
+impl Scenario {
+    /// Reads and checks a scenario file.
+    pub fn load(path: &Path) -> Result<Scenario, SimError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
+        let mut s: Scenario = toml::from_str(&text).map_err(|e| SimError::Scenario {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        if let Some(f) = &s.nodes_file {
+            if f.is_relative() {
+                s.nodes_file = Some(path.parent().unwrap_or(Path::new(".")).join(f));
+            }
+        }
+        Ok(s)
+    }
+
+    /// Checks the scenario and builds the setup events. `policy` overrides `[policy].name`.
+    pub fn prepare(&self, policy_override: Option<&str>) -> Result<Prepared, SimError> {
+        let bad = |message: String| SimError::Invalid(message);
+        let name = policy_override.unwrap_or(&self.policy.name);
+        let policy_name = policy::POLICY_NAMES
+            .iter()
+            .find(|p| **p == name)
+            .ok_or_else(|| {
+                bad(format!(
+                    "[policy] name {name:?} is unknown; use one of {}",
+                    policy::POLICY_NAMES.join(", ")
+                ))
+            })?;
+        let p = &self.policy;
+        if p.min_runtime_s > p.max_min_runtime_s {
+            return Err(bad(format!(
+                "[policy] min_runtime_s {} exceeds max_min_runtime_s {}; raise the cap or lower the default",
+                p.min_runtime_s, p.max_min_runtime_s
+            )));
+        }
+        if p.window_s == 0 || p.window_buckets == 0 {
+            return Err(bad(
+                "[policy] window_s and window_buckets must be at least 1".into(),
+            ));
+        }
+        if !(0.0..10.0).contains(&p.margin) {
+            return Err(bad(format!(
+                "[policy] margin {} must lie in [0, 10)",
+                p.margin
+            )));
+        }
+        let mut setup = Vec::new();
+        let mut nodes = Vec::new();
+        for (g, group) in self.nodes.iter().enumerate() {
+            if group.count == 0 || group.gpus == 0 || group.gpus > 64 {
+                return Err(bad(format!(
+                    "[[nodes]] group {}: count must be at least 1 and gpus 1 to 64",
+                    g + 1
+                )));
+            }
+            for i in 0..group.count {
+                let node = format!("{}-{g}-{i}", group.model);
+                nodes.push((node.clone(), group.gpus));
+                setup.push(Event::NodeRegistered(NodeRegistered {
+                    node,
+                    gpus: group.gpus,
+                    model: group.model.clone(),
+                    labels: group.labels.clone(),
+                }));
+            }
+        }
+        if let Some(file) = &self.nodes_file {
+            for (node, gpus, model) in crate::trace::alibaba::read_nodes(file)? {
+                nodes.push((node.clone(), gpus));
+                setup.push(Event::NodeRegistered(NodeRegistered {
+                    node,
+                    gpus,
+                    model,
+                    labels: BTreeMap::new(),
+                }));
+            }
+        }
+        if nodes.is_empty() {
+            return Err(bad(
+                "the scenario has no nodes; add a [[nodes]] group or nodes_file".into(),
+            ));
+        }
+        let mut weights = BTreeMap::new();
+        for a in &self.allocations {
+            ledger::alloc::validate_path(&a.path)
+                .map_err(|e| bad(format!("[[allocations]] {e}")))?;
+            if a.weight == 0 {
+                return Err(bad(format!(
+                    "[[allocations]] {:?}: weight must be at least 1",
+                    a.path
+                )));
+            }
+            if weights.insert(a.path.clone(), a.weight).is_some() {
+                return Err(bad(format!("[[allocations]] {:?} is listed twice", a.path)));
+            }
+            setup.push(Event::AllocationSet(AllocationSet {
+                path: a.path.clone(),
+                weight: a.weight,
+                max_gpus: a.max_gpus,
+            }));
+        }
+        let mut faults = Vec::new();
+        for f in &self.faults {
+            match nodes.iter().find(|n| n.0 == f.node) {
+                Some(&(_, gpus)) if f.gpu < gpus => {}
+                _ => return Err(bad(format!("[[faults]] node {:?} GPU {} does not exist; nodes are named <model>-<group>-<index>", f.node, f.gpu))),
+            }
+            faults.push(Fault {
+                at_ms: f.at_s * 1000,
+                node: f.node.clone(),
+                gpu: f.gpu,
+                repaired_at_ms: f.repair_s.map(|r| (f.at_s + r) * 1000),
+            });
+        }
+        if let Some(f) = &self.failures {
+            if !(f.per_gpu_day >= 0.0 && f.per_gpu_day.is_finite()) {
+                return Err(bad(
+                    "[failures] per_gpu_day must be a non-negative number".into()
+                ));
+            }
+        }
+        Ok(Prepared {
+            state_config: StateConfig {
+                window_ms: p.window_s * 1000,
+                window_buckets: p.window_buckets,
+                min_runtime_cap_ms: p.max_min_runtime_s * 1000,
+                clock_skew_tolerance_ms: 0,
+            },
+            policy: PolicyConfig {
+                policy: policy_name,
+                min_runtime_ms: p.min_runtime_s * 1000,
+                grace_ms: p.grace_s * 1000,
+                margin: p.margin,
+                ..PolicyConfig::default()
+            },
+            setup,
+            nodes,
+            weights,
+            faults,
+            failures: self.failures.clone(),
+        })
+    }
+}
+
+impl Prepared {
+    /// Draws random failures over `[0, horizon_ms)` from `seed`, on top of the scheduled ones.
+    pub fn draw_failures(&self, seed: u64, horizon_ms: u64) -> Vec<Fault> {
+        let mut faults = self.faults.clone();
+        let Some(f) = &self.failures else {
+            return faults;
+        };
+        if f.per_gpu_day <= 0.0 {
+            return faults;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let day_ms = 86_400_000.0;
+        for (node, gpus) in &self.nodes {
+            for gpu in 0..*gpus {
+                // Exponential gaps between failures of one GPU.
+                let mut t = 0.0;
+                loop {
+                    let u: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+                    t += -u.ln() / f.per_gpu_day * day_ms;
+                    if t >= horizon_ms as f64 {
+                        break;
+                    }
+                    let at_ms = t as u64;
+                    faults.push(Fault {
+                        at_ms,
+                        node: node.clone(),
+                        gpu,
+                        repaired_at_ms: Some(at_ms + f.repair_s * 1000),
+                    });
+                    t += (f.repair_s * 1000) as f64;
+                }
+            }
+        }
+        faults
+    }
+}

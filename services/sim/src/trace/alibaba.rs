@@ -1,0 +1,188 @@
+//! The Alibaba GPU cluster trace v2023 (Weng et al., "Beware of Fragmentation: Scheduling
+//! GPU-Sharing Workloads with Fragmentation Gradient Descent", USENIX ATC'23), from
+//! github.com/alibaba/clusterdata, folder `cluster-trace-gpu-v2023/csv/`.
+//!
+//! `openb_pod_list_*.csv` has one row per pod: `name`, `cpu_milli`, `memory_mib`, `num_gpu`,
+//! `gpu_milli`, `gpu_spec`, `qos`, `pod_phase`, `creation_time`, `deletion_time`,
+//! `scheduled_time` (times in seconds from the trace start). The adapter reads:
+//! - submission = `creation_time`; work = `deletion_time - scheduled_time`;
+//! - GPUs = `num_gpu` on one node; a pod sharing a fraction of one GPU (`gpu_milli` < 1000) is
+//!   given a whole GPU, since the ledger places whole GPUs (this overstates its load);
+//! - `gpu_spec`, when it names exactly one model, becomes the model constraint;
+//! - the allocation: `--allocation-column qos` (the trace has no user or team column), `none`
+//!   (all unallocated), or `teams:N` (rows dealt round-robin to `team-0` … `team-N-1`, for
+//!   fairness experiments on a trace that has no teams).
+//!
+//! Pods without GPUs, and pods never scheduled (no `scheduled_time`, so no run time), are not
+//! GPU work the trace can replay and are left out.
+//!
+//! `openb_node_list_*.csv` (`sn`, `cpu_milli`, `memory_mib`, `gpu`, `model`) can serve as the
+//! cluster through `nodes_file` in the scenario; nodes without GPUs are left out.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use ledger::event::WorkloadSubmitted;
+use ledger::sim::SimWorkload;
+use serde::Deserialize;
+
+use super::{workload_id, Ordered, RowError, Rows};
+use crate::SimError;
+
+#[derive(Debug, Deserialize)]
+struct Pod {
+    name: String,
+    num_gpu: u32,
+    #[serde(default)]
+    gpu_spec: String,
+    #[serde(default)]
+    qos: String,
+    creation_time: u64,
+    deletion_time: u64,
+    scheduled_time: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct NodeRow {
+    sn: String,
+    gpu: u32,
+    model: String,
+}
+
+enum AllocationFrom {
+    Qos,
+    None,
+    Teams(u64),
+}
+
+/// Opens a pod list.
+pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
+    let from = match allocation_column {
+        "qos" => AllocationFrom::Qos,
+        "none" => AllocationFrom::None,
+        other => match other
+            .strip_prefix("teams:")
+            .and_then(|n| n.parse::<u64>().ok())
+            .filter(|&n| n > 0)
+        {
+            Some(n) => AllocationFrom::Teams(n),
+            None => {
+                return Err(SimError::Invalid(format!(
+                    "--allocation-column {other:?} is unknown; use qos, none or teams:N"
+                )))
+            }
+        },
+    };
+    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
+    let mut reader = csv::Reader::from_reader(file);
+    let headers: Vec<String> = reader
+        .headers()
+        .map_err(|e| SimError::Invalid(format!("{}: no readable header: {e}", path.display())))?
+        .iter()
+        .map(str::to_string)
+        .collect();
+    let file_name = path.to_path_buf();
+    let mut order = Ordered {
+        file: path.to_path_buf(),
+        last_ms: 0,
+    };
+    let mut dealt = 0u64;
+    let rows = reader
+        .into_deserialize::<Pod>()
+        .enumerate()
+        .filter_map(move |(i, r)| {
+            let line = i as u64 + 2;
+            let err = |field: &str, message: String| RowError {
+                file: file_name.clone(),
+                line,
+                field: field.into(),
+                message,
+            };
+            let pod = match r {
+                Ok(p) => p,
+                Err(e) => {
+                    let field = match e.kind() {
+                        csv::ErrorKind::Deserialize { err, .. } => err
+                            .field()
+                            .and_then(|f| headers.get(f as usize).cloned())
+                            .unwrap_or_else(|| "-".into()),
+                        _ => "-".into(),
+                    };
+                    return Some(Err(err(&field, e.to_string())));
+                }
+            };
+            if pod.num_gpu == 0 {
+                return None;
+            }
+            let scheduled = pod.scheduled_time?;
+            if pod.deletion_time < scheduled {
+                return Some(Err(err(
+                    "deletion_time",
+                    format!("{} is before scheduled_time {scheduled}", pod.deletion_time),
+                )));
+            }
+            let submit_ms = pod.creation_time * 1000;
+            if let Err(e) = order.check(line, "creation_time", submit_ms) {
+                return Some(Err(e));
+            }
+            let allocation = match from {
+                AllocationFrom::Qos if pod.qos.is_empty() => {
+                    return Some(Err(err(
+                        "qos",
+                        "is empty; choose --allocation-column none".into(),
+                    )))
+                }
+                AllocationFrom::Qos => Some(pod.qos.clone()),
+                AllocationFrom::None => None,
+                AllocationFrom::Teams(n) => {
+                    dealt += 1;
+                    Some(format!("team-{}", (dealt - 1) % n))
+                }
+            };
+            let models: Vec<&str> = pod.gpu_spec.split('|').filter(|m| !m.is_empty()).collect();
+            Some(Ok(SimWorkload {
+                submitted: WorkloadSubmitted {
+                    workload: workload_id(submit_ms, line),
+                    allocation,
+                    gpus_per_node: pod.num_gpu,
+                    nodes: 1,
+                    model: (models.len() == 1).then(|| models[0].to_string()),
+                    priority: 0,
+                    min_runtime_s: None,
+                    duration_estimate_s: None,
+                    checkpoint_s: None,
+                    name: Some(pod.name),
+                    command: vec![],
+                    env: BTreeMap::new(),
+                    idempotency_key: None,
+                },
+                submit_ms,
+                work_ms: ((pod.deletion_time - scheduled) * 1000).max(1000),
+            }))
+        });
+    Ok(Box::new(rows))
+}
+
+/// Reads a node list: `(name, gpus, model)` of every node with GPUs.
+pub fn read_nodes(path: &Path) -> Result<Vec<(String, u32, String)>, SimError> {
+    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
+    let mut nodes = Vec::new();
+    for (i, r) in csv::Reader::from_reader(file)
+        .into_deserialize::<NodeRow>()
+        .enumerate()
+    {
+        let n = r.map_err(|e| SimError::Invalid(format!("{}:{}: {e}", path.display(), i + 2)))?;
+        if n.gpu > 64 {
+            return Err(SimError::Invalid(format!(
+                "{}:{}: field \"gpu\": {} GPUs on one node; at most 64",
+                path.display(),
+                i + 2,
+                n.gpu
+            )));
+        }
+        if n.gpu > 0 {
+            nodes.push((n.sn, n.gpu, n.model));
+        }
+    }
+    Ok(nodes)
+}

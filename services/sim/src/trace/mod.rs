@@ -1,0 +1,109 @@
+//! Trace adapters: each turns a published workload trace into the simulator's workloads, in
+//! submission order.
+//!
+//! - [`native`]: fairledger's own CSV or JSON lines (`id`, `allocation`, `submit_s`, `duration_s`,
+//!   `gpus`, `nodes`, and optional `priority`, `min_runtime_s`, `model`, `checkpoint_s`).
+//! - [`alibaba`]: the Alibaba GPU cluster trace v2023 (`openb_pod_list_*.csv`), with a column
+//!   chosen as the allocation.
+//!
+//! A bad row is an error naming the file, the line and the field; with `skip_bad_rows` it is
+//! counted and skipped instead.
+
+pub mod alibaba;
+pub mod native;
+
+use std::path::{Path, PathBuf};
+
+use ledger::sim::SimWorkload;
+
+use crate::SimError;
+
+/// The trace formats understood.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// fairledger's CSV or JSON lines, by file extension.
+    Native,
+    /// Alibaba GPU cluster trace v2023 pod list.
+    AlibabaOpenb,
+}
+
+impl Format {
+    /// Names accepted on the command line.
+    pub const NAMES: [&'static str; 2] = ["native", "alibaba-openb"];
+
+    /// Parses a command-line name.
+    pub fn parse(name: &str) -> Result<Format, SimError> {
+        match name {
+            "native" => Ok(Format::Native),
+            "alibaba-openb" => Ok(Format::AlibabaOpenb),
+            _ => Err(SimError::Invalid(format!(
+                "--format {name:?} is unknown; use one of {}",
+                Format::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
+/// How to read a trace.
+#[derive(Clone, Debug)]
+pub struct TraceOptions {
+    /// Which format.
+    pub format: Format,
+    /// Skip and count bad rows instead of stopping at the first.
+    pub skip_bad_rows: bool,
+    /// Alibaba: which column becomes the allocation (`qos`, or `none` for unallocated work).
+    pub allocation_column: String,
+}
+
+/// A row the adapter could not read.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{file}:{line}: field {field:?}: {message}")]
+pub struct RowError {
+    /// The file.
+    pub file: PathBuf,
+    /// 1-based line number.
+    pub line: u64,
+    /// The field at fault.
+    pub field: String,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+/// Workloads in submission order, or the first bad row.
+pub type Rows = Box<dyn Iterator<Item = Result<SimWorkload, RowError>>>;
+
+/// Opens a trace.
+pub fn open(path: &Path, opts: &TraceOptions) -> Result<Rows, SimError> {
+    match opts.format {
+        Format::Native => native::open(path),
+        Format::AlibabaOpenb => alibaba::open(path, &opts.allocation_column),
+    }
+}
+
+/// A workload id that is the same on every run: a UUIDv7 of the submission time and the row.
+pub(crate) fn workload_id(submit_ms: u64, row: u64) -> uuid::Uuid {
+    let mut tail = [0u8; 10];
+    tail[2..].copy_from_slice(&row.to_be_bytes());
+    uuid::Builder::from_unix_timestamp_millis(submit_ms, &tail).into_uuid()
+}
+
+/// Checks that rows come in submission order, so the run can stream them.
+pub(crate) struct Ordered {
+    pub(crate) file: PathBuf,
+    pub(crate) last_ms: u64,
+}
+
+impl Ordered {
+    pub(crate) fn check(&mut self, line: u64, field: &str, submit_ms: u64) -> Result<(), RowError> {
+        if submit_ms < self.last_ms {
+            return Err(RowError {
+                file: self.file.clone(),
+                line,
+                field: field.into(),
+                message: format!("rows must be in submission order, but this one comes {} ms before the previous; sort the file by {field}", self.last_ms - submit_ms),
+            });
+        }
+        self.last_ms = submit_ms;
+        Ok(())
+    }
+}
