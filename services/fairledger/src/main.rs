@@ -246,7 +246,8 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         let path = args.out.join("compare.json");
         sim::write_json(&path, &serde_json::json!({ "policies": reports }))
             .map_err(|e| e.to_string())?;
-        println!("comparison: {}", path.display());
+        sim::html::write_compare(&args.out, &reports).map_err(|e| e.to_string())?;
+        println!("comparison: {} and compare.html", path.display());
     }
     Ok(())
 }

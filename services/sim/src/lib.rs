@@ -5,11 +5,13 @@
 //! ([`trace`]), drives [`ledger::sim::Engine`] — the same fold and `decide` as the live service —
 //! and writes into its output directory:
 //! - `events.jsonl`: the full ledger, one event a line, in the live service's schema;
-//! - `report.json`: the [`report::Report`].
+//! - `report.json`: the [`report::Report`];
+//! - `report.html`: the same for a person, with the GPU timeline ([`html`]).
 //!
 //! The same inputs and seed give byte-identical `events.jsonl`, and a `report.json` that differs
 //! only in `sim.wall_s`. The schedule streams from the trace file, so memory holds what is live.
 
+pub mod html;
 pub mod report;
 pub mod scenario;
 pub mod trace;
@@ -163,6 +165,7 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         started.elapsed().as_secs_f64(),
     );
     write_json(&spec.out.join("report.json"), &report)?;
+    html::write_report(&spec.out, &spec.scenario, &report)?;
     Ok(RunResult {
         report,
         bad_rows,

@@ -90,6 +90,45 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap())
             .unwrap();
     assert_eq!(&written, r);
+
+    // report.html: self-contained, with its four charts and every allocation named.
+    let html = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
+    assert_eq!(html.matches("<svg").count(), 4);
+    assert!(html.contains("lab/a") && html.contains("lab/b"));
+    assert_self_contained(&html);
+}
+
+/// No script, stylesheet, image or font is fetched: the SVG namespace is the only URL.
+fn assert_self_contained(html: &str) {
+    let urls = html.matches("http://").count() + html.matches("https://").count();
+    let namespaces = html.matches("http://www.w3.org/2000/svg").count();
+    assert_eq!(urls, namespaces, "the page refers to the network");
+    assert!(!html.contains("<script") && !html.contains("<link") && !html.contains("<img"));
+}
+
+#[test]
+fn compare_html_puts_policies_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut reports = Vec::new();
+    for policy in ["fifo", "fairshare"] {
+        let mut s = spec(
+            &data("two-teams.toml"),
+            &data("two-teams.csv"),
+            Format::Native,
+            &dir.path().join(policy),
+            Some(20_000),
+        );
+        s.scenario = Scenario::load(&data("two-teams.toml"))
+            .unwrap()
+            .prepare(Some(policy))
+            .unwrap();
+        reports.push(sim::run(&s, |_| {}).unwrap().report);
+    }
+    sim::html::write_compare(dir.path(), &reports).unwrap();
+    let html = std::fs::read_to_string(dir.path().join("compare.html")).unwrap();
+    assert!(html.contains("fifo/report.html") && html.contains("fairshare/report.html"));
+    assert_eq!(html.matches("<svg").count(), 1);
+    assert_self_contained(&html);
 }
 
 #[test]

@@ -1,0 +1,619 @@
+//! `report.html` and `compare.html`: self-contained pages (inline SVG, no network) a manager can
+//! read. Charts are drawn with plotters; the page around them is plain HTML.
+//!
+//! The pictures are built from `events.jsonl` after the run, folded again, so they show what the
+//! ledger says and memory stays bounded by the picture, not by the trace:
+//! - every GPU over time, coloured by the allocation holding it (Ai2's picture), downsampled to at
+//!   most 120 rows of GPUs and 480 time bins, each cell showing its dominant holder;
+//! - owed versus delivered GPU-hours per allocation;
+//! - queue-wait CDFs per allocation;
+//! - occupancy over time.
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::Path;
+use std::sync::Once;
+
+use ledger::event::Event;
+use ledger::{Envelope, Outcome, State, WorkloadId};
+use plotters::prelude::*;
+
+use crate::report::Report;
+use crate::scenario::Prepared;
+use crate::SimError;
+
+const ROWS_MAX: usize = 120;
+const BINS: usize = 480;
+const PALETTE: [(u8, u8, u8); 12] = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (188, 189, 34),
+    (23, 190, 207),
+    (174, 199, 232),
+    (255, 187, 120),
+    (152, 223, 138),
+];
+const OTHER: RGBColor = RGBColor(110, 110, 110);
+const UNALLOCATED: RGBColor = RGBColor(60, 60, 60);
+const IDLE: RGBColor = RGBColor(236, 236, 236);
+
+/// A named, coloured line or set of dots.
+type Series = (String, RGBColor, Vec<(f64, f64)>);
+
+static FONT: Once = Once::new();
+
+fn register_font() {
+    FONT.call_once(|| {
+        // Text is laid out with these metrics; the browser draws it with its own sans-serif.
+        plotters::style::register_font(
+            "sans-serif",
+            FontStyle::Normal,
+            include_bytes!("../assets/DejaVuSans.ttf"),
+        )
+        .unwrap_or_else(|_| panic!("the bundled font is valid"));
+    });
+}
+
+fn svg_err(e: impl std::fmt::Display) -> SimError {
+    SimError::Invalid(format!("drawing a chart failed: {e}"))
+}
+
+/// Colours of the allocations in the report's order; past the palette they share one.
+fn colours(report: &Report) -> Vec<(String, RGBColor)> {
+    let mut v: Vec<(String, RGBColor)> = report
+        .allocations
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let c = PALETTE.get(i).map_or(OTHER, |&(r, g, b)| RGBColor(r, g, b));
+            (a.path.clone(), c)
+        })
+        .collect();
+    v.push(("(unallocated)".into(), UNALLOCATED));
+    v
+}
+
+fn hex(c: &RGBColor) -> String {
+    format!("#{:02x}{:02x}{:02x}", c.0, c.1, c.2)
+}
+
+/// What the pictures need, read back from the ledger.
+struct Timeline {
+    rows: usize,
+    gpus_per_row: usize,
+    bin_ms: f64,
+    /// `cells[(row * BINS + bin) * k + colour]`: GPU-milliseconds.
+    cells: Vec<f32>,
+    k: usize,
+    busy: Vec<f64>,
+    total_gpus: usize,
+    waits_h: BTreeMap<String, Vec<f64>>,
+}
+
+fn read_timeline(
+    events: &Path,
+    scenario: &Prepared,
+    report: &Report,
+) -> Result<Timeline, SimError> {
+    let colour_of: BTreeMap<String, usize> = report
+        .allocations
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (a.path.clone(), i.min(PALETTE.len())))
+        .collect();
+    let unallocated = PALETTE.len() + 1;
+    let k = PALETTE.len() + 2;
+    let total_gpus: usize = scenario.nodes.iter().map(|n| n.1 as usize).sum();
+    let mut first_gpu: BTreeMap<String, usize> = BTreeMap::new();
+    let mut next = 0;
+    for (name, gpus) in &scenario.nodes {
+        first_gpu.insert(name.clone(), next);
+        next += *gpus as usize;
+    }
+    let rows = total_gpus.clamp(1, ROWS_MAX);
+    let gpus_per_row = total_gpus.div_ceil(rows).max(1);
+    let rows = total_gpus.div_ceil(gpus_per_row).max(1);
+    let horizon_ms = (report.sim.horizon_s * 1000.0).max(1.0);
+    let bin_ms = horizon_ms / BINS as f64;
+    let mut t = Timeline {
+        rows,
+        gpus_per_row,
+        bin_ms,
+        cells: vec![0.0; rows * BINS * k],
+        k,
+        busy: vec![0.0; BINS],
+        total_gpus,
+        waits_h: BTreeMap::new(),
+    };
+    let mut state = State::new(scenario.state_config);
+    let mut running: BTreeMap<WorkloadId, (usize, Vec<usize>, u64)> = BTreeMap::new();
+    let mut submitted: BTreeMap<WorkloadId, (u64, Option<String>)> = BTreeMap::new();
+    let file = std::fs::File::open(events).map_err(|e| SimError::Io(events.to_path_buf(), e))?;
+    let add = |t: &mut Timeline, colour: usize, gpus: &[usize], from: u64, to: u64| {
+        let to = (to as f64).min(horizon_ms);
+        for &g in gpus {
+            let row = g / t.gpus_per_row;
+            let mut s = from as f64;
+            while s < to {
+                let bin = ((s / t.bin_ms) as usize).min(BINS - 1);
+                let e = ((bin + 1) as f64 * t.bin_ms).min(to);
+                let dt = (e - s).max(0.0);
+                t.cells[(row * BINS + bin) * t.k + colour] += dt as f32;
+                t.busy[bin] += dt;
+                if e <= s {
+                    break;
+                }
+                s = e;
+            }
+        }
+    };
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| SimError::Io(events.to_path_buf(), e))?;
+        let env: Envelope = serde_json::from_str(&line)
+            .map_err(|e| SimError::Invalid(format!("{}:{}: {e}", events.display(), i + 1)))?;
+        if state.apply(i as u64 + 1, &env) != Outcome::Applied {
+            continue;
+        }
+        let at = env.occurred_at_ms;
+        match &env.event {
+            Event::WorkloadSubmitted(s) => {
+                submitted.insert(s.workload, (at, s.allocation.clone()));
+            }
+            Event::WorkloadStarted(s) => {
+                let colour = state
+                    .workloads
+                    .get(&s.workload)
+                    .and_then(|w| w.allocation)
+                    .map_or(unallocated, |a| {
+                        let path = &state.allocations.node(a).path;
+                        colour_of.get(path).copied().unwrap_or(PALETTE.len())
+                    });
+                let gpus = s
+                    .placement
+                    .iter()
+                    .flat_map(|p| {
+                        p.gpus
+                            .iter()
+                            .map(|&g| first_gpu.get(&p.node).copied().unwrap_or(0) + g as usize)
+                    })
+                    .collect();
+                running.insert(s.workload, (colour, gpus, at));
+                if let Some((submit, Some(path))) = submitted.remove(&s.workload) {
+                    t.waits_h
+                        .entry(path)
+                        .or_default()
+                        .push((at - submit) as f64 / 3_600_000.0);
+                }
+            }
+            Event::WorkloadStopped(e) => {
+                if let Some((c, gpus, from)) = running.remove(&e.workload) {
+                    add(&mut t, c, &gpus, from, at);
+                }
+            }
+            Event::WorkloadFinished(e) => {
+                if let Some((c, gpus, from)) = running.remove(&e.workload) {
+                    add(&mut t, c, &gpus, from, at);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (c, gpus, from) in running.into_values() {
+        add(&mut t, c, &gpus, from, horizon_ms as u64);
+    }
+    Ok(t)
+}
+
+fn timeline_svg(
+    t: &Timeline,
+    colours: &[(String, RGBColor)],
+    horizon_h: f64,
+) -> Result<String, SimError> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (960, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(svg_err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(
+                0.0..horizon_h.max(1e-9),
+                0.0..(t.rows * t.gpus_per_row) as f64,
+            )
+            .map_err(svg_err)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("hours")
+            .y_desc("GPU")
+            .draw()
+            .map_err(svg_err)?;
+        let cell_capacity = t.gpus_per_row as f64 * t.bin_ms;
+        let bin_h = t.bin_ms / 3_600_000.0;
+        let mut rects = Vec::new();
+        for row in 0..t.rows {
+            // Run-length merge of equal dominant colours along the row.
+            let mut run: Option<(usize, usize)> = None; // (colour or k for idle, first bin)
+            for bin in 0..=BINS {
+                let here = (bin < BINS).then(|| {
+                    let cell = &t.cells[(row * BINS + bin) * t.k..(row * BINS + bin + 1) * t.k];
+                    let (best, v) = cell.iter().enumerate().fold((t.k, 0.0f32), |acc, (i, &v)| {
+                        if v > acc.1 {
+                            (i, v)
+                        } else {
+                            acc
+                        }
+                    });
+                    if (v as f64) < 0.5 * cell_capacity / t.gpus_per_row as f64 {
+                        t.k
+                    } else {
+                        best
+                    }
+                });
+                match (run, here) {
+                    (Some((c, _)), Some(h)) if c == h => {}
+                    _ => {
+                        if let Some((c, start)) = run {
+                            let colour = if c == t.k {
+                                IDLE
+                            } else if c == t.k - 1 {
+                                UNALLOCATED
+                            } else {
+                                colours.get(c).map_or(OTHER, |x| x.1)
+                            };
+                            let y0 = (row * t.gpus_per_row) as f64;
+                            rects.push(Rectangle::new(
+                                [
+                                    (start as f64 * bin_h, y0),
+                                    (bin as f64 * bin_h, y0 + t.gpus_per_row as f64),
+                                ],
+                                colour.filled(),
+                            ));
+                        }
+                        run = here.map(|h| (h, bin));
+                    }
+                }
+            }
+        }
+        chart.draw_series(rects).map_err(svg_err)?;
+        root.present().map_err(svg_err)?;
+    }
+    Ok(svg)
+}
+
+fn bars_svg(report: &Report, colours: &[(String, RGBColor)]) -> Result<String, SimError> {
+    let mut svg = String::new();
+    {
+        let n = report.allocations.len().max(1) as i32;
+        let top = report
+            .allocations
+            .iter()
+            .map(|a| a.owed_gpu_hours.max(a.delivered_gpu_hours))
+            .fold(1.0, f64::max)
+            * 1.1;
+        let root = SVGBackend::with_string(&mut svg, (960, 320)).into_drawing_area();
+        root.fill(&WHITE).map_err(svg_err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..top)
+            .map_err(svg_err)?;
+        let labels: Vec<String> = report.allocations.iter().map(|a| a.path.clone()).collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n as usize)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => labels.get(*i as usize).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_desc("GPU-hours")
+            .draw()
+            .map_err(svg_err)?;
+        let mut rects = Vec::new();
+        for (i, a) in report.allocations.iter().enumerate() {
+            let c = colours.get(i).map_or(OTHER, |x| x.1);
+            let i = i as i32;
+            // Owed on the left half of the allocation's slot, delivered on the right.
+            rects.push(Rectangle::new(
+                [
+                    (SegmentValue::Exact(i), 0.0),
+                    (SegmentValue::CenterOf(i), a.owed_gpu_hours),
+                ],
+                c.mix(0.35).filled(),
+            ));
+            rects.push(Rectangle::new(
+                [
+                    (SegmentValue::CenterOf(i), 0.0),
+                    (SegmentValue::Exact(i + 1), a.delivered_gpu_hours),
+                ],
+                c.filled(),
+            ));
+        }
+        chart.draw_series(rects).map_err(svg_err)?;
+        root.present().map_err(svg_err)?;
+    }
+    Ok(svg)
+}
+
+fn lines_svg(
+    series: &[Series],
+    x_desc: &str,
+    y_desc: &str,
+    y_max: f64,
+) -> Result<String, SimError> {
+    let mut svg = String::new();
+    {
+        let x_max = series
+            .iter()
+            .flat_map(|s| s.2.iter().map(|p| p.0))
+            .fold(1e-9, f64::max);
+        let root = SVGBackend::with_string(&mut svg, (960, 300)).into_drawing_area();
+        root.fill(&WHITE).map_err(svg_err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(svg_err)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .draw()
+            .map_err(svg_err)?;
+        for (_, c, points) in series {
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
+                .map_err(svg_err)?;
+        }
+        root.present().map_err(svg_err)?;
+    }
+    Ok(svg)
+}
+
+fn legend(colours: &[(String, RGBColor)]) -> String {
+    let mut s = String::from("<p class=legend>");
+    for (name, c) in colours {
+        s += &format!(
+            "<span><i style=\"background:{}\"></i>{}</span>",
+            hex(c),
+            escape(name)
+        );
+    }
+    s += &format!(
+        "<span><i style=\"background:{}\"></i>idle</span></p>",
+        hex(&IDLE)
+    );
+    s
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+const STYLE: &str = "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}\
+table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:right}\
+td:first-child,th:first-child{text-align:left}.legend span{margin-right:1em;white-space:nowrap}\
+.legend i{display:inline-block;width:.9em;height:.9em;margin-right:.3em;vertical-align:middle}\
+.note{color:#666;font-size:90%}";
+
+/// Writes `report.html` for one run from its `events.jsonl` and report.
+pub fn write_report(out_dir: &Path, scenario: &Prepared, report: &Report) -> Result<(), SimError> {
+    register_font();
+    let colours = colours(report);
+    let t = read_timeline(&out_dir.join("events.jsonl"), scenario, report)?;
+    let horizon_h = report.sim.horizon_s / 3600.0;
+    let timeline = timeline_svg(&t, &colours, horizon_h)?;
+    let bars = bars_svg(report, &colours)?;
+    let mut cdfs = Vec::new();
+    for (i, a) in report.allocations.iter().enumerate() {
+        let mut w = t.waits_h.get(&a.path).cloned().unwrap_or_default();
+        if w.is_empty() {
+            continue;
+        }
+        w.sort_by(f64::total_cmp);
+        let n = w.len() as f64;
+        let points: Vec<(f64, f64)> = w
+            .iter()
+            .enumerate()
+            .map(|(j, &x)| (x, (j + 1) as f64 / n))
+            .collect();
+        cdfs.push((
+            a.path.clone(),
+            colours.get(i).map_or(OTHER, |c| c.1),
+            points,
+        ));
+    }
+    let waits = lines_svg(&cdfs, "wait (hours)", "fraction started", 1.0)?;
+    let occupancy: Vec<(f64, f64)> = t
+        .busy
+        .iter()
+        .enumerate()
+        .map(|(b, busy)| {
+            (
+                (b as f64 + 0.5) * t.bin_ms / 3_600_000.0,
+                busy / (t.total_gpus.max(1) as f64 * t.bin_ms),
+            )
+        })
+        .collect();
+    let occ = lines_svg(
+        &[(
+            "occupancy".into(),
+            RGBColor(PALETTE[0].0, PALETTE[0].1, PALETTE[0].2),
+            occupancy,
+        )],
+        "hours",
+        "GPUs busy (fraction)",
+        1.05,
+    )?;
+
+    let mut rows = String::new();
+    for a in &report.allocations {
+        let ratio = if a.owed_gpu_hours > 0.0 {
+            format!("{:.3}", a.delivered_gpu_hours / a.owed_gpu_hours)
+        } else {
+            "-".into()
+        };
+        let w = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}", v / 3600.0));
+        rows += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{ratio}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&a.path), a.weight, a.owed_gpu_hours, a.delivered_gpu_hours, w(a.wait_p50_s), w(a.wait_p90_s), w(a.wait_p99_s), a.preemptions
+        );
+    }
+    let r = report;
+    let html = format!(
+        "<!doctype html><html><head><meta charset=utf-8><title>fairledger sim: {policy}</title><style>{STYLE}</style></head><body>\
+<h1>Simulation: policy {policy}</h1>\
+<p>{h:.1} simulated hours; {sub} workloads submitted, {st} started, {fin} finished; {pre} preemptions, {cv} contract violations.</p>\
+<p><b>Delivered within owed / owed: {fair:.3}</b> &middot; availability {av:.3} &middot; occupancy {oc:.3} &middot; impact {im:.3} &middot; stranded {str:.1} GPU-h &middot; largest startable gang (median) {gang} GPUs</p>\
+<h2>Every GPU over time, by allocation</h2>{legend}{timeline}\
+<p class=note>{gpr} GPU(s) per row, {bin:.2} h per column; each cell shows the allocation that held most of it, idle when under half used.</p>\
+<h2>Owed versus delivered</h2><p class=note>Pale: owed; solid: delivered.</p>{bars}\
+<table><tr><th>allocation</th><th>weight</th><th>owed GPU-h</th><th>delivered GPU-h</th><th>delivered/owed</th><th>wait p50 h</th><th>p90 h</th><th>p99 h</th><th>preemptions</th></tr>{rows}</table>\
+<h2>Queue waits</h2>{legend}{waits}<h2>Occupancy</h2>{occ}</body></html>\n",
+        policy = escape(&r.policy),
+        h = horizon_h,
+        sub = r.workloads.submitted,
+        st = r.workloads.started,
+        fin = r.workloads.finished,
+        pre = r.workloads.preemptions,
+        cv = r.workloads.contract_violations,
+        fair = r.fairness.delivered_over_owed,
+        av = r.metrics.availability,
+        oc = r.metrics.occupancy,
+        im = r.metrics.impact,
+        str = r.fragmentation.stranded_gpu_hours,
+        gang = r.fragmentation.largest_startable_gang_p50,
+        legend = legend(&colours),
+        gpr = t.gpus_per_row,
+        bin = t.bin_ms / 3_600_000.0,
+    );
+    let path = out_dir.join("report.html");
+    std::fs::write(&path, html).map_err(|e| SimError::Io(path, e))
+}
+
+/// Writes `compare.html`: the policies side by side.
+pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError> {
+    register_font();
+    let mut rows = String::new();
+    for r in reports {
+        rows += &format!(
+            "<tr><td><a href=\"{p}/report.html\">{p}</a></td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+            r.fairness.delivered_over_owed,
+            r.metrics.occupancy,
+            r.metrics.impact,
+            r.workloads.preemptions,
+            r.workloads.contract_violations,
+            r.fragmentation.stranded_gpu_hours,
+            p = escape(&r.policy)
+        );
+    }
+    // Delivered/owed per allocation, one dot per policy.
+    let series: Vec<Series> = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (cr, cg, cb) = PALETTE[i % PALETTE.len()];
+            let points = r
+                .allocations
+                .iter()
+                .enumerate()
+                .map(|(j, a)| {
+                    (
+                        j as f64,
+                        if a.owed_gpu_hours > 0.0 {
+                            a.delivered_gpu_hours / a.owed_gpu_hours
+                        } else {
+                            1.0
+                        },
+                    )
+                })
+                .collect();
+            (r.policy.clone(), RGBColor(cr, cg, cb), points)
+        })
+        .collect();
+    let names: Vec<String> = reports
+        .first()
+        .map(|r| r.allocations.iter().map(|a| a.path.clone()).collect())
+        .unwrap_or_default();
+    let chart = dots_svg(&series, &names)?;
+    let legend = legend_of(&series);
+    let html = format!(
+        "<!doctype html><html><head><meta charset=utf-8><title>fairledger sim: compare</title><style>{STYLE}</style></head><body>\
+<h1>Policies compared on the same input</h1>\
+<table><tr><th>policy</th><th>delivered within owed / owed</th><th>occupancy</th><th>impact</th><th>preemptions</th><th>contract violations</th><th>stranded GPU-h</th></tr>{rows}</table>\
+<h2>Delivered / owed per allocation</h2>{legend}{chart}<p class=note>1.0 means the allocation got exactly what it was owed over the period.</p></body></html>\n"
+    );
+    let path = out_dir.join("compare.html");
+    std::fs::write(&path, html).map_err(|e| SimError::Io(path, e))
+}
+
+/// One dot per (allocation, policy), allocations along x.
+fn dots_svg(series: &[Series], names: &[String]) -> Result<String, SimError> {
+    let mut svg = String::new();
+    {
+        let n = names.len().max(1) as i32;
+        let y_max = series
+            .iter()
+            .flat_map(|s| s.2.iter().map(|p| p.1))
+            .fold(1.0, f64::max)
+            * 1.1;
+        let root = SVGBackend::with_string(&mut svg, (960, 320)).into_drawing_area();
+        root.fill(&WHITE).map_err(svg_err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..y_max)
+            .map_err(svg_err)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n as usize)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => names.get(*i as usize).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_desc("delivered / owed")
+            .draw()
+            .map_err(svg_err)?;
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(SegmentValue::Exact(0), 1.0), (SegmentValue::Exact(n), 1.0)],
+                BLACK.mix(0.4).stroke_width(1),
+            )))
+            .map_err(svg_err)?;
+        for (_, c, points) in series {
+            chart
+                .draw_series(points.iter().map(|&(x, y)| {
+                    Circle::new((SegmentValue::CenterOf(x as i32), y), 6, c.filled())
+                }))
+                .map_err(svg_err)?;
+        }
+        root.present().map_err(svg_err)?;
+    }
+    Ok(svg)
+}
+
+fn legend_of(series: &[Series]) -> String {
+    let mut s = String::from("<p class=legend>");
+    for (name, c, _) in series {
+        s += &format!(
+            "<span><i style=\"background:{}\"></i>{}</span>",
+            hex(c),
+            escape(name)
+        );
+    }
+    s + "</p>"
+}
