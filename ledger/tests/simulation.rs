@@ -156,6 +156,7 @@ fn scenario(seed: u64) -> Scenario {
         min_runtime_ms: rng.random_range(30 * MIN..3 * HOUR),
         grace_ms: rng.random_range(0..10) * MIN,
         margin: rng.random_range(0.0..0.2),
+        explain: rng.random_bool(0.5),
         ..PolicyConfig::default()
     };
     let state_config = StateConfig {

@@ -79,7 +79,8 @@ pub struct PolicyConfig {
     pub preemptors_per_pass_max: u32,
     /// Node label whose equal values mean "close" (same rack) for gang placement.
     pub topology_label: String,
-    /// Explain every pending workload (costs a little per pending workload).
+    /// Explain every pending workload. Without explanations a pass may stop early, once nothing
+    /// is free and nothing more may be preempted, instead of visiting every pending workload.
     pub explain: bool,
 }
 
@@ -286,7 +287,9 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
     let mut preemptors = 0u32;
-    let mut victim_nodes: Option<Vec<u32>> = None;
+    let mut victim_nodes: Option<(Vec<u32>, Vec<Option<u32>>)> = None;
+    let mut no_victims: FxHashSet<Option<u32>> = FxHashSet::default();
+    let mut failed_shapes: FxHashSet<(Option<u32>, u32, u32)> = FxHashSet::default();
     let mut position = 0u32;
 
     while let Some(id) = rank.next_candidate() {
@@ -332,28 +335,58 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     let mut plan_preempt = None;
                     let victim_nodes =
                         victim_nodes.get_or_insert_with(|| preemptible_nodes(state, now_ms));
+                    let shape = (w.allocation, w.gpus_per_node, w.nodes);
                     if preemptors < cfg.preemptors_per_pass_max
                         && w.allocation.is_some()
-                        && !victim_nodes.is_empty()
+                        && !victim_nodes.0.is_empty()
                     {
                         preemptors += 1;
-                        // Whether the victim's allocation may lose work to this one: the same
-                        // for all its workloads, so asked once per allocation.
-                        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
-                        plan_preempt = scratch.plan_preemption(
-                            state,
-                            w,
-                            now_ms,
-                            &claimed,
-                            victim_nodes,
-                            |v| {
-                                v.preempting.is_none()
-                                    && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
-                                    && *by_alloc.entry(v.allocation).or_insert_with(|| {
-                                        can_preempt(state, &rank, policy, cfg, w, v, now_ms)
-                                    })
-                            },
-                        );
+                        // A search that already failed for this allocation (for want of any
+                        // victim) or for this very shape fails again: skip it. So does one for
+                        // an allocation that may take work from none of the allocations that
+                        // have preemptible work: a check per allocation, not per GPU.
+                        let (nodes, allocs) = &*victim_nodes;
+                        let b = w.allocation.expect("checked");
+                        if !no_victims.contains(&w.allocation)
+                            && !allocs.iter().any(|&va| match va {
+                                None => true,
+                                Some(va) => {
+                                    policy.preempts_for_fair_share()
+                                        && rank.outranks_by(state, b, va, cfg.margin)
+                                }
+                            })
+                        {
+                            no_victims.insert(w.allocation);
+                        }
+                        let victim_nodes = nodes;
+                        if !no_victims.contains(&w.allocation) && !failed_shapes.contains(&shape) {
+                            // Whether the victim's allocation may lose work to this one: the
+                            // same for all its workloads, so asked once per allocation.
+                            let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+                            match scratch.plan_preemption(
+                                state,
+                                w,
+                                now_ms,
+                                &claimed,
+                                victim_nodes,
+                                |v| {
+                                    v.preempting.is_none()
+                                        && (v.allocation.is_none()
+                                            || now_ms >= v.protected_until_ms)
+                                        && *by_alloc.entry(v.allocation).or_insert_with(|| {
+                                            can_preempt(state, &rank, policy, cfg, w, v, now_ms)
+                                        })
+                                },
+                            ) {
+                                Ok(p) => plan_preempt = Some(p),
+                                Err(placement::NoPlan::NoVictims) => {
+                                    no_victims.insert(w.allocation);
+                                }
+                                Err(placement::NoPlan::NotEnough) => {
+                                    failed_shapes.insert(shape);
+                                }
+                            }
+                        }
                     }
                     match plan_preempt {
                         Some((nodes, victims)) => {
@@ -427,6 +460,15 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 position,
                 reason: blocked,
             });
+        } else if scratch.free_total() == 0
+            && plan.reservation.is_some()
+            && (preemptors >= cfg.preemptors_per_pass_max
+                || victim_nodes.as_ref().is_some_and(|v| v.0.is_empty()))
+        {
+            // Nothing is free, the head of the queue holds the reservation and no more
+            // preemptions may be looked for: every workload after this one waits. Without
+            // explanations to give, the pass is over.
+            break;
         }
     }
     plan
@@ -458,21 +500,22 @@ fn start(
     }
 }
 
-/// Nodes holding running work that some beneficiary could preempt now: unallocated work, or work
-/// past its contract, not already being preempted.
-fn preemptible_nodes(state: &State, now_ms: u64) -> Vec<u32> {
-    let mut nodes: Vec<u32> = state
-        .running
-        .iter()
-        .map(|id| &state.workloads[id])
-        .filter(|w| {
-            w.preempting.is_none() && (w.allocation.is_none() || now_ms >= w.protected_until_ms)
-        })
-        .flat_map(|w| w.placement.iter().map(|p| p.node))
-        .collect();
+/// Nodes holding running work that some beneficiary could preempt now (unallocated work, or
+/// work past its contract, not already being preempted), and the allocations of that work.
+fn preemptible_nodes(state: &State, now_ms: u64) -> (Vec<u32>, Vec<Option<u32>>) {
+    let mut nodes = Vec::new();
+    let mut allocs = Vec::new();
+    for w in state.running.iter().map(|id| &state.workloads[id]) {
+        if w.preempting.is_none() && (w.allocation.is_none() || now_ms >= w.protected_until_ms) {
+            nodes.extend(w.placement.iter().map(|p| p.node));
+            allocs.push(w.allocation);
+        }
+    }
     nodes.sort_unstable();
     nodes.dedup();
-    nodes
+    allocs.sort_unstable();
+    allocs.dedup();
+    (nodes, allocs)
 }
 
 /// Whether `beneficiary` may take the GPUs of `victim` now.

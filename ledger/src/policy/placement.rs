@@ -19,6 +19,15 @@ use crate::state::{Part, State, Workload};
 /// of work lost since their checkpoints.
 type Cost = (u32, u64);
 
+/// Why no preemption plan was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoPlan {
+    /// Some work could be preempted, but not enough on the right nodes.
+    NotEnough,
+    /// No running work may be preempted for this workload at all.
+    NoVictims,
+}
+
 /// Per-model index of nodes by free GPU count.
 struct FreeIndex {
     /// `buckets[k]`: nodes with exactly `k` free GPUs.
@@ -37,6 +46,8 @@ pub struct Scratch {
     groups: Vec<FreeIndex>,
     /// Topology group of each node (`u32::MAX` when unlabeled).
     rack: Vec<u32>,
+    /// Free GPUs left in the whole cluster, withheld nodes included.
+    free_total: u64,
 }
 
 impl Scratch {
@@ -58,6 +69,7 @@ impl Scratch {
                 })
                 .collect(),
             rack: Vec::with_capacity(nodes.len()),
+            free_total: nodes.iter().map(|n| u64::from(n.free_count())).sum(),
         };
         let mut racks: FxHashMap<&str, u32> = FxHashMap::default();
         for n in nodes {
@@ -96,6 +108,11 @@ impl Scratch {
         }
     }
 
+    /// Free GPUs left anywhere in the cluster, withheld nodes included.
+    pub fn free_total(&self) -> u64 {
+        self.free_total
+    }
+
     /// Takes nodes out of the index, holding their free GPUs for someone.
     pub fn withhold_nodes(&mut self, nodes: &[NodeIdx]) {
         for &n in nodes {
@@ -112,6 +129,7 @@ impl Scratch {
         if indexed {
             self.unindex(node);
         }
+        self.free_total -= u64::from((self.free[node as usize] & mask).count_ones());
         self.free[node as usize] &= !mask;
         if indexed {
             self.index(node);
@@ -302,7 +320,8 @@ impl Scratch {
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node as usize;
         let mut times: Vec<u64> = Vec::with_capacity(64);
-        let mut memo: FxHashMap<WorkloadId, u64> = FxHashMap::default();
+        let mut memo: FxHashMap<WorkloadId, u64> =
+            FxHashMap::with_capacity_and_hasher(state.running.len(), Default::default());
         let mut best: Option<(u64, Vec<NodeIdx>)> = None;
         for group in self.groups_for(w) {
             let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
@@ -358,7 +377,8 @@ impl Scratch {
         claimed: &FxHashSet<WorkloadId>,
         victim_nodes: &[NodeIdx],
         mut eligible: impl FnMut(&Workload) -> bool,
-    ) -> Option<(Vec<NodeIdx>, Vec<WorkloadId>)> {
+    ) -> Result<(Vec<NodeIdx>, Vec<WorkloadId>), NoPlan> {
+        let mut any_eligible = false;
         let need = w.gpus_per_node;
         let mut memo: FxHashMap<WorkloadId, Option<Cost>> = FxHashMap::default();
         let mut cost_of = |id: WorkloadId| -> Option<Cost> {
@@ -418,6 +438,7 @@ impl Scratch {
                         Some(x) => x.2 += 1,
                         None => {
                             if let Some(c) = cost_of(h) {
+                                any_eligible = true;
                                 holders.push((c, h, 1));
                             }
                         }
@@ -457,6 +478,10 @@ impl Scratch {
                 best = Some((cost, options.iter().map(|o| o.1).collect(), victims));
             }
         }
-        best.map(|(_, nodes, victims)| (nodes, victims))
+        match best {
+            Some((_, nodes, victims)) => Ok((nodes, victims)),
+            None if any_eligible => Err(NoPlan::NotEnough),
+            None => Err(NoPlan::NoVictims),
+        }
     }
 }

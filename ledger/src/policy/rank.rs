@@ -10,7 +10,7 @@ use std::cmp::Ordering;
 
 use crate::alloc::AllocId;
 use crate::event::WorkloadId;
-use crate::state::{State, Workload};
+use crate::state::{QueueKey, State, Workload};
 
 use super::Policy;
 
@@ -60,12 +60,13 @@ pub struct Rank<'s> {
     key: Vec<f64>,
     /// Per allocation: candidates left in its subtree this pass.
     left: Vec<u32>,
-    /// Per leaf: its queue and how far the pass has come.
-    queue: Vec<Vec<WorkloadId>>,
-    cursor: Vec<usize>,
-    /// Flat order, then unallocated work.
-    flat: Vec<WorkloadId>,
-    flat_cursor: usize,
+    /// Per leaf: how far the pass has come through its queue (read lazily: a pass that stops
+    /// early costs nothing for the workloads it never reaches).
+    queue: Vec<Option<std::collections::btree_set::Iter<'s, QueueKey>>>,
+    /// Flat order.
+    flat: std::vec::IntoIter<WorkloadId>,
+    /// Unallocated work, last.
+    unallocated: std::collections::btree_set::Iter<'s, QueueKey>,
 }
 
 impl<'s> Rank<'s> {
@@ -80,10 +81,9 @@ impl<'s> Rank<'s> {
             usage: vec![Usage::default(); n],
             key: vec![0.0; n],
             left: vec![0; n],
-            queue: vec![Vec::new(); n],
-            cursor: vec![0; n],
-            flat: Vec::new(),
-            flat_cursor: 0,
+            queue: (0..n).map(|_| None).collect(),
+            flat: Vec::new().into_iter(),
+            unallocated: state.unallocated_queue.iter(),
         };
         let shape = state.window_shape();
         let tree = &state.allocations;
@@ -117,7 +117,7 @@ impl<'s> Rank<'s> {
                 let mut leaves: Vec<(&AllocId, _)> = state.queues.iter().collect();
                 leaves.sort_unstable_by_key(|(id, _)| **id);
                 for (&leaf, q) in leaves {
-                    r.queue[leaf as usize] = q.iter().map(|k| k.2).collect();
+                    r.queue[leaf as usize] = Some(q.iter());
                     for anc in tree.ancestors(leaf) {
                         r.left[anc as usize] += q.len() as u32;
                     }
@@ -132,10 +132,9 @@ impl<'s> Rank<'s> {
                     .map(|&(std::cmp::Reverse(priority), seq, id)| (key(priority), seq, id))
                     .collect();
                 all.sort_unstable();
-                r.flat = all.into_iter().map(|k| k.2).collect();
+                r.flat = all.into_iter().map(|k| k.2).collect::<Vec<_>>().into_iter();
             }
         }
-        r.flat.extend(state.unallocated_queue.iter().map(|k| k.2));
         r
     }
 
@@ -188,19 +187,18 @@ impl<'s> Rank<'s> {
                     });
                 let Some(best) = best else { break };
                 if self.state.allocations.node(best).is_leaf() {
-                    let i = self.cursor[best as usize];
-                    self.cursor[best as usize] += 1;
+                    let next = self.queue[best as usize].as_mut().and_then(|q| q.next());
                     for anc in self.state.allocations.ancestors(best) {
                         self.left[anc as usize] -= 1;
                     }
-                    return Some(self.queue[best as usize][i]);
+                    return next.map(|k| k.2);
                 }
                 level = Some(best);
             }
         }
-        let id = self.flat.get(self.flat_cursor).copied();
-        self.flat_cursor += 1;
-        id
+        self.flat
+            .next()
+            .or_else(|| self.unallocated.next().map(|k| k.2))
     }
 
     /// Records that `w` was placed in this pass.

@@ -232,7 +232,7 @@ fn simulate(args: SimArgs) -> Result<(), String> {
             until_s: args.until,
             out: out.clone(),
         };
-        let result = sim::run(&spec, |_| {}).map_err(|e| e.to_string())?;
+        let result = sim::run(&spec, progress(name, args.until)).map_err(|e| e.to_string())?;
         for (rule, n) in &result.rejections {
             eprintln!("{name}: {n} events rejected by the ledger: {rule}");
         }
@@ -281,5 +281,32 @@ fn print_sim(r: &sim::report::Report, out: &std::path::Path) {
             "  {:<24} {:>6} {:>12.1} {:>12.1} {:>9} {:>10} {:>8}",
             a.path, a.weight, a.owed_gpu_hours, a.delivered_gpu_hours, ratio, wait, a.preemptions
         );
+    }
+}
+
+/// A progress bar on stderr over simulated time (a spinner without `--until`); indicatif draws
+/// nothing when stderr is not a terminal, and the bar appears only after a second.
+fn progress(policy: &str, until_s: Option<u64>) -> impl FnMut(u64) {
+    let bar = match until_s {
+        Some(u) => indicatif::ProgressBar::new(u),
+        None => indicatif::ProgressBar::new_spinner(),
+    };
+    let style = match until_s {
+        Some(_) => "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} simulated s ({per_sec})",
+        None => "{prefix} [{elapsed_precise}] {spinner} {pos} simulated s ({per_sec})",
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(style) {
+        bar.set_style(style);
+    }
+    bar.set_prefix(policy.to_string());
+    let started = std::time::Instant::now();
+    let mut events = 0u64;
+    move |t_ms| {
+        events += 1;
+        // Updating the bar costs more than folding an event: only every 4,096 events, and not
+        // at all in the first second.
+        if events % 4096 == 0 && started.elapsed().as_secs() >= 1 {
+            bar.set_position(t_ms / 1000);
+        }
     }
 }

@@ -311,6 +311,8 @@ impl Scenario {
                 min_runtime_ms: p.min_runtime_s * 1000,
                 grace_ms: p.grace_s * 1000,
                 margin: p.margin,
+                // Reports need decisions, not the reasons of every waiting workload.
+                explain: false,
                 ..PolicyConfig::default()
             },
             setup,

@@ -1,0 +1,120 @@
+//! Simulator throughput: the bundled real trace, and a generated year on 10,000 GPUs.
+//!
+//! `cargo bench -p sim --bench year` runs both and prints simulated seconds per wall second and
+//! events per second. `FAIRLEDGER_BENCH_WORKLOADS=N` sets the generated trace's size (default
+//! 1,000,000 over a simulated year; fewer workloads keep the same load by shortening the year).
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sim::scenario::Scenario;
+use sim::trace::{Format, TraceOptions};
+
+fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: Option<u64>) {
+    let out = tempfile::tempdir().unwrap();
+    let spec = sim::RunSpec {
+        scenario: Scenario::load(scenario).unwrap().prepare(None).unwrap(),
+        workloads: workloads.to_path_buf(),
+        trace: TraceOptions {
+            format,
+            skip_bad_rows: false,
+            allocation_column: "qos".into(),
+        },
+        seed: 1,
+        until_s,
+        out: out.path().to_path_buf(),
+    };
+    let t = Instant::now();
+    let r = sim::run(&spec, |_| {}).unwrap().report;
+    let wall = t.elapsed().as_secs_f64();
+    println!(
+        "{name}: {} workloads, {} events, {:.0} simulated s in {wall:.2} s wall: {:.0} simulated s per wall s, {:.0} events/s; delivered/owed {:.3}, {} preemptions",
+        r.workloads.submitted,
+        r.sim.events,
+        r.sim.horizon_s,
+        r.sim.horizon_s / wall,
+        r.sim.events as f64 / wall,
+        r.fairness.delivered_over_owed,
+        r.workloads.preemptions
+    );
+}
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    run(
+        "alibaba 2023 trace on 32 GPUs",
+        &root.join("scenarios/alibaba-32gpu.toml"),
+        &root.join("traces/alibaba2023/openb_pod_list_default.csv"),
+        Format::AlibabaOpenb,
+        None,
+    );
+
+    // A year of 1M workloads on 1,250 x 8 = 10,000 GPUs, 30 leaf allocations, offered load about
+    // 110% of the cluster: 1 to 8 GPUs and some 2- and 4-node gangs, log-uniform run times from
+    // 13 minutes to 2.6 days.
+    let n: u64 = std::env::var("FAIRLEDGER_BENCH_WORKLOADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let year_s = 365 * 86_400 * n / 1_000_000;
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("year.toml");
+    let mut toml = String::from(
+        "[policy]\nname = \"fairshare\"\n\n[[nodes]]\ncount = 1250\ngpus = 8\nmodel = \"H100\"\n",
+    );
+    let mut leaves = Vec::new();
+    for o in 0..3 {
+        for t in 0..10 {
+            leaves.push(format!("org{o}/team{t}"));
+            toml += &format!(
+                "\n[[allocations]]\npath = \"org{o}/team{t}\"\nweight = {}\n",
+                1 + (t % 3)
+            );
+        }
+    }
+    std::fs::write(&scenario, toml).unwrap();
+    let trace = dir.path().join("year.csv");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&trace).unwrap());
+    writeln!(f, "id,allocation,submit_s,duration_s,gpus,nodes").unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let mut times: Vec<u64> = (0..n).map(|_| rng.random_range(0..year_s)).collect();
+    times.sort_unstable();
+    let mut gpu_s = 0.0;
+    for (i, t) in times.iter().enumerate() {
+        let (gpus, nodes) = [
+            (1, 1),
+            (1, 1),
+            (2, 1),
+            (4, 1),
+            (8, 1),
+            (8, 1),
+            (8, 2),
+            (8, 4),
+        ][rng.random_range(0..8)];
+        let duration =
+            1.3 * (600.0f64.ln() + rng.random_range(0.0..1.0) * (172_800.0f64 / 600.0).ln()).exp();
+        gpu_s += duration * f64::from(gpus * nodes);
+        writeln!(
+            f,
+            "w{i},{},{t},{duration:.0},{gpus},{nodes}",
+            leaves[rng.random_range(0..leaves.len())]
+        )
+        .unwrap();
+    }
+    f.flush().unwrap();
+    drop(f);
+    println!(
+        "generated: {n} workloads over {year_s} s, offered load {:.2} of 10,000 GPUs",
+        gpu_s / (10_000.0 * year_s as f64)
+    );
+    run(
+        "generated year on 10,000 GPUs",
+        &scenario,
+        &trace,
+        Format::Native,
+        Some(year_s),
+    );
+}
