@@ -346,7 +346,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         // an allocation that may take work from none of the allocations that
                         // have preemptible work: a check per allocation, not per GPU.
                         let (nodes, allocs) = &*victim_nodes;
-                        let b = w.allocation.expect("checked");
+                        let b = w.allocation.unwrap_or_default();
                         if !no_victims.contains(&w.allocation)
                             && !allocs.iter().any(|&va| match va {
                                 None => true,
