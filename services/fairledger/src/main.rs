@@ -71,7 +71,8 @@ struct SimArgs {
     /// The workload trace.
     #[arg(long)]
     workloads: PathBuf,
-    /// Trace format: native (CSV or JSON lines by extension) or alibaba-openb.
+    /// Trace format: native (CSV or JSON lines by extension), alibaba-openb, philly, helios or
+    /// alibaba-pai2020.
     #[arg(long, default_value = "native")]
     format: String,
     /// Policy, overriding the scenario's.
@@ -92,9 +93,11 @@ struct SimArgs {
     /// Skip and count bad trace rows instead of stopping at the first.
     #[arg(long)]
     skip_bad_rows: bool,
-    /// alibaba-openb: the allocation of each pod: qos, none, or teams:N.
-    #[arg(long, default_value = "qos")]
-    allocation_column: String,
+    /// The trace column that becomes the allocation: alibaba-openb qos (default), none or
+    /// teams:N; philly and helios vc (default) or user; alibaba-pai2020 gpu_type (default), none
+    /// or teams:N.
+    #[arg(long)]
+    allocation_column: Option<String>,
 }
 
 fn main() -> ExitCode {

@@ -21,7 +21,7 @@ fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: O
         trace: TraceOptions {
             format,
             skip_bad_rows: false,
-            allocation_column: "qos".into(),
+            allocation_column: None,
         },
         seed: 1,
         until_s,

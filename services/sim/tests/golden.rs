@@ -131,7 +131,7 @@ fn run_golden(dir: &Path) -> Vec<String> {
         trace: TraceOptions {
             format: Format::Native,
             skip_bad_rows: false,
-            allocation_column: "qos".into(),
+            allocation_column: None,
         },
         seed: 0,
         until_s: expect.until_s,

@@ -26,7 +26,7 @@ fn spec(
         trace: TraceOptions {
             format,
             skip_bad_rows: false,
-            allocation_column: "qos".into(),
+            allocation_column: None,
         },
         seed: 7,
         until_s,
@@ -326,4 +326,81 @@ fn the_bundled_alibaba_trace_runs_with_its_invariants() {
     )
     .unwrap();
     assert_eq!(timeless(replayed), timeless(r));
+}
+
+fn read(format: Format, file: &str, column: Option<&str>) -> Vec<ledger::sim::SimWorkload> {
+    let opts = TraceOptions {
+        format,
+        skip_bad_rows: false,
+        allocation_column: column.map(str::to_string),
+    };
+    sim::trace::open(&data(file), &opts)
+        .unwrap()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+/// (name, allocation, submit_s, work_s, gpus per node, nodes)
+fn shapes(ws: &[ledger::sim::SimWorkload]) -> Vec<(String, Option<String>, u64, u64, u32, u32)> {
+    ws.iter()
+        .map(|w| {
+            let s = &w.submitted;
+            (
+                s.name.clone().unwrap(),
+                s.allocation.clone(),
+                w.submit_ms / 1000,
+                w.work_ms / 1000,
+                s.gpus_per_node,
+                s.nodes,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn philly_jobs_become_gangs_with_the_work_of_all_attempts() {
+    // application_2 was submitted first (05:40:20): 2 machines x 8 GPUs, attempts of 10 and 20
+    // minutes. application_1 five seconds later: 4 GPUs for an hour. application_3 never ran.
+    let ws = read(Format::Philly, "philly_job_log.json", None);
+    assert_eq!(
+        shapes(&ws),
+        vec![
+            ("application_2".into(), Some("vc-b".into()), 0, 1800, 8, 2),
+            ("application_1".into(), Some("vc-a".into()), 5, 3600, 4, 1),
+        ]
+    );
+    let by_user = read(Format::Philly, "philly_job_log.json", Some("user"));
+    assert_eq!(by_user[0].submitted.allocation.as_deref(), Some("u2"));
+}
+
+#[test]
+fn helios_jobs_spread_their_gpus_over_their_nodes() {
+    // j2 used no GPU and is left out; times count from j1's submission.
+    let ws = read(Format::Helios, "helios_cluster_log.csv", None);
+    assert_eq!(
+        shapes(&ws),
+        vec![
+            ("j1".into(), Some("vcA".into()), 0, 3600, 8, 2),
+            ("j3".into(), Some("vcB".into()), 120, 600, 1, 1)
+        ]
+    );
+}
+
+#[test]
+fn pai_tasks_with_gpus_become_workloads() {
+    // The ps task has no GPU and job3's task never ran; a half GPU is given a whole one.
+    let ws = read(Format::AlibabaPai2020, "pai_task_table.csv", None);
+    assert_eq!(
+        shapes(&ws),
+        vec![
+            ("job1/worker".into(), Some("V100".into()), 0, 3600, 1, 2),
+            ("job2/tensorflow".into(), Some("T4".into()), 500, 300, 1, 1),
+        ]
+    );
+    let teams = read(
+        Format::AlibabaPai2020,
+        "pai_task_table.csv",
+        Some("teams:2"),
+    );
+    assert_eq!(teams[1].submitted.allocation.as_deref(), Some("team-1"));
 }

@@ -5,12 +5,14 @@
 //!   `gpus`, `nodes`, and optional `priority`, `min_runtime_s`, `model`, `checkpoint_s`).
 //! - [`alibaba`]: the Alibaba GPU cluster trace v2023 (`openb_pod_list_*.csv`), with a column
 //!   chosen as the allocation.
+//! - [`public`]: Microsoft Philly, SenseTime Helios and Alibaba PAI 2020.
 //!
 //! A bad row is an error naming the file, the line and the field; with `skip_bad_rows` it is
 //! counted and skipped instead.
 
 pub mod alibaba;
 pub mod native;
+pub mod public;
 
 use std::path::{Path, PathBuf};
 
@@ -25,17 +27,32 @@ pub enum Format {
     Native,
     /// Alibaba GPU cluster trace v2023 pod list.
     AlibabaOpenb,
+    /// Microsoft Philly `cluster_job_log`.
+    Philly,
+    /// SenseTime Helios `cluster_log.csv`.
+    Helios,
+    /// Alibaba PAI 2020 `pai_task_table.csv`.
+    AlibabaPai2020,
 }
 
 impl Format {
     /// Names accepted on the command line.
-    pub const NAMES: [&'static str; 2] = ["native", "alibaba-openb"];
+    pub const NAMES: [&'static str; 5] = [
+        "native",
+        "alibaba-openb",
+        "philly",
+        "helios",
+        "alibaba-pai2020",
+    ];
 
     /// Parses a command-line name.
     pub fn parse(name: &str) -> Result<Format, SimError> {
         match name {
             "native" => Ok(Format::Native),
             "alibaba-openb" => Ok(Format::AlibabaOpenb),
+            "philly" => Ok(Format::Philly),
+            "helios" => Ok(Format::Helios),
+            "alibaba-pai2020" => Ok(Format::AlibabaPai2020),
             _ => Err(SimError::Invalid(format!(
                 "--format {name:?} is unknown; use one of {}",
                 Format::NAMES.join(", ")
@@ -51,8 +68,9 @@ pub struct TraceOptions {
     pub format: Format,
     /// Skip and count bad rows instead of stopping at the first.
     pub skip_bad_rows: bool,
-    /// Alibaba: which column becomes the allocation (`qos`, or `none` for unallocated work).
-    pub allocation_column: String,
+    /// Which column becomes the allocation; each format has its default (Alibaba 2023 `qos`,
+    /// Philly and Helios `vc`, PAI `gpu_type`). `none` makes all work unallocated where offered.
+    pub allocation_column: Option<String>,
 }
 
 /// A row the adapter could not read.
@@ -74,9 +92,13 @@ pub type Rows = Box<dyn Iterator<Item = Result<SimWorkload, RowError>>>;
 
 /// Opens a trace.
 pub fn open(path: &Path, opts: &TraceOptions) -> Result<Rows, SimError> {
+    let column = |default| opts.allocation_column.as_deref().unwrap_or(default);
     match opts.format {
         Format::Native => native::open(path),
-        Format::AlibabaOpenb => alibaba::open(path, &opts.allocation_column),
+        Format::AlibabaOpenb => alibaba::open(path, column("qos")),
+        Format::Philly => public::philly(path, column("vc")),
+        Format::Helios => public::helios(path, column("vc")),
+        Format::AlibabaPai2020 => public::pai(path, column("gpu_type")),
     }
 }
 
