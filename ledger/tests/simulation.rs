@@ -3,7 +3,7 @@
 //! checked after every event. Safety first (faults strike and are repaired), then liveness (the
 //! run drains: every workload finishes).
 //!
-//! `FAIRLEDGER_SIM_SEEDS=N` runs N seeds (default 200); `FAIRLEDGER_SIM_SEED=S` runs only seed S.
+//! `FAIRLEDGER_SIM_SEEDS=N` runs N seeds (default 500); `FAIRLEDGER_SIM_SEED=S` runs only seed S.
 //! A failure prints the seed that reproduces it.
 
 use std::collections::BTreeMap;
@@ -299,8 +299,35 @@ fn run_seed(seed: u64) {
     let sc = scenario(seed);
     let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
     let mut log: Vec<(u64, Envelope)> = Vec::new();
+    let policy = sc.policy.clone();
     let mut observe = |state: &State, seq: u64, env: &Envelope, outcome: &Outcome| {
         check_invariants(state, seq, env, outcome);
+        // A pass that explains stops nowhere; one that does not may stop early. They must decide
+        // the same (checked every few events: it doubles the cost of a pass).
+        if seq % 5 == 0 {
+            let t = state.now_ms;
+            let explained = ledger::policy::decide(
+                state,
+                t,
+                &PolicyConfig {
+                    explain: true,
+                    ..policy.clone()
+                },
+            );
+            let terse = ledger::policy::decide(
+                state,
+                t,
+                &PolicyConfig {
+                    explain: false,
+                    ..policy.clone()
+                },
+            );
+            assert_eq!(
+                explained.decisions, terse.decisions,
+                "stopping a pass early changed its decisions at event {seq}"
+            );
+            assert_eq!(explained.reservation, terse.reservation, "at event {seq}");
+        }
         log.push((seq, env.clone()));
     };
     for event in sc.setup {
@@ -346,7 +373,7 @@ fn simulation_invariants_hold_for_every_seed() {
     let seeds: u64 = std::env::var("FAIRLEDGER_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(200);
+        .unwrap_or(500);
     for seed in 0..seeds {
         run_seed(seed);
     }

@@ -287,6 +287,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
     let mut preemptors = 0u32;
+    let smallest_ask = state
+        .pending_gpus_per_node
+        .keys()
+        .next()
+        .copied()
+        .unwrap_or(0);
     let mut victim_nodes: Option<(Vec<u32>, Vec<Option<u32>>)> = None;
     let mut no_victims: FxHashSet<Option<u32>> = FxHashSet::default();
     let mut failed_shapes: FxHashSet<(Option<u32>, u32, u32)> = FxHashSet::default();
@@ -440,6 +446,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                                 start_at_ms,
                             }
                         }
+                        // Without explanations the reason is thrown away: skip working it out.
+                        None if !cfg.explain => Blocked::NoCapacity {
+                            gpus_per_node: w.gpus_per_node,
+                            nodes: w.nodes,
+                            fitting_nodes: 0,
+                        },
                         None => match &plan.reservation {
                             Some(r) if scratch.fits_withheld(w) => {
                                 Blocked::BehindReservation { holder: r.workload }
@@ -460,14 +472,16 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 position,
                 reason: blocked,
             });
-        } else if scratch.free_total() == 0
-            && plan.reservation.is_some()
+        } else if plan.reservation.is_some()
             && (preemptors >= cfg.preemptors_per_pass_max
                 || victim_nodes.as_ref().is_some_and(|v| v.0.is_empty()))
+            && (scratch.free_total() == 0
+                || smallest_ask > scratch.max_free_on_a_node(state.pending_with_estimate > 0))
         {
-            // Nothing is free, the head of the queue holds the reservation and no more
-            // preemptions may be looked for: every workload after this one waits. Without
-            // explanations to give, the pass is over.
+            // The head of the queue holds the reservation, no more preemptions may be looked
+            // for, and no node has room for even the smallest pending request (reserved nodes
+            // count only if some pending work has an estimate and so might backfill): every
+            // workload after this one waits. Without explanations to give, the pass is over.
             break;
         }
     }

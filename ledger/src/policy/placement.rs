@@ -108,6 +108,24 @@ impl Scratch {
         }
     }
 
+    /// The most free GPUs on any one node, withheld nodes included if `include_withheld`.
+    pub fn max_free_on_a_node(&self, include_withheld: bool) -> u32 {
+        let indexed = self
+            .groups
+            .iter()
+            .filter_map(|g| g.buckets.iter().rposition(|b| !b.is_empty()))
+            .max()
+            .unwrap_or(0) as u32;
+        let withheld = self
+            .withheld_list
+            .iter()
+            .filter(|_| include_withheld)
+            .map(|&n| self.free[n as usize].count_ones())
+            .max()
+            .unwrap_or(0);
+        indexed.max(withheld)
+    }
+
     /// Free GPUs left anywhere in the cluster, withheld nodes included.
     pub fn free_total(&self) -> u64 {
         self.free_total
