@@ -352,23 +352,21 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         // an allocation that may take work from none of the allocations that
                         // have preemptible work: a check per allocation, not per GPU.
                         let (nodes, allocs) = &*victim_nodes;
-                        let b = w.allocation.unwrap_or_default();
-                        if !no_victims.contains(&w.allocation)
-                            && !allocs.iter().any(|&va| match va {
-                                None => true,
-                                Some(va) => {
-                                    policy.preempts_for_fair_share()
-                                        && rank.outranks_by(state, b, va, cfg.margin)
-                                }
+                        // Whether a victim's allocation may lose work to this one: the same for
+                        // all its workloads, so asked once per allocation.
+                        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+                        let mut may_take = |va: Option<u32>| {
+                            *by_alloc.entry(va).or_insert_with(|| {
+                                may_preempt_allocation(state, &rank, policy, cfg, w.allocation, va)
                             })
+                        };
+                        if !no_victims.contains(&w.allocation)
+                            && !allocs.iter().any(|&va| may_take(va))
                         {
                             no_victims.insert(w.allocation);
                         }
                         let victim_nodes = nodes;
                         if !no_victims.contains(&w.allocation) && !failed_shapes.contains(&shape) {
-                            // Whether the victim's allocation may lose work to this one: the
-                            // same for all its workloads, so asked once per allocation.
-                            let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
                             match scratch.plan_preemption(
                                 state,
                                 w,
@@ -379,9 +377,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                                     v.preempting.is_none()
                                         && (v.allocation.is_none()
                                             || now_ms >= v.protected_until_ms)
-                                        && *by_alloc.entry(v.allocation).or_insert_with(|| {
-                                            can_preempt(state, &rank, policy, cfg, w, v, now_ms)
-                                        })
+                                        && may_take(v.allocation)
                                 },
                             ) {
                                 Ok(p) => plan_preempt = Some(p),
@@ -428,8 +424,21 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                             }
                         }
                         None if plan.reservation.is_none() => {
+                            // Whether the holder's allocation may lose work to this one: the
+                            // same for all its workloads, so asked once per allocation.
+                            let mut may_take: FxHashMap<Option<u32>, bool> = FxHashMap::default();
                             let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, |v| {
-                                release_ms(state, &rank, policy, cfg, w, v, now_ms)
+                                let eligible = *may_take.entry(v.allocation).or_insert_with(|| {
+                                    may_preempt_allocation(
+                                        state,
+                                        &rank,
+                                        policy,
+                                        cfg,
+                                        w.allocation,
+                                        v.allocation,
+                                    )
+                                });
+                                release_ms(cfg, eligible, v, now_ms)
                             });
                             let count = nodes.len() as u32;
                             scratch.withhold_nodes(&nodes);
@@ -532,55 +541,33 @@ fn preemptible_nodes(state: &State, now_ms: u64) -> (Vec<u32>, Vec<Option<u32>>)
     (nodes, allocs)
 }
 
-/// Whether `beneficiary` may take the GPUs of `victim` now.
-fn can_preempt(
+/// Whether work of allocation `beneficiary` may take post-contract work of allocation `victim`:
+/// unallocated work always yields; otherwise the policy must preempt for fair share and the
+/// victim's side must rank above by more than the margin. Unallocated work takes nothing.
+fn may_preempt_allocation(
     state: &State,
     rank: &rank::Rank,
     policy: &dyn Policy,
     cfg: &PolicyConfig,
-    beneficiary: &Workload,
-    victim: &Workload,
-    now_ms: u64,
+    beneficiary: Option<u32>,
+    victim: Option<u32>,
 ) -> bool {
-    let Some(b) = beneficiary.allocation else {
-        return false;
-    };
-    if victim.preempting.is_some() {
-        return false;
+    match (beneficiary, victim) {
+        (None, _) => false,
+        (Some(_), None) => true,
+        (Some(b), Some(v)) => {
+            policy.preempts_for_fair_share() && rank.outranks_by(state, b, v, cfg.margin)
+        }
     }
-    let Some(v) = victim.allocation else {
-        return true; // unallocated work has no contract
-    };
-    if now_ms < victim.protected_until_ms {
-        return false;
-    }
-    policy.preempts_for_fair_share() && rank.outranks_by(state, b, v, cfg.margin)
 }
 
-/// When `victim`'s GPUs are expected back for `beneficiary`: its estimated end, or the end of its
-/// contract plus grace if the beneficiary may preempt it then; `None` if nothing is known.
-fn release_ms(
-    state: &State,
-    rank: &rank::Rank,
-    policy: &dyn Policy,
-    cfg: &PolicyConfig,
-    beneficiary: &Workload,
-    victim: &Workload,
-    now_ms: u64,
-) -> Option<u64> {
+/// When `victim`'s GPUs are expected back: its estimated end, or the end of its contract plus
+/// grace if the beneficiary may preempt it (`eligible`); `None` if nothing is known.
+fn release_ms(cfg: &PolicyConfig, eligible: bool, victim: &Workload, now_ms: u64) -> Option<u64> {
     if let Some(p) = victim.preempting {
         return Some(p.grace_until_ms.max(now_ms));
     }
     let ends = victim.remaining_estimate_ms(now_ms).map(|r| now_ms + r);
-    let eligible = beneficiary.allocation.is_some()
-        && (victim.allocation.is_none()
-            || (policy.preempts_for_fair_share()
-                && rank.outranks_by(
-                    state,
-                    beneficiary.allocation.expect("checked"),
-                    victim.allocation.expect("checked"),
-                    cfg.margin,
-                )));
     let preempt = eligible.then(|| victim.protected_until_ms.max(now_ms) + cfg.grace_ms);
     match (ends, preempt) {
         (Some(a), Some(b)) => Some(a.min(b)),

@@ -48,6 +48,9 @@ pub struct Scratch {
     rack: Vec<u32>,
     /// Free GPUs left in the whole cluster, withheld nodes included.
     free_total: u64,
+    /// Index of each node's first GPU in a cluster-wide GPU numbering; one extra entry at the end
+    /// holds the total.
+    offset: Vec<u32>,
 }
 
 impl Scratch {
@@ -70,6 +73,12 @@ impl Scratch {
                 .collect(),
             rack: Vec::with_capacity(nodes.len()),
             free_total: nodes.iter().map(|n| u64::from(n.free_count())).sum(),
+            offset: std::iter::once(0)
+                .chain(nodes.iter().scan(0u32, |acc, n| {
+                    *acc += n.gpu_count;
+                    Some(*acc)
+                }))
+                .collect(),
         };
         let mut racks: FxHashMap<&str, u32> = FxHashMap::default();
         for n in nodes {
@@ -334,43 +343,56 @@ impl Scratch {
         state: &State,
         w: &Workload,
         now_ms: u64,
-        release: impl Fn(&Workload) -> Option<u64>,
+        mut release: impl FnMut(&Workload) -> Option<u64>,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node as usize;
+        // When each held GPU comes back: one pass over the running work, not a lookup per GPU.
+        let mut back: Vec<u64> = vec![u64::MAX; self.offset.last().map_or(0, |&o| o as usize)];
+        for id in &state.running {
+            let v = &state.workloads[id];
+            let t = release(v).unwrap_or(u64::MAX);
+            for part in &v.placement {
+                let base = self.offset[part.node as usize] as usize;
+                let mut gpus = part.gpus;
+                while gpus != 0 {
+                    back[base + gpus.trailing_zeros() as usize] = t;
+                    gpus &= gpus - 1;
+                }
+            }
+        }
         let mut times: Vec<u64> = Vec::with_capacity(64);
-        let mut memo: FxHashMap<WorkloadId, u64> =
-            FxHashMap::with_capacity_and_hasher(state.running.len(), Default::default());
         let mut best: Option<(u64, Vec<NodeIdx>)> = None;
         for group in self.groups_for(w) {
             let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
             for i in self.eligible_nodes(state, w, group) {
                 let node = state.cluster.node(i);
                 let free = self.free[i as usize];
+                let base = self.offset[i as usize] as usize;
                 times.clear();
-                for g in 0..node.gpu_count {
-                    let bit = 1u64 << g;
-                    if node.healthy & bit == 0 {
-                        continue;
-                    }
-                    let t = if free & bit != 0 {
+                let mut healthy = node.healthy;
+                while healthy != 0 {
+                    let g = healthy.trailing_zeros() as usize;
+                    healthy &= healthy - 1;
+                    // Free now; else back when its holder leaves (GPUs placed earlier in this
+                    // pass have no holder yet and stay u64::MAX).
+                    times.push(if free & (1 << g) != 0 {
                         now_ms
-                    } else if let Some(holder) = node.holders[g as usize] {
-                        *memo.entry(holder).or_insert_with(|| {
-                            release(&state.workloads[&holder]).unwrap_or(u64::MAX)
-                        })
                     } else {
-                        u64::MAX // placed earlier in this pass
-                    };
-                    times.push(t);
+                        back[base + g]
+                    });
                 }
-                times.sort_unstable();
-                ready.push((times[need - 1], Reverse(free.count_ones()), i));
+                let (_, nth, _) = times.select_nth_unstable(need - 1);
+                ready.push((*nth, Reverse(free.count_ones()), i));
             }
             if ready.len() < w.nodes as usize {
                 continue;
             }
+            let n = w.nodes as usize;
+            if ready.len() > n {
+                ready.select_nth_unstable(n - 1);
+                ready.truncate(n);
+            }
             ready.sort_unstable();
-            ready.truncate(w.nodes as usize);
             let start = ready.iter().map(|c| c.0).max().unwrap_or(u64::MAX);
             if best.as_ref().is_none_or(|b| start < b.0) {
                 best = Some((start, ready.into_iter().map(|c| c.2).collect()));
