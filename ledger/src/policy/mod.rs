@@ -251,37 +251,60 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let grace_s = cfg.grace_ms / 1000;
     let cap_ms = state.config().min_runtime_cap_ms;
 
-    // Hardware failure is the contract's one exception: stop work on failed GPUs at once.
-    let mut claimed: FxHashSet<WorkloadId> = FxHashSet::default();
-    for id in &state.running {
-        let w = &state.workloads[id];
-        if w.preempting.is_none()
-            && w.placement
-                .iter()
-                .any(|p| p.gpus & !state.cluster.node(p.node).healthy != 0)
-        {
-            claimed.insert(*id);
-            plan.decisions.push(Decision::Preempt {
-                workload: *id,
-                reason: PreemptionReason::HardwareFailure,
-                beneficiary: None,
-                grace_s: 0,
-            });
-        }
-    }
-
-    // Preemptions already under way, by beneficiary.
+    // One sweep over the running work (in storage order: everything taken from it is sorted
+    // before use, so the order of the sweep decides nothing).
+    // - Hardware failure is the contract's one exception: work on failed GPUs stops at once.
+    // - Preemptions already under way, by beneficiary.
+    // - Nodes holding work any beneficiary could preempt now (unallocated, or past contract and
+    //   not already leaving), and the allocations of that work.
+    let mut failed: Vec<WorkloadId> = Vec::new();
     let mut incoming: FxHashMap<WorkloadId, (u32, u64, Vec<u32>)> = FxHashMap::default();
-    for id in &state.running {
-        let w = &state.workloads[id];
-        if let Some(p) = w.preempting {
-            if let Some(b) = p.beneficiary {
-                let e = incoming.entry(b).or_insert((0, 0, Vec::new()));
-                e.0 += 1;
-                e.1 = e.1.max(p.grace_until_ms);
-                e.2.extend(w.placement.iter().map(|part| part.node));
+    let mut preemptible: (Vec<u32>, Vec<Option<u32>>) = (Vec::new(), Vec::new());
+    for w in state
+        .workloads
+        .values()
+        .filter(|w| w.phase == crate::Phase::Running)
+    {
+        match w.preempting {
+            None => {
+                if w.placement
+                    .iter()
+                    .any(|p| p.gpus & !state.cluster.node(p.node).healthy != 0)
+                {
+                    failed.push(w.id);
+                }
+                if w.allocation.is_none() || now_ms >= w.protected_until_ms {
+                    preemptible.0.extend(w.placement.iter().map(|p| p.node));
+                    preemptible.1.push(w.allocation);
+                }
+            }
+            Some(p) => {
+                if let Some(b) = p.beneficiary {
+                    let e = incoming.entry(b).or_insert((0, 0, Vec::new()));
+                    e.0 += 1;
+                    e.1 = e.1.max(p.grace_until_ms);
+                    e.2.extend(w.placement.iter().map(|part| part.node));
+                }
             }
         }
+    }
+    failed.sort_unstable();
+    for nodes in incoming.values_mut() {
+        nodes.2.sort_unstable();
+        nodes.2.dedup();
+    }
+    preemptible.0.sort_unstable();
+    preemptible.0.dedup();
+    preemptible.1.sort_unstable();
+    preemptible.1.dedup();
+    let mut claimed: FxHashSet<WorkloadId> = failed.iter().copied().collect();
+    for id in failed {
+        plan.decisions.push(Decision::Preempt {
+            workload: id,
+            reason: PreemptionReason::HardwareFailure,
+            beneficiary: None,
+            grace_s: 0,
+        });
     }
 
     let mut scratch = Scratch::new(state, &cfg.topology_label);
@@ -293,7 +316,6 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         .next()
         .copied()
         .unwrap_or(0);
-    let mut victim_nodes: Option<(Vec<u32>, Vec<Option<u32>>)> = None;
     let mut no_victims: FxHashSet<Option<u32>> = FxHashSet::default();
     let mut failed_shapes: FxHashSet<(Option<u32>, u32, u32)> = FxHashSet::default();
     let mut position = 0u32;
@@ -339,8 +361,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     Blocked::WaitingForPreemption { victims, until_ms }
                 } else {
                     let mut plan_preempt = None;
-                    let victim_nodes =
-                        victim_nodes.get_or_insert_with(|| preemptible_nodes(state, now_ms));
+                    let victim_nodes = &preemptible;
                     let shape = (w.allocation, w.gpus_per_node, w.nodes);
                     if preemptors < cfg.preemptors_per_pass_max
                         && w.allocation.is_some()
@@ -351,7 +372,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         // victim) or for this very shape fails again: skip it. So does one for
                         // an allocation that may take work from none of the allocations that
                         // have preemptible work: a check per allocation, not per GPU.
-                        let (nodes, allocs) = &*victim_nodes;
+                        let (nodes, allocs) = victim_nodes;
                         // Whether a victim's allocation may lose work to this one: the same for
                         // all its workloads, so asked once per allocation.
                         let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
@@ -482,8 +503,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 reason: blocked,
             });
         } else if plan.reservation.is_some()
-            && (preemptors >= cfg.preemptors_per_pass_max
-                || victim_nodes.as_ref().is_some_and(|v| v.0.is_empty()))
+            && (preemptors >= cfg.preemptors_per_pass_max || preemptible.0.is_empty())
             && (scratch.free_total() == 0
                 || smallest_ask > scratch.max_free_on_a_node(state.pending_with_estimate > 0))
         {
@@ -521,24 +541,6 @@ fn start(
             .collect(),
         protected_until_ms: now_ms + protection,
     }
-}
-
-/// Nodes holding running work that some beneficiary could preempt now (unallocated work, or
-/// work past its contract, not already being preempted), and the allocations of that work.
-fn preemptible_nodes(state: &State, now_ms: u64) -> (Vec<u32>, Vec<Option<u32>>) {
-    let mut nodes = Vec::new();
-    let mut allocs = Vec::new();
-    for w in state.running.iter().map(|id| &state.workloads[id]) {
-        if w.preempting.is_none() && (w.allocation.is_none() || now_ms >= w.protected_until_ms) {
-            nodes.extend(w.placement.iter().map(|p| p.node));
-            allocs.push(w.allocation);
-        }
-    }
-    nodes.sort_unstable();
-    nodes.dedup();
-    allocs.sort_unstable();
-    allocs.dedup();
-    (nodes, allocs)
 }
 
 /// Whether work of allocation `beneficiary` may take post-contract work of allocation `victim`:
