@@ -234,6 +234,20 @@ impl State {
         }
     }
 
+    /// The running workloads, in no particular order: by id lookups when few of the workloads
+    /// run, by a sweep of all of them when most do (a sweep is cheaper than lookups).
+    pub fn running_workloads(&self) -> Box<dyn Iterator<Item = &Workload> + '_> {
+        if self.running.len() * 6 < self.workloads.len() {
+            Box::new(self.running.iter().map(|id| &self.workloads[id]))
+        } else {
+            Box::new(
+                self.workloads
+                    .values()
+                    .filter(|w| w.phase == Phase::Running),
+            )
+        }
+    }
+
     /// The fold's settings.
     pub fn config(&self) -> &StateConfig {
         &self.config

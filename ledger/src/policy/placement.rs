@@ -348,7 +348,7 @@ impl Scratch {
         let need = w.gpus_per_node as usize;
         // When each held GPU comes back: one pass over the running work, not a lookup per GPU.
         let mut back: Vec<u64> = vec![u64::MAX; self.offset.last().map_or(0, |&o| o as usize)];
-        for v in state.workloads.values().filter(|v| !v.placement.is_empty()) {
+        for v in state.running_workloads() {
             let t = release(v).unwrap_or(u64::MAX);
             for part in &v.placement {
                 let base = self.offset[part.node as usize] as usize;
