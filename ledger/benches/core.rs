@@ -23,19 +23,13 @@ fn env(seq: u64, t_ms: u64, event: Event) -> (u64, Envelope) {
 
 fn submit(id: u128, leaf: &str, gpus_per_node: u32, nodes: u32, priority: i32) -> Event {
     Event::WorkloadSubmitted(WorkloadSubmitted {
-        workload: Uuid::from_u128(id),
-        allocation: Some(leaf.to_string()),
-        gpus_per_node,
-        nodes,
-        model: None,
         priority,
-        min_runtime_s: None,
-        duration_estimate_s: None,
-        checkpoint_s: None,
-        name: None,
-        command: vec![],
-        env: BTreeMap::new(),
-        idempotency_key: None,
+        ..WorkloadSubmitted::new(
+            Uuid::from_u128(id),
+            Some(leaf.to_string()),
+            gpus_per_node,
+            nodes,
+        )
     })
 }
 

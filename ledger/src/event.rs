@@ -244,6 +244,33 @@ fn one() -> u32 {
     1
 }
 
+impl WorkloadSubmitted {
+    /// A submission of `nodes` x `gpus_per_node` GPUs charged to `allocation`, every optional
+    /// field unset; set the others on the value.
+    pub fn new(
+        workload: WorkloadId,
+        allocation: Option<String>,
+        gpus_per_node: u32,
+        nodes: u32,
+    ) -> Self {
+        WorkloadSubmitted {
+            workload,
+            allocation,
+            gpus_per_node,
+            nodes,
+            model: None,
+            priority: 0,
+            min_runtime_s: None,
+            duration_estimate_s: None,
+            checkpoint_s: None,
+            name: None,
+            command: Vec::new(),
+            env: BTreeMap::new(),
+            idempotency_key: None,
+        }
+    }
+}
+
 /// A pending or stopped workload was withdrawn. A running one must be preempted first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -69,21 +69,7 @@ impl Run {
     ) -> Uuid {
         self.next_id += 1;
         let id = Uuid::from_u64_pair(7, self.next_id);
-        let submitted = WorkloadSubmitted {
-            workload: id,
-            allocation: Some(allocation.into()),
-            gpus_per_node,
-            nodes,
-            model: None,
-            priority: 0,
-            min_runtime_s: None,
-            duration_estimate_s: None,
-            checkpoint_s: None,
-            name: None,
-            command: vec![],
-            env: BTreeMap::new(),
-            idempotency_key: None,
-        };
+        let submitted = WorkloadSubmitted::new(id, Some(allocation.into()), gpus_per_node, nodes);
         self.engine.submit_all([SimWorkload {
             submitted,
             submit_ms: at_ms,

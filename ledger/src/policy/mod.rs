@@ -214,6 +214,19 @@ pub struct Reservation {
     pub start_at_ms: Option<u64>,
 }
 
+impl Reservation {
+    fn new(state: &State, workload: WorkloadId, nodes: &[u32], start_at_ms: Option<u64>) -> Self {
+        Reservation {
+            workload,
+            nodes: nodes
+                .iter()
+                .map(|&n| state.cluster.node(n).name.clone())
+                .collect(),
+            start_at_ms,
+        }
+    }
+}
+
 /// The result of one pass.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Plan {
@@ -349,14 +362,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 if let Some(&(victims, until_ms, ref nodes)) = incoming.get(&id) {
                     scratch.withhold_nodes(nodes);
                     if plan.reservation.is_none() {
-                        plan.reservation = Some(Reservation {
-                            workload: id,
-                            nodes: nodes
-                                .iter()
-                                .map(|&n| state.cluster.node(n).name.clone())
-                                .collect(),
-                            start_at_ms: Some(until_ms),
-                        });
+                        plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
                     }
                     Blocked::WaitingForPreemption { victims, until_ms }
                 } else {
@@ -430,14 +436,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                             }
                             scratch.withhold_nodes(&nodes);
                             if plan.reservation.is_none() {
-                                plan.reservation = Some(Reservation {
-                                    workload: id,
-                                    nodes: nodes
-                                        .iter()
-                                        .map(|&n| state.cluster.node(n).name.clone())
-                                        .collect(),
-                                    start_at_ms: Some(until_ms),
-                                });
+                                plan.reservation =
+                                    Some(Reservation::new(state, id, &nodes, Some(until_ms)));
                             }
                             Blocked::WaitingForPreemption {
                                 victims: victims.len() as u32,
@@ -463,14 +463,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                             });
                             let count = nodes.len() as u32;
                             scratch.withhold_nodes(&nodes);
-                            plan.reservation = Some(Reservation {
-                                workload: id,
-                                nodes: nodes
-                                    .iter()
-                                    .map(|&n| state.cluster.node(n).name.clone())
-                                    .collect(),
-                                start_at_ms,
-                            });
+                            plan.reservation =
+                                Some(Reservation::new(state, id, &nodes, start_at_ms));
                             Blocked::HoldsReservation {
                                 nodes: count,
                                 start_at_ms,

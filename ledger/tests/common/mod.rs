@@ -21,21 +21,7 @@ pub fn submission(
     gpus_per_node: u32,
     nodes: u32,
 ) -> WorkloadSubmitted {
-    WorkloadSubmitted {
-        workload: id,
-        allocation: allocation.map(str::to_string),
-        gpus_per_node,
-        nodes,
-        model: None,
-        priority: 0,
-        min_runtime_s: None,
-        duration_estimate_s: None,
-        checkpoint_s: None,
-        name: None,
-        command: vec![],
-        env: BTreeMap::new(),
-        idempotency_key: None,
-    }
+    WorkloadSubmitted::new(id, allocation.map(str::to_string), gpus_per_node, nodes)
 }
 
 /// A ledger under test that numbers events itself.

@@ -60,19 +60,15 @@ pub fn run(
         let work_ms = rng.random_range(HOUR_MS / 2..12 * HOUR_MS);
         workloads.push(SimWorkload {
             submitted: WorkloadSubmitted {
-                workload: Uuid::from_u64_pair(seed, i),
-                allocation: Some(team.into()),
-                gpus_per_node: gpus,
-                nodes,
-                model: None,
-                priority: 0,
-                min_runtime_s: None,
                 duration_estimate_s: Some(work_ms / 1000),
                 checkpoint_s: Some(1800),
                 name: Some(format!("{}-{i}", team.rsplit('/').next().unwrap_or(team))),
-                command: vec![],
-                env: BTreeMap::new(),
-                idempotency_key: None,
+                ..WorkloadSubmitted::new(
+                    Uuid::from_u64_pair(seed, i),
+                    Some(team.into()),
+                    gpus,
+                    nodes,
+                )
             },
             submit_ms: rng.random_range(0..hours * HOUR_MS),
             work_ms,

@@ -19,7 +19,6 @@
 //! `openb_node_list_*.csv` (`sn`, `cpu_milli`, `memory_mib`, `gpu`, `model`) can serve as the
 //! cluster through `nodes_file` in the scenario; nodes without GPUs are left out.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use ledger::event::WorkloadSubmitted;
@@ -101,14 +100,7 @@ pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
             let pod = match r {
                 Ok(p) => p,
                 Err(e) => {
-                    let field = match e.kind() {
-                        csv::ErrorKind::Deserialize { err, .. } => err
-                            .field()
-                            .and_then(|f| headers.get(f as usize).cloned())
-                            .unwrap_or_else(|| "-".into()),
-                        _ => "-".into(),
-                    };
-                    return Some(Err(err(&field, e.to_string())));
+                    return Some(Err(err(&super::csv_field(&e, &headers), e.to_string())));
                 }
             };
             if pod.num_gpu == 0 {
@@ -142,19 +134,14 @@ pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
             let models: Vec<&str> = pod.gpu_spec.split('|').filter(|m| !m.is_empty()).collect();
             Some(Ok(SimWorkload {
                 submitted: WorkloadSubmitted {
-                    workload: workload_id(submit_ms, line),
-                    allocation,
-                    gpus_per_node: pod.num_gpu,
-                    nodes: 1,
                     model: (models.len() == 1).then(|| models[0].to_string()),
-                    priority: 0,
-                    min_runtime_s: None,
-                    duration_estimate_s: None,
-                    checkpoint_s: None,
                     name: Some(pod.name),
-                    command: vec![],
-                    env: BTreeMap::new(),
-                    idempotency_key: None,
+                    ..WorkloadSubmitted::new(
+                        workload_id(submit_ms, line),
+                        allocation,
+                        pod.num_gpu,
+                        1,
+                    )
                 },
                 submit_ms,
                 work_ms: ((pod.deletion_time - scheduled) * 1000).max(1000),

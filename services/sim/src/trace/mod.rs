@@ -129,3 +129,26 @@ impl Ordered {
         Ok(())
     }
 }
+
+/// The field a serde message names, if it names one.
+pub(crate) fn field_of(message: &str) -> String {
+    message
+        .split('`')
+        .nth(1)
+        .map(str::to_string)
+        .unwrap_or_else(|| "-".into())
+}
+
+/// The name of the column a CSV error is about, or `-`.
+pub(crate) fn csv_field<S: AsRef<str>>(e: &csv::Error, headers: &[S]) -> String {
+    match e.kind() {
+        csv::ErrorKind::Deserialize { err, .. } => match err.field() {
+            Some(i) => headers
+                .get(i as usize)
+                .map(|h| h.as_ref().to_string())
+                .unwrap_or_else(|| format!("column {}", i + 1)),
+            None => field_of(&err.to_string()),
+        },
+        _ => "-".into(),
+    }
+}

@@ -17,7 +17,6 @@
 //!
 //! Rows must come in order of `submit_s`; copies of a repeated row are merged into that order.
 
-use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::path::Path;
 
@@ -25,7 +24,7 @@ use ledger::event::WorkloadSubmitted;
 use ledger::sim::SimWorkload;
 use serde::Deserialize;
 
-use super::{workload_id, Ordered, RowError, Rows};
+use super::{csv_field, field_of, workload_id, Ordered, RowError, Rows};
 use crate::SimError;
 
 #[derive(Debug, Deserialize)]
@@ -96,19 +95,17 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
         let copies = (row.count.unwrap_or(1), (every_s * 1000.0).round() as u64);
         let w = SimWorkload {
             submitted: WorkloadSubmitted {
-                workload: workload_id(submit_ms, line),
-                allocation: row.allocation.filter(|a| !a.is_empty()),
-                gpus_per_node: row.gpus,
-                nodes: row.nodes.unwrap_or(1),
                 model: row.model.filter(|m| !m.is_empty()),
                 priority: row.priority.unwrap_or(0),
                 min_runtime_s: row.min_runtime_s,
-                duration_estimate_s: None,
                 checkpoint_s: row.checkpoint_s,
                 name: Some(row.id),
-                command: vec![],
-                env: BTreeMap::new(),
-                idempotency_key: None,
+                ..WorkloadSubmitted::new(
+                    workload_id(submit_ms, line),
+                    row.allocation.filter(|a| !a.is_empty()),
+                    row.gpus,
+                    row.nodes.unwrap_or(1),
+                )
             },
             submit_ms,
             work_ms: ((row.duration_s * 1000.0).round() as u64).max(1),
@@ -175,28 +172,6 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
                     convert(line, row)
                 }),
         )))
-    }
-}
-
-/// The field a serde message names, if it names one.
-fn field_of(message: &str) -> String {
-    message
-        .split('`')
-        .nth(1)
-        .map(str::to_string)
-        .unwrap_or_else(|| "-".into())
-}
-
-fn csv_field(e: &csv::Error, headers: &[String]) -> String {
-    match e.kind() {
-        csv::ErrorKind::Deserialize { err, .. } => match err.field() {
-            Some(i) => headers
-                .get(i as usize)
-                .cloned()
-                .unwrap_or_else(|| format!("column {}", i + 1)),
-            None => field_of(&err.to_string()),
-        },
-        _ => "-".into(),
     }
 }
 

@@ -22,7 +22,6 @@
 //!
 //! Times in Philly and Helios are `YYYY-MM-DD HH:MM:SS` and count from the first submission.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use ledger::event::WorkloadSubmitted;
@@ -52,19 +51,13 @@ fn workload(
 ) -> SimWorkload {
     SimWorkload {
         submitted: WorkloadSubmitted {
-            workload: workload_id(submit_ms, line),
-            allocation,
-            gpus_per_node,
-            nodes,
-            model: None,
-            priority: 0,
-            min_runtime_s: None,
-            duration_estimate_s: None,
-            checkpoint_s: None,
             name: Some(name),
-            command: vec![],
-            env: BTreeMap::new(),
-            idempotency_key: None,
+            ..WorkloadSubmitted::new(
+                workload_id(submit_ms, line),
+                allocation,
+                gpus_per_node,
+                nodes,
+            )
         },
         submit_ms,
         work_ms: work_ms.max(1000),
@@ -217,14 +210,7 @@ pub fn helios(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
                 let job = match r {
                     Ok(j) => j,
                     Err(e) => {
-                        let field = match e.kind() {
-                            csv::ErrorKind::Deserialize { err, .. } => err
-                                .field()
-                                .and_then(|f| headers.get(f as usize).cloned())
-                                .unwrap_or_else(|| "-".into()),
-                            _ => "-".into(),
-                        };
-                        return Some(Err(err(&field, e.to_string())));
+                        return Some(Err(err(&super::csv_field(&e, &headers), e.to_string())));
                     }
                 };
                 if job.gpu_num == 0 || job.duration.is_nan() || job.duration <= 0.0 {
@@ -338,14 +324,7 @@ pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
                 let task = match r {
                     Ok(t) => t,
                     Err(e) => {
-                        let field = match e.kind() {
-                            csv::ErrorKind::Deserialize { err, .. } => err
-                                .field()
-                                .and_then(|f| names.get(f as usize))
-                                .map_or("-".into(), |s| s.to_string()),
-                            _ => "-".into(),
-                        };
-                        return Some(Err(err(&field, e.to_string())));
+                        return Some(Err(err(&super::csv_field(&e, &names), e.to_string())));
                     }
                 };
                 let gpus = task.plan_gpu.filter(|g| *g > 0.0)?;
