@@ -25,7 +25,7 @@ use ledger::event::WorkloadSubmitted;
 use ledger::sim::SimWorkload;
 use serde::Deserialize;
 
-use super::{workload_id, Ordered, RowError, Rows};
+use super::{workload_id, AllocationFrom, Ordered, RowError, Rows};
 use crate::SimError;
 
 #[derive(Debug, Deserialize)]
@@ -48,30 +48,9 @@ struct NodeRow {
     model: String,
 }
 
-enum AllocationFrom {
-    Qos,
-    None,
-    Teams(u64),
-}
-
 /// Opens a pod list.
 pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
-    let from = match allocation_column {
-        "qos" => AllocationFrom::Qos,
-        "none" => AllocationFrom::None,
-        other => match other
-            .strip_prefix("teams:")
-            .and_then(|n| n.parse::<u64>().ok())
-            .filter(|&n| n > 0)
-        {
-            Some(n) => AllocationFrom::Teams(n),
-            None => {
-                return Err(SimError::Invalid(format!(
-                    "--allocation-column {other:?} is unknown; use qos, none or teams:N"
-                )))
-            }
-        },
-    };
+    let mut from = AllocationFrom::parse(allocation_column, "qos")?;
     let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
     let mut reader = csv::Reader::from_reader(file);
     let headers: Vec<String> = reader
@@ -85,7 +64,6 @@ pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
         file: path.to_path_buf(),
         last_ms: 0,
     };
-    let mut dealt = 0u64;
     let rows = reader
         .into_deserialize::<Pod>()
         .enumerate()
@@ -117,20 +95,13 @@ pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
             if let Err(e) = order.check(line, "creation_time", submit_ms) {
                 return Some(Err(e));
             }
-            let allocation = match from {
-                AllocationFrom::Qos if pod.qos.is_empty() => {
-                    return Some(Err(err(
-                        "qos",
-                        "is empty; choose --allocation-column none".into(),
-                    )))
-                }
-                AllocationFrom::Qos => Some(pod.qos.clone()),
-                AllocationFrom::None => None,
-                AllocationFrom::Teams(n) => {
-                    dealt += 1;
-                    Some(format!("team-{}", (dealt - 1) % n))
-                }
-            };
+            if matches!(from, AllocationFrom::Column) && pod.qos.is_empty() {
+                return Some(Err(err(
+                    "qos",
+                    "is empty; choose --allocation-column none".into(),
+                )));
+            }
+            let allocation = from.next(Some(&pod.qos));
             let models: Vec<&str> = pod.gpu_spec.split('|').filter(|m| !m.is_empty()).collect();
             Some(Ok(SimWorkload {
                 submitted: WorkloadSubmitted {

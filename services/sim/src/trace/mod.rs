@@ -152,3 +152,42 @@ pub(crate) fn csv_field<S: AsRef<str>>(e: &csv::Error, headers: &[S]) -> String 
         _ => "-".into(),
     }
 }
+
+/// Where an adapter takes each workload's allocation from: the trace's one allocation column,
+/// nowhere (all work unallocated), or `teams:N` (rows dealt round-robin to `team-0` … `team-N-1`,
+/// for fairness experiments on a trace without teams).
+pub(crate) enum AllocationFrom {
+    Column,
+    None,
+    Teams { n: u64, dealt: u64 },
+}
+
+impl AllocationFrom {
+    /// Parses `--allocation-column` for a trace whose allocation column is `column`.
+    pub(crate) fn parse(arg: &str, column: &str) -> Result<Self, SimError> {
+        if arg == column {
+            return Ok(AllocationFrom::Column);
+        }
+        if arg == "none" {
+            return Ok(AllocationFrom::None);
+        }
+        match arg.strip_prefix("teams:").and_then(|n| n.parse::<u64>().ok()).filter(|&n| n > 0) {
+            Some(n) => Ok(AllocationFrom::Teams { n, dealt: 0 }),
+            None => Err(SimError::Invalid(format!(
+                "--allocation-column {arg:?} is unknown for this trace; use {column}, none or teams:N"
+            ))),
+        }
+    }
+
+    /// The allocation of the next row, whose allocation column holds `value`.
+    pub(crate) fn next(&mut self, value: Option<&str>) -> Option<String> {
+        match self {
+            AllocationFrom::Column => value.filter(|v| !v.is_empty()).map(str::to_string),
+            AllocationFrom::None => None,
+            AllocationFrom::Teams { n, dealt } => {
+                *dealt += 1;
+                Some(format!("team-{}", (*dealt - 1) % *n))
+            }
+        }
+    }
+}

@@ -30,7 +30,7 @@ use serde::Deserialize;
 use time::macros::format_description;
 use time::PrimitiveDateTime;
 
-use super::{workload_id, Ordered, RowError, Rows};
+use super::{workload_id, AllocationFrom, Ordered, RowError, Rows};
 use crate::SimError;
 
 fn parse_time(s: &str) -> Option<i64> {
@@ -265,27 +265,7 @@ struct PaiTask {
 
 /// PAI 2020's `pai_task_table.csv` (no header), in `start_time` order.
 pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
-    enum From {
-        GpuType,
-        None,
-        Teams(u64),
-    }
-    let from = match allocation_column {
-        "gpu_type" => From::GpuType,
-        "none" => From::None,
-        other => match other
-            .strip_prefix("teams:")
-            .and_then(|n| n.parse::<u64>().ok())
-            .filter(|&n| n > 0)
-        {
-            Some(n) => From::Teams(n),
-            None => {
-                return Err(SimError::Invalid(format!(
-                "--allocation-column {other:?} is unknown for PAI; use gpu_type, none or teams:N"
-            )))
-            }
-        },
-    };
+    let mut from = AllocationFrom::parse(allocation_column, "gpu_type")?;
     let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
     let reader = csv::ReaderBuilder::new()
         .has_headers(false)
@@ -308,7 +288,6 @@ pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
         last_ms: 0,
     };
     let mut start: Option<f64> = None;
-    let mut dealt = 0u64;
     Ok(Box::new(
         reader
             .into_deserialize::<PaiTask>()
@@ -349,14 +328,7 @@ pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
                 if let Err(e) = order.check(line, "start_time", submit_ms) {
                     return Some(Err(e));
                 }
-                let allocation = match from {
-                    From::GpuType => task.gpu_type.filter(|g| !g.is_empty()),
-                    From::None => None,
-                    From::Teams(n) => {
-                        dealt += 1;
-                        Some(format!("team-{}", (dealt - 1) % n))
-                    }
-                };
+                let allocation = from.next(task.gpu_type.as_deref());
                 let per_node = (gpus / 100.0).ceil() as u32;
                 Some(Ok(workload(
                     line,
