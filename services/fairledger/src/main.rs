@@ -1,8 +1,12 @@
 //! `fairledger`: the one binary of the scheduling ledger.
 //!
-//! Today it folds ledgers: `demo` runs the built-in demo cluster through the scheduler with a
-//! virtual clock and prints who was owed and who got what; `replay` folds any ledger written as
-//! JSON lines and prints the same audit. `serve`, `agent` and `sim` join as their crates land.
+//! - `demo` runs the built-in demo cluster through the scheduler on a virtual clock and prints who
+//!   was owed and who got what;
+//! - `sim` replays a workload trace through the same scheduler and writes the ledger and reports
+//!   (the `sim` crate);
+//! - `replay` folds any ledger written as JSON lines and prints the same audit.
+//!
+//! `serve` and `agent` join as their crates land.
 
 mod audit;
 mod demo;
