@@ -68,9 +68,6 @@ pub struct Engine {
     source: Option<std::iter::Peekable<Box<dyn Iterator<Item = SimWorkload>>>>,
     work_ms: BTreeMap<WorkloadId, u64>,
     faults: Vec<Fault>,
-    /// Rejections of events the engine wrote; a correct policy never causes one.
-    pub rejected: Vec<(u64, Envelope, crate::Rejection)>,
-    decide_passes: u64,
 }
 
 impl Engine {
@@ -86,19 +83,7 @@ impl Engine {
             source: None,
             work_ms: BTreeMap::new(),
             faults: Vec::new(),
-            rejected: Vec::new(),
-            decide_passes: 0,
         }
-    }
-
-    /// Sequences of events written so far.
-    pub fn last_seq(&self) -> u64 {
-        self.seq
-    }
-
-    /// Scheduling passes run so far.
-    pub fn decide_passes(&self) -> u64 {
-        self.decide_passes
     }
 
     /// A UUIDv7 for virtual time `t_ms`, unique within this engine.
@@ -119,9 +104,6 @@ impl Engine {
         let env = Envelope::new(self.next_id(t_ms), t_ms, "sim", event);
         self.seq += 1;
         let outcome = self.state.apply(self.seq, &env);
-        if let Outcome::Rejected(r) = &outcome {
-            self.rejected.push((self.seq, env.clone(), r.clone()));
-        }
         observe(&self.state, self.seq, &env, &outcome);
         outcome
     }
@@ -217,7 +199,6 @@ impl Engine {
             }
         }
         for _ in 0..4 {
-            self.decide_passes += 1;
             let plan = decide(&self.state, t, &self.policy);
             if plan.decisions.is_empty() {
                 break;
