@@ -357,15 +357,6 @@ impl State {
         }
     }
 
-    /// Recomputes the owed split now if a change since the last event made it stale.
-    pub fn refresh_owed(&mut self) {
-        if self.owed_stale {
-            self.allocations
-                .split_owed(self.cluster.healthy_gpus as f64);
-            self.owed_stale = false;
-        }
-    }
-
     // ---- allocations -------------------------------------------------------------------------
 
     fn allocation_set(&mut self, e: &AllocationSet) -> Result<Outcome, Rejection> {
