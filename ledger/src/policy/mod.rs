@@ -310,7 +310,14 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     preemptible.0.dedup();
     preemptible.1.sort_unstable();
     preemptible.1.dedup();
-    let mut claimed: FxHashSet<WorkloadId> = failed.iter().copied().collect();
+    let mut search = VictimSearch {
+        left: cfg.preemptors_per_pass_max,
+        claimed: failed.iter().copied().collect(),
+        nodes: preemptible.0,
+        allocs: preemptible.1,
+        no_victims: FxHashSet::default(),
+        failed_shapes: FxHashSet::default(),
+    };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
             workload: id,
@@ -322,15 +329,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
 
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
-    let mut preemptors = 0u32;
     let smallest_ask = state
         .pending_gpus_per_node
         .keys()
         .next()
         .copied()
         .unwrap_or(0);
-    let mut no_victims: FxHashSet<Option<u32>> = FxHashSet::default();
-    let mut failed_shapes: FxHashSet<(Option<u32>, u32, u32)> = FxHashSet::default();
     let mut position = 0u32;
 
     while let Some(id) = rank.next_candidate() {
@@ -356,139 +360,68 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             }
         }
 
-        let blocked = match blocked {
-            Some(b) => b,
-            None => {
-                if let Some(&(victims, until_ms, ref nodes)) = incoming.get(&id) {
-                    scratch.withhold_nodes(nodes);
-                    if plan.reservation.is_none() {
-                        plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
-                    }
-                    Blocked::WaitingForPreemption { victims, until_ms }
-                } else {
-                    let mut plan_preempt = None;
-                    let victim_nodes = &preemptible;
-                    let shape = (w.allocation, w.gpus_per_node, w.nodes);
-                    if preemptors < cfg.preemptors_per_pass_max
-                        && w.allocation.is_some()
-                        && !victim_nodes.0.is_empty()
-                    {
-                        preemptors += 1;
-                        // A search that already failed for this allocation (for want of any
-                        // victim) or for this very shape fails again: skip it. So does one for
-                        // an allocation that may take work from none of the allocations that
-                        // have preemptible work: a check per allocation, not per GPU.
-                        let (nodes, allocs) = victim_nodes;
-                        // Whether a victim's allocation may lose work to this one: the same for
-                        // all its workloads, so asked once per allocation.
-                        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
-                        let mut may_take = |va: Option<u32>| {
-                            *by_alloc.entry(va).or_insert_with(|| {
-                                may_preempt_allocation(state, &rank, policy, cfg, w.allocation, va)
-                            })
+        let blocked = match (blocked, incoming.get(&id)) {
+            (Some(b), _) => b,
+            (None, Some(&(victims, until_ms, ref nodes))) => {
+                scratch.withhold_nodes(nodes);
+                if plan.reservation.is_none() {
+                    plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
+                }
+                Blocked::WaitingForPreemption { victims, until_ms }
+            }
+            (None, None) => match search.find(state, &scratch, &rank, policy, cfg, w, now_ms) {
+                Some((nodes, victims)) => {
+                    let until_ms = now_ms + cfg.grace_ms;
+                    for v in &victims {
+                        let reason = if state.workloads[v].allocation.is_none() {
+                            PreemptionReason::Opportunistic
+                        } else {
+                            PreemptionReason::FairShare
                         };
-                        if !no_victims.contains(&w.allocation)
-                            && !allocs.iter().any(|&va| may_take(va))
-                        {
-                            no_victims.insert(w.allocation);
-                        }
-                        let victim_nodes = nodes;
-                        if !no_victims.contains(&w.allocation) && !failed_shapes.contains(&shape) {
-                            match scratch.plan_preemption(
-                                state,
-                                w,
-                                now_ms,
-                                &claimed,
-                                victim_nodes,
-                                |v| {
-                                    v.preempting.is_none()
-                                        && (v.allocation.is_none()
-                                            || now_ms >= v.protected_until_ms)
-                                        && may_take(v.allocation)
-                                },
-                            ) {
-                                Ok(p) => plan_preempt = Some(p),
-                                Err(placement::NoPlan::NoVictims) => {
-                                    no_victims.insert(w.allocation);
-                                }
-                                Err(placement::NoPlan::NotEnough) => {
-                                    failed_shapes.insert(shape);
-                                }
-                            }
-                        }
+                        plan.decisions.push(Decision::Preempt {
+                            workload: *v,
+                            reason,
+                            beneficiary: Some(id),
+                            grace_s,
+                        });
                     }
-                    match plan_preempt {
-                        Some((nodes, victims)) => {
-                            let until_ms = now_ms + cfg.grace_ms;
-                            for v in &victims {
-                                claimed.insert(*v);
-                                let reason = if state.workloads[v].allocation.is_none() {
-                                    PreemptionReason::Opportunistic
-                                } else {
-                                    PreemptionReason::FairShare
-                                };
-                                plan.decisions.push(Decision::Preempt {
-                                    workload: *v,
-                                    reason,
-                                    beneficiary: Some(id),
-                                    grace_s,
-                                });
-                            }
-                            scratch.withhold_nodes(&nodes);
-                            if plan.reservation.is_none() {
-                                plan.reservation =
-                                    Some(Reservation::new(state, id, &nodes, Some(until_ms)));
-                            }
-                            Blocked::WaitingForPreemption {
-                                victims: victims.len() as u32,
-                                until_ms,
-                            }
-                        }
-                        None if plan.reservation.is_none() => {
-                            // Whether the holder's allocation may lose work to this one: the
-                            // same for all its workloads, so asked once per allocation.
-                            let mut may_take: FxHashMap<Option<u32>, bool> = FxHashMap::default();
-                            let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, |v| {
-                                let eligible = *may_take.entry(v.allocation).or_insert_with(|| {
-                                    may_preempt_allocation(
-                                        state,
-                                        &rank,
-                                        policy,
-                                        cfg,
-                                        w.allocation,
-                                        v.allocation,
-                                    )
-                                });
-                                release_ms(cfg, eligible, v, now_ms)
-                            });
-                            let count = nodes.len() as u32;
-                            scratch.withhold_nodes(&nodes);
-                            plan.reservation =
-                                Some(Reservation::new(state, id, &nodes, start_at_ms));
-                            Blocked::HoldsReservation {
-                                nodes: count,
-                                start_at_ms,
-                            }
-                        }
-                        // Without explanations the reason is thrown away: skip working it out.
-                        None if !cfg.explain => Blocked::NoCapacity {
-                            gpus_per_node: w.gpus_per_node,
-                            nodes: w.nodes,
-                            fitting_nodes: 0,
-                        },
-                        None => match &plan.reservation {
-                            Some(r) if scratch.fits_withheld(w) => {
-                                Blocked::BehindReservation { holder: r.workload }
-                            }
-                            _ => Blocked::NoCapacity {
-                                gpus_per_node: w.gpus_per_node,
-                                nodes: w.nodes,
-                                fitting_nodes: scratch.fitting_nodes(w),
-                            },
-                        },
+                    scratch.withhold_nodes(&nodes);
+                    if plan.reservation.is_none() {
+                        plan.reservation =
+                            Some(Reservation::new(state, id, &nodes, Some(until_ms)));
+                    }
+                    Blocked::WaitingForPreemption {
+                        victims: victims.len() as u32,
+                        until_ms,
                     }
                 }
-            }
+                None if plan.reservation.is_none() => {
+                    let (nodes, start_at_ms) =
+                        reserve(state, &scratch, &rank, policy, cfg, w, now_ms);
+                    scratch.withhold_nodes(&nodes);
+                    plan.reservation = Some(Reservation::new(state, id, &nodes, start_at_ms));
+                    Blocked::HoldsReservation {
+                        nodes: nodes.len() as u32,
+                        start_at_ms,
+                    }
+                }
+                // Without explanations the reason is thrown away: skip working it out.
+                None if !cfg.explain => Blocked::NoCapacity {
+                    gpus_per_node: w.gpus_per_node,
+                    nodes: w.nodes,
+                    fitting_nodes: 0,
+                },
+                None => match &plan.reservation {
+                    Some(r) if scratch.fits_withheld(w) => {
+                        Blocked::BehindReservation { holder: r.workload }
+                    }
+                    _ => Blocked::NoCapacity {
+                        gpus_per_node: w.gpus_per_node,
+                        nodes: w.nodes,
+                        fitting_nodes: scratch.fitting_nodes(w),
+                    },
+                },
+            },
         };
         if cfg.explain {
             plan.pending.push(Pending {
@@ -497,7 +430,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 reason: blocked,
             });
         } else if plan.reservation.is_some()
-            && (preemptors >= cfg.preemptors_per_pass_max || preemptible.0.is_empty())
+            && search.exhausted()
             && (scratch.free_total() == 0
                 || smallest_ask > scratch.max_free_on_a_node(state.pending_with_estimate > 0))
         {
@@ -509,6 +442,102 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         }
     }
     plan
+}
+
+/// What a pass knows about preemption: the running work that could be preempted at all (its
+/// nodes and allocations), the searches left in its budget, the searches that already failed,
+/// and the workloads already chosen as victims.
+struct VictimSearch {
+    nodes: Vec<u32>,
+    allocs: Vec<Option<u32>>,
+    left: u32,
+    no_victims: FxHashSet<Option<u32>>,
+    failed_shapes: FxHashSet<(Option<u32>, u32, u32)>,
+    claimed: FxHashSet<WorkloadId>,
+}
+
+impl VictimSearch {
+    /// No search may succeed any more in this pass.
+    fn exhausted(&self) -> bool {
+        self.left == 0 || self.nodes.is_empty()
+    }
+
+    /// Victims whose preemption makes room for blocked `w`, and the nodes it would use; each
+    /// call spends one search of the budget. A search that already failed for `w`'s allocation
+    /// (for want of any victim) or for its very shape fails again and is skipped, as is one for
+    /// an allocation that may take work from none of the allocations holding preemptible work.
+    #[allow(clippy::too_many_arguments)]
+    fn find(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+        now_ms: u64,
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        if self.left == 0 || w.allocation.is_none() || self.nodes.is_empty() {
+            return None;
+        }
+        self.left -= 1;
+        // Whether a victim's allocation may lose work to this one: the same for all its
+        // workloads, so asked once per allocation.
+        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+        let mut may_take = |va: Option<u32>| {
+            *by_alloc.entry(va).or_insert_with(|| {
+                may_preempt_allocation(state, rank, policy, cfg, w.allocation, va)
+            })
+        };
+        if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| may_take(va)) {
+            self.no_victims.insert(w.allocation);
+        }
+        let shape = (w.allocation, w.gpus_per_node, w.nodes);
+        if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
+            return None;
+        }
+        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, &self.nodes, |v| {
+            v.preempting.is_none()
+                && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
+                && may_take(v.allocation)
+        });
+        match found {
+            Ok((nodes, victims)) => {
+                self.claimed.extend(victims.iter().copied());
+                Some((nodes, victims))
+            }
+            Err(placement::NoPlan::NoVictims) => {
+                self.no_victims.insert(w.allocation);
+                None
+            }
+            Err(placement::NoPlan::NotEnough) => {
+                self.failed_shapes.insert(shape);
+                None
+            }
+        }
+    }
+}
+
+/// The nodes to reserve for blocked `w` and when it could start there, from when each holder
+/// gives its GPUs back for `w`.
+fn reserve(
+    state: &State,
+    scratch: &Scratch,
+    rank: &rank::Rank,
+    policy: &dyn Policy,
+    cfg: &PolicyConfig,
+    w: &Workload,
+    now_ms: u64,
+) -> (Vec<u32>, Option<u64>) {
+    // Whether the holder's allocation may lose work to this one: the same for all its
+    // workloads, so asked once per allocation.
+    let mut may_take: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+    scratch.reserve(state, w, now_ms, |v| {
+        let eligible = *may_take.entry(v.allocation).or_insert_with(|| {
+            may_preempt_allocation(state, rank, policy, cfg, w.allocation, v.allocation)
+        });
+        release_ms(cfg, eligible, v, now_ms)
+    })
 }
 
 fn start(
