@@ -8,16 +8,15 @@
 //!
 //! `serve` and `agent` join as their crates land.
 
-mod audit;
 mod demo;
 
-use std::io::{BufRead, BufWriter, Write};
+use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use ledger::policy::{self, PolicyConfig};
-use ledger::{Envelope, Outcome, State, StateConfig};
+use ledger::StateConfig;
 
 #[derive(Parser)]
 #[command(
@@ -149,7 +148,9 @@ fn run(cli: Cli) -> Result<(), String> {
                 None => None,
             };
             let mut write_error = None;
-            let state = demo::run(cfg, hours, seed, |env| {
+            let mut collector = sim::report::Collector::default();
+            let state = demo::run(cfg, hours, seed, |env, outcome| {
+                collector.observe(env, outcome);
                 if let Some(w) = writer.as_mut() {
                     let line = serde_json::to_string(env).expect("events serialise");
                     if let Err(e) = writeln!(w, "{line}") {
@@ -162,11 +163,8 @@ fn run(cli: Cli) -> Result<(), String> {
                     return Err(format!("writing the ledger failed: {e}"));
                 }
             }
-            audit::print(
-                &state,
-                &format!("demo, policy {policy}, seed {seed}, {hours} h"),
-                json,
-            );
+            let report = collector.finish(&state, name, seed, 0.0);
+            print_report(&report, &format!("demo, seed {seed}"), json);
             Ok(())
         }
         Command::Sim(args) => simulate(args),
@@ -175,31 +173,13 @@ fn run(cli: Cli) -> Result<(), String> {
             at_ms,
             json,
         } => {
-            let file = std::fs::File::open(&events)
-                .map_err(|e| format!("cannot open {}: {e}", events.display()))?;
-            let mut state = State::new(StateConfig::default());
-            let mut rejected = 0u64;
-            for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-                let line =
-                    line.map_err(|e| format!("{}: line {}: {e}", events.display(), i + 1))?;
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let env: Envelope = serde_json::from_str(&line)
-                    .map_err(|e| format!("{}: line {}: not an event: {e}; each line must be one JSON event (schemas/envelope.json)", events.display(), i + 1))?;
-                if let Outcome::Rejected(r) = state.apply(i as u64 + 1, &env) {
-                    rejected += 1;
-                    eprintln!("line {}: {} rejected: {r}", i + 1, env.event.kind());
-                }
+            // Any ledger: the default fold settings, and no policy to name.
+            let result = sim::replay(&events, StateConfig::default(), "-", at_ms, 0)
+                .map_err(|e| e.to_string())?;
+            for (rule, n) in &result.rejections {
+                eprintln!("{n} events rejected by the ledger: {rule}");
             }
-            if let Some(t) = at_ms {
-                state.advance_to(t);
-            }
-            audit::print(
-                &state,
-                &format!("{} ({} rejected)", events.display(), rejected),
-                json,
-            );
+            print_report(&result.report, &events.display().to_string(), json);
             Ok(())
         }
     }
@@ -246,7 +226,7 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         if result.bad_rows > 0 {
             eprintln!("{name}: skipped {} bad rows", result.bad_rows);
         }
-        print_sim(&result.report, &out);
+        print_report(&result.report, &out.display().to_string(), false);
         reports.push(result.report);
     }
     if !args.compare.is_empty() {
@@ -259,9 +239,17 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn print_sim(r: &sim::report::Report, out: &std::path::Path) {
+/// Prints a report as a table in the shape of sshare/sreport, or as JSON.
+fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
+    if as_json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(r).expect("reports serialise")
+        );
+        return;
+    }
     println!(
-        "{}: delivered/owed {:.3}, occupancy {:.3}, impact {:.3}, {} started, {} preemptions, {} contract violations, {:.0} simulated h in {:.2} s -> {}",
+        "{title}: policy {}, delivered/owed {:.3}, occupancy {:.3}, impact {:.3}, {} started, {} preemptions, {} contract violations, {:.0} h in {:.2} s",
         r.policy,
         r.fairness.delivered_over_owed,
         r.metrics.occupancy,
@@ -271,7 +259,6 @@ fn print_sim(r: &sim::report::Report, out: &std::path::Path) {
         r.workloads.contract_violations,
         r.sim.horizon_s / 3600.0,
         r.sim.wall_s,
-        out.display()
     );
     println!(
         "  {:<24} {:>6} {:>12} {:>12} {:>9} {:>10} {:>8}",

@@ -173,29 +173,44 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
     })
 }
 
-/// Folds a run's `events.jsonl` again and builds its report from the ledger alone.
+/// Folds a ledger written as JSON lines (a run's `events.jsonl`, or any other) into a fresh state
+/// and builds its report from the events alone, read at `until_ms` if given. Blank lines are
+/// skipped; a line that is not an event stops the replay naming the line.
 pub fn replay(
     events: &Path,
-    scenario: &Prepared,
-    until_s: Option<u64>,
+    state_config: ledger::StateConfig,
+    policy: &str,
+    until_ms: Option<u64>,
     seed: u64,
-) -> Result<Report, SimError> {
+) -> Result<RunResult, SimError> {
     use std::io::BufRead;
     let file = File::open(events).map_err(|e| SimError::Io(events.to_path_buf(), e))?;
-    let mut state = State::new(scenario.state_config);
+    let mut state = State::new(state_config);
     let mut collector = Collector::default();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|e| SimError::Io(events.to_path_buf(), e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
         let env: Envelope = serde_json::from_str(&line).map_err(|e| {
-            SimError::Invalid(format!("{}:{}: not an event: {e}", events.display(), i + 1))
+            SimError::Invalid(format!(
+                "{}:{}: not an event: {e}; each line must be one JSON event (schemas/envelope.json)",
+                events.display(),
+                i + 1
+            ))
         })?;
         let outcome = state.apply(i as u64 + 1, &env);
         collector.observe(&env, &outcome);
     }
-    if let Some(u) = until_s {
-        state.advance_to(u * 1000);
+    if let Some(t) = until_ms {
+        state.advance_to(t);
     }
-    Ok(collector.finish(&state, scenario.policy.policy, seed, 0.0))
+    let rejections = collector.rejections().clone();
+    Ok(RunResult {
+        report: collector.finish(&state, policy, seed, 0.0),
+        bad_rows: 0,
+        rejections,
+    })
 }
 
 /// Writes pretty JSON with a final newline.

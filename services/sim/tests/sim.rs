@@ -83,8 +83,15 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
     assert!(r.unallocated_delivered_gpu_hours > 0.0);
 
     // The files: events.jsonl folds back into the same report; report.json is what was returned.
-    let replayed =
-        sim::replay(&dir.path().join("events.jsonl"), &s.scenario, None, s.seed).unwrap();
+    let replayed = sim::replay(
+        &dir.path().join("events.jsonl"),
+        s.scenario.state_config,
+        s.scenario.policy.policy,
+        None,
+        s.seed,
+    )
+    .unwrap()
+    .report;
     assert_eq!(timeless(replayed), timeless(r.clone()));
     let written: Report =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap())
@@ -320,11 +327,13 @@ fn the_bundled_alibaba_trace_runs_with_its_invariants() {
     // The ledger alone reproduces the report.
     let replayed = sim::replay(
         &dir.path().join("events.jsonl"),
-        &s.scenario,
-        Some(until_s),
+        s.scenario.state_config,
+        s.scenario.policy.policy,
+        Some(until_s * 1000),
         s.seed,
     )
-    .unwrap();
+    .unwrap()
+    .report;
     assert_eq!(timeless(replayed), timeless(r));
 }
 
