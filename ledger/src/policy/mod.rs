@@ -481,14 +481,7 @@ impl VictimSearch {
             return None;
         }
         self.left -= 1;
-        // Whether a victim's allocation may lose work to this one: the same for all its
-        // workloads, so asked once per allocation.
-        let mut by_alloc: FxHashMap<Option<u32>, bool> = FxHashMap::default();
-        let mut may_take = |va: Option<u32>| {
-            *by_alloc.entry(va).or_insert_with(|| {
-                may_preempt_allocation(state, rank, policy, cfg, w.allocation, va)
-            })
-        };
+        let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
         if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| may_take(va)) {
             self.no_victims.insert(w.allocation);
         }
@@ -529,13 +522,9 @@ fn reserve(
     w: &Workload,
     now_ms: u64,
 ) -> (Vec<u32>, Option<u64>) {
-    // Whether the holder's allocation may lose work to this one: the same for all its
-    // workloads, so asked once per allocation.
-    let mut may_take: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+    let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
     scratch.reserve(state, w, now_ms, |v| {
-        let eligible = *may_take.entry(v.allocation).or_insert_with(|| {
-            may_preempt_allocation(state, rank, policy, cfg, w.allocation, v.allocation)
-        });
+        let eligible = may_take(v.allocation);
         release_ms(cfg, eligible, v, now_ms)
     })
 }
@@ -563,6 +552,23 @@ fn start(
             })
             .collect(),
         protected_until_ms: now_ms + protection,
+    }
+}
+
+/// [`may_preempt_allocation`] for one beneficiary, asked once per victim allocation (the answer
+/// is the same for all of its workloads).
+fn may_take_from<'a>(
+    state: &'a State,
+    rank: &'a rank::Rank,
+    policy: &'a dyn Policy,
+    cfg: &'a PolicyConfig,
+    beneficiary: Option<u32>,
+) -> impl FnMut(Option<u32>) -> bool + 'a {
+    let mut memo: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+    move |victim| {
+        *memo.entry(victim).or_insert_with(|| {
+            may_preempt_allocation(state, rank, policy, cfg, beneficiary, victim)
+        })
     }
 }
 
