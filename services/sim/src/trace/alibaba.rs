@@ -51,30 +51,16 @@ struct NodeRow {
 /// Opens a pod list.
 pub fn open(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
     let mut from = AllocationFrom::parse(allocation_column, "qos")?;
-    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
-    let mut reader = csv::Reader::from_reader(file);
-    let headers: Vec<String> = reader
-        .headers()
-        .map_err(|e| SimError::Invalid(format!("{}: no readable header: {e}", path.display())))?
-        .iter()
-        .map(str::to_string)
-        .collect();
+    let (reader, headers) = super::open_csv(path, false)?;
     let file_name = path.to_path_buf();
-    let mut order = Ordered {
-        file: path.to_path_buf(),
-        last_ms: 0,
-    };
+    let mut order = Ordered::new(path);
     let rows = reader
         .into_deserialize::<Pod>()
         .enumerate()
         .filter_map(move |(i, r)| {
             let line = i as u64 + 2;
-            let err = |field: &str, message: String| RowError {
-                file: file_name.clone(),
-                line,
-                field: field.into(),
-                message,
-            };
+            let err =
+                |field: &str, message: String| RowError::new(&file_name, line, field, message);
             let pod = match r {
                 Ok(p) => p,
                 Err(e) => {

@@ -109,6 +109,38 @@ pub(crate) fn workload_id(submit_ms: u64, row: u64) -> uuid::Uuid {
     uuid::Builder::from_unix_timestamp_millis(submit_ms, &tail).into_uuid()
 }
 
+impl RowError {
+    pub(crate) fn new(file: &Path, line: u64, field: &str, message: impl Into<String>) -> Self {
+        RowError {
+            file: file.to_path_buf(),
+            line,
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Opens a CSV file whose first row names the columns; returns the reader and the names.
+pub(crate) fn open_csv(
+    path: &Path,
+    trim: bool,
+) -> Result<(csv::Reader<std::fs::File>, Vec<String>), SimError> {
+    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
+    let trim = if trim {
+        csv::Trim::All
+    } else {
+        csv::Trim::None
+    };
+    let mut reader = csv::ReaderBuilder::new().trim(trim).from_reader(file);
+    let headers = reader
+        .headers()
+        .map_err(|e| SimError::Invalid(format!("{}: no readable header: {e}", path.display())))?
+        .iter()
+        .map(str::to_string)
+        .collect();
+    Ok((reader, headers))
+}
+
 /// Checks that rows come in submission order, so the run can stream them.
 pub(crate) struct Ordered {
     pub(crate) file: PathBuf,
@@ -116,6 +148,13 @@ pub(crate) struct Ordered {
 }
 
 impl Ordered {
+    pub(crate) fn new(file: &Path) -> Self {
+        Ordered {
+            file: file.to_path_buf(),
+            last_ms: 0,
+        }
+    }
+
     pub(crate) fn check(&mut self, line: u64, field: &str, submit_ms: u64) -> Result<(), RowError> {
         if submit_ms < self.last_ms {
             return Err(RowError {

@@ -57,11 +57,7 @@ type Read = Result<(SimWorkload, u32, u64), RowError>;
 
 /// Opens a `.csv` or `.jsonl` file.
 pub fn open(path: &Path) -> Result<Rows, SimError> {
-    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
-    let mut order = Ordered {
-        file: path.to_path_buf(),
-        last_ms: 0,
-    };
+    let mut order = Ordered::new(path);
     let owned = path.to_path_buf();
     let convert = move |line: u64, row: Result<Row, RowError>| -> Read {
         let row = row?;
@@ -118,6 +114,7 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
     );
     if is_jsonl {
         let file_name = path.to_path_buf();
+        let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
         let lines = std::io::BufReader::new(file)
             .lines()
             .enumerate()
@@ -146,15 +143,7 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
         )))
     } else {
         let file_name = path.to_path_buf();
-        let mut reader = csv::ReaderBuilder::new()
-            .trim(csv::Trim::All)
-            .from_reader(file);
-        let headers: Vec<String> = reader
-            .headers()
-            .map_err(|e| SimError::Invalid(format!("{}: no readable header: {e}", path.display())))?
-            .iter()
-            .map(str::to_string)
-            .collect();
+        let (reader, headers) = super::open_csv(path, true)?;
         let mut convert = convert;
         Ok(Box::new(Expand::new(
             reader

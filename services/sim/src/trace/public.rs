@@ -181,19 +181,9 @@ struct HeliosJob {
 /// Helios's `cluster_log.csv`, in `submit_time` order.
 pub fn helios(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
     let by_vc = pick_user_or_vc(allocation_column)?;
-    let file = std::fs::File::open(path).map_err(|e| SimError::Io(path.to_path_buf(), e))?;
-    let mut reader = csv::Reader::from_reader(file);
-    let headers: Vec<String> = reader
-        .headers()
-        .map_err(|e| SimError::Invalid(format!("{}: {e}", path.display())))?
-        .iter()
-        .map(str::to_string)
-        .collect();
+    let (reader, headers) = super::open_csv(path, false)?;
     let file_name = path.to_path_buf();
-    let mut order = Ordered {
-        file: path.to_path_buf(),
-        last_ms: 0,
-    };
+    let mut order = Ordered::new(path);
     let mut start: Option<i64> = None;
     Ok(Box::new(
         reader
@@ -201,12 +191,8 @@ pub fn helios(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
             .enumerate()
             .filter_map(move |(i, r)| {
                 let line = i as u64 + 2;
-                let err = |field: &str, message: String| RowError {
-                    file: file_name.clone(),
-                    line,
-                    field: field.into(),
-                    message,
-                };
+                let err =
+                    |field: &str, message: String| RowError::new(&file_name, line, field, message);
                 let job = match r {
                     Ok(j) => j,
                     Err(e) => {
@@ -283,10 +269,7 @@ pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
         "gpu_type",
     ];
     let file_name = path.to_path_buf();
-    let mut order = Ordered {
-        file: path.to_path_buf(),
-        last_ms: 0,
-    };
+    let mut order = Ordered::new(path);
     let mut start: Option<f64> = None;
     Ok(Box::new(
         reader
@@ -294,12 +277,8 @@ pub fn pai(path: &Path, allocation_column: &str) -> Result<Rows, SimError> {
             .enumerate()
             .filter_map(move |(i, r)| {
                 let line = i as u64 + 1;
-                let err = |field: &str, message: String| RowError {
-                    file: file_name.clone(),
-                    line,
-                    field: field.into(),
-                    message,
-                };
+                let err =
+                    |field: &str, message: String| RowError::new(&file_name, line, field, message);
                 let task = match r {
                     Ok(t) => t,
                     Err(e) => {
