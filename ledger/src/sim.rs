@@ -183,20 +183,14 @@ impl Engine {
                 break;
             }
             let w = entry.remove();
-            let id = w.submitted.workload;
-            if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
-                self.work_ms.insert(id, w.work_ms);
-            }
+            self.submit(t, w, observe);
         }
         while let Some(w) = self
             .source
             .as_mut()
             .and_then(|s| s.next_if(|w| w.submit_ms <= t))
         {
-            let id = w.submitted.workload;
-            if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
-                self.work_ms.insert(id, w.work_ms);
-            }
+            self.submit(t, w, observe);
         }
         for _ in 0..4 {
             let plan = decide(&self.state, t, &self.policy);
@@ -242,6 +236,19 @@ impl Engine {
             if !immediate {
                 break;
             }
+        }
+    }
+
+    /// Writes a submission; the engine remembers the true work of those the fold accepts.
+    fn submit(
+        &mut self,
+        t: u64,
+        w: SimWorkload,
+        observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome),
+    ) {
+        let id = w.submitted.workload;
+        if self.write(t, Event::WorkloadSubmitted(w.submitted), observe) == Outcome::Applied {
+            self.work_ms.insert(id, w.work_ms);
         }
     }
 
