@@ -1,0 +1,484 @@
+//! The embedded event log: an append-only log in sled, for a single process.
+//!
+//! One sled tree holds three key spaces: `e<seq>` the events, `d<key>` idempotency keys (kept
+//! forever, a superset of JetStream's bounded duplicate window) and `s<subject>` the last
+//! sequence of each subject. A single writer thread gathers whatever appends are waiting into
+//! one atomic sled batch and flushes it to disk before answering any of them (group commit):
+//! one fsync serves every concurrent writer, and nothing is acknowledged before it is durable.
+//! Readers see only what has been flushed.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::{subject_matches, Append, AppendError, Appended, EventLog, Expect, LogError, Stored};
+
+/// Most appends gathered into one group commit.
+const GROUP_MAX: usize = 4096;
+/// Events read per range scan by a subscription.
+const READ_CHUNK: usize = 1024;
+
+/// Why the embedded log could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Another process holds the directory.
+    #[error("the event log in {0} is in use by another process; stop it or pass another --data directory")]
+    Locked(PathBuf),
+    /// sled could not open or read the directory.
+    #[error("cannot open the event log in {dir}: {reason}; check the path and free disk space, or restore the directory from a backup")]
+    Storage {
+        /// The directory.
+        dir: PathBuf,
+        /// sled's message.
+        reason: String,
+    },
+    /// The data does not decode: the directory was damaged.
+    #[error("the event log in {dir} is corrupt ({reason}); it is the source of truth, so restore it from a backup (the projection, not the log, can be rebuilt)")]
+    Corrupt {
+        /// The directory.
+        dir: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+}
+
+type Answer = oneshot::Sender<Result<Vec<Appended>, AppendError>>;
+
+/// The embedded, sled-backed [`EventLog`]. Cheap to clone; the writer stops when the last
+/// clone is dropped.
+#[derive(Clone)]
+pub struct EmbeddedLog {
+    tree: sled::Tree,
+    writer: mpsc::Sender<(Vec<Append>, Answer)>,
+    durable: watch::Receiver<u64>,
+    _db: Arc<sled::Db>,
+}
+
+impl EmbeddedLog {
+    /// Opens (or creates) the log in `dir`.
+    pub fn open(dir: &Path) -> Result<Self, OpenError> {
+        let db = sled::Config::new()
+            .path(dir)
+            .open()
+            .map_err(|e| open_error(dir, e))?;
+        let tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+        let corrupt = |reason: String| OpenError::Corrupt {
+            dir: dir.to_owned(),
+            reason,
+        };
+        let last_seq = match tree.scan_prefix(b"e").next_back() {
+            None => 0,
+            Some(entry) => {
+                let (k, v) = entry.map_err(|e| open_error(dir, e))?;
+                let seq = seq_of_key(&k).ok_or_else(|| corrupt("bad event key".into()))?;
+                decode(seq, &v).map_err(|e| corrupt(e.to_string()))?;
+                seq
+            }
+        };
+        let mut subjects = HashMap::new();
+        for entry in tree.scan_prefix(b"s") {
+            let (k, v) = entry.map_err(|e| open_error(dir, e))?;
+            let subject = String::from_utf8(k[1..].to_vec())
+                .map_err(|_| corrupt("subject is not UTF-8".into()))?;
+            let seq = u64_of(&v).ok_or_else(|| corrupt("bad subject sequence".into()))?;
+            if seq > last_seq {
+                return Err(corrupt(format!(
+                    "subject {subject} claims sequence {seq} past the last event {last_seq}"
+                )));
+            }
+            subjects.insert(subject, seq);
+        }
+        let (durable_tx, durable) = watch::channel(last_seq);
+        let (writer, rx) = mpsc::channel(GROUP_MAX);
+        let db = Arc::new(db);
+        let state = Writer {
+            db: db.clone(),
+            tree: tree.clone(),
+            last_seq,
+            subjects,
+            durable: durable_tx,
+            failed: None,
+        };
+        std::thread::Builder::new()
+            .name("eventlog-writer".into())
+            .spawn(move || state.run(rx))
+            .map_err(|e| OpenError::Storage {
+                dir: dir.to_owned(),
+                reason: e.to_string(),
+            })?;
+        Ok(EmbeddedLog {
+            tree,
+            writer,
+            durable,
+            _db: db,
+        })
+    }
+
+    fn read_range(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
+        let last = *self.durable.borrow();
+        let from = from.max(1);
+        if from > last || max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::with_capacity(max.min((last - from + 1) as usize));
+        for entry in self.tree.range(key(b'e', from)..=key(b'e', last)).take(max) {
+            let (k, v) = entry.map_err(|e| LogError::Unavailable(e.to_string()))?;
+            let seq = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
+                seq: 0,
+                reason: "bad event key".into(),
+            })?;
+            out.push(decode(seq, &v)?);
+        }
+        Ok(out)
+    }
+}
+
+impl EventLog for EmbeddedLog {
+    async fn append_batch(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
+        let (tx, rx) = oneshot::channel();
+        self.writer
+            .send((appends, tx))
+            .await
+            .map_err(|_| AppendError::Unavailable("the event log writer has stopped".into()))?;
+        rx.await
+            .map_err(|_| AppendError::Unacknowledged("the event log writer stopped".into()))?
+    }
+
+    async fn last_seq(&self) -> Result<u64, LogError> {
+        Ok(*self.durable.borrow())
+    }
+
+    async fn read(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
+        self.read_range(from, max)
+    }
+
+    async fn subscribe(
+        &self,
+        from: u64,
+    ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
+        let log = self.clone();
+        let durable = self.durable.clone();
+        let stream = futures::stream::unfold(
+            (log, durable, from.max(1), false),
+            |(log, mut durable, next, failed)| async move {
+                if failed {
+                    return None;
+                }
+                loop {
+                    match log.read_range(next, READ_CHUNK) {
+                        Err(e) => return Some((vec![Err(e)], (log, durable, next, true))),
+                        Ok(events) if !events.is_empty() => {
+                            let after = events.last().map_or(next, |e| e.seq + 1);
+                            let items = events.into_iter().map(Ok).collect();
+                            return Some((items, (log, durable, after, false)));
+                        }
+                        Ok(_) => {
+                            if durable.changed().await.is_err() {
+                                return None;
+                            }
+                        }
+                    }
+                }
+            },
+        )
+        .flat_map(futures::stream::iter);
+        Ok(stream.boxed())
+    }
+}
+
+struct Writer {
+    db: Arc<sled::Db>,
+    tree: sled::Tree,
+    last_seq: u64,
+    subjects: HashMap<String, u64>,
+    durable: watch::Sender<u64>,
+    failed: Option<String>,
+}
+
+/// What a group has written so far, on top of the durable log.
+#[derive(Default)]
+struct Overlay {
+    subjects: HashMap<String, u64>,
+    ids: HashMap<String, u64>,
+}
+
+impl Writer {
+    fn run(mut self, mut rx: mpsc::Receiver<(Vec<Append>, Answer)>) {
+        while let Some(first) = rx.blocking_recv() {
+            let mut group = vec![first];
+            let mut events = group[0].0.len();
+            while events < GROUP_MAX {
+                match rx.try_recv() {
+                    Ok(unit) => {
+                        events += unit.0.len();
+                        group.push(unit);
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.commit(group);
+        }
+    }
+
+    fn commit(&mut self, group: Vec<(Vec<Append>, Answer)>) {
+        if let Some(reason) = &self.failed {
+            for (_, answer) in group {
+                let _ = answer.send(Err(AppendError::Unavailable(reason.clone())));
+            }
+            return;
+        }
+        let mut batch = sled::Batch::default();
+        let mut overlay = Overlay::default();
+        let mut next = self.last_seq;
+        let mut answers = Vec::with_capacity(group.len());
+        for (appends, answer) in group {
+            let result = self.check(&appends, next, &overlay);
+            if let Ok(Checked::Fresh) = result {
+                let mut acks = Vec::with_capacity(appends.len());
+                for a in appends {
+                    next += 1;
+                    batch.insert(key(b'e', next).to_vec(), encode(&a));
+                    if let Some(id) = &a.msg_id {
+                        batch.insert(prefixed(b'd', id.as_bytes()), &next.to_be_bytes());
+                        overlay.ids.insert(id.clone(), next);
+                    }
+                    batch.insert(prefixed(b's', a.subject.as_bytes()), &next.to_be_bytes());
+                    overlay.subjects.insert(a.subject, next);
+                    acks.push(Appended {
+                        seq: next,
+                        duplicate: false,
+                    });
+                }
+                answers.push((answer, Ok(acks)));
+            } else {
+                let result = result.map(|checked| match checked {
+                    Checked::Duplicate(seq) => vec![Appended {
+                        seq,
+                        duplicate: true,
+                    }],
+                    Checked::Fresh => unreachable!("handled above"),
+                });
+                answers.push((answer, result));
+            }
+        }
+        if next > self.last_seq {
+            let written = self
+                .tree
+                .apply_batch(batch)
+                .and_then(|()| self.db.flush().map(|_| ()));
+            if let Err(e) = written {
+                let reason = format!(
+                    "writing to disk failed ({e}); free disk space and restart, nothing unacknowledged was kept"
+                );
+                self.failed = Some(reason.clone());
+                for (answer, result) in answers {
+                    let result = match result {
+                        Ok(acks) if acks.iter().any(|a| !a.duplicate) => {
+                            Err(AppendError::Unavailable(reason.clone()))
+                        }
+                        other => other,
+                    };
+                    let _ = answer.send(result);
+                }
+                return;
+            }
+            self.last_seq = next;
+            self.subjects.extend(overlay.subjects);
+            self.durable.send_replace(next);
+        }
+        for (answer, result) in answers {
+            let _ = answer.send(result);
+        }
+    }
+
+    fn check(
+        &self,
+        appends: &[Append],
+        next: u64,
+        overlay: &Overlay,
+    ) -> Result<Checked, AppendError> {
+        if appends.is_empty() {
+            return Err(AppendError::Refused(
+                "an empty batch appends nothing".into(),
+            ));
+        }
+        if appends.len() > crate::MAX_BATCH {
+            return Err(AppendError::Refused(format!(
+                "a batch may hold at most {} events, not {}",
+                crate::MAX_BATCH,
+                appends.len()
+            )));
+        }
+        for a in appends {
+            crate::check_subject(&a.subject)?;
+        }
+        let known = |id: &str| -> Result<Option<u64>, AppendError> {
+            if let Some(&seq) = overlay.ids.get(id) {
+                return Ok(Some(seq));
+            }
+            match self.tree.get(prefixed(b'd', id.as_bytes())) {
+                Ok(v) => Ok(v.and_then(|v| u64_of(&v))),
+                Err(e) => Err(AppendError::Unavailable(e.to_string())),
+            }
+        };
+        if let [single] = appends {
+            if let Some(id) = &single.msg_id {
+                if let Some(seq) = known(id)? {
+                    return Ok(Checked::Duplicate(seq));
+                }
+            }
+        } else {
+            let mut seen = std::collections::HashSet::new();
+            for id in appends.iter().filter_map(|a| a.msg_id.as_deref()) {
+                if !seen.insert(id) || known(id)?.is_some() {
+                    return Err(AppendError::DuplicateBatch(id.to_owned()));
+                }
+            }
+        }
+        for (i, a) in appends.iter().enumerate() {
+            match &a.expect {
+                Expect::Any => {}
+                Expect::LastSequence(expected) => {
+                    if i > 0 {
+                        return Err(AppendError::Refused(
+                            "only the first event of a batch may expect a last sequence".into(),
+                        ));
+                    }
+                    if *expected != next {
+                        return Err(AppendError::Conflict {
+                            expected: *expected,
+                            actual: next,
+                        });
+                    }
+                }
+                Expect::LastSubjectSequence { filter, seq } => {
+                    if appends[..i]
+                        .iter()
+                        .any(|b| subject_matches(filter, &b.subject))
+                    {
+                        return Err(AppendError::Refused(format!(
+                            "an earlier event of the batch writes to {filter}, so its last sequence cannot be expected"
+                        )));
+                    }
+                    let actual = self
+                        .subjects
+                        .iter()
+                        .chain(overlay.subjects.iter())
+                        .filter(|(s, _)| subject_matches(filter, s))
+                        .map(|(_, &seq)| seq)
+                        .max()
+                        .unwrap_or(0);
+                    if actual != *seq {
+                        return Err(AppendError::Conflict {
+                            expected: *seq,
+                            actual,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(Checked::Fresh)
+    }
+}
+
+enum Checked {
+    Fresh,
+    Duplicate(u64),
+}
+
+fn open_error(dir: &Path, e: sled::Error) -> OpenError {
+    let reason = e.to_string();
+    if reason.contains("lock") {
+        OpenError::Locked(dir.to_owned())
+    } else if matches!(e, sled::Error::Corruption { .. }) {
+        OpenError::Corrupt {
+            dir: dir.to_owned(),
+            reason,
+        }
+    } else {
+        OpenError::Storage {
+            dir: dir.to_owned(),
+            reason,
+        }
+    }
+}
+
+fn key(space: u8, seq: u64) -> [u8; 9] {
+    let mut k = [space; 9];
+    k[1..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn prefixed(space: u8, rest: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(rest.len() + 1);
+    k.push(space);
+    k.extend_from_slice(rest);
+    k
+}
+
+fn seq_of_key(k: &[u8]) -> Option<u64> {
+    (k.len() == 9).then(|| u64_of(&k[1..])).flatten()
+}
+
+fn u64_of(v: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
+/// `u16 subject length, subject, u16 key length (0xFFFF: none), key, payload`.
+fn encode(a: &Append) -> Vec<u8> {
+    let id = a.msg_id.as_deref();
+    let mut v = Vec::with_capacity(4 + a.subject.len() + id.map_or(0, str::len) + a.payload.len());
+    v.extend_from_slice(&(a.subject.len() as u16).to_be_bytes());
+    v.extend_from_slice(a.subject.as_bytes());
+    match id {
+        Some(id) => {
+            v.extend_from_slice(&(id.len() as u16).to_be_bytes());
+            v.extend_from_slice(id.as_bytes());
+        }
+        None => v.extend_from_slice(&u16::MAX.to_be_bytes()),
+    }
+    v.extend_from_slice(&a.payload);
+    v
+}
+
+fn decode(seq: u64, v: &[u8]) -> Result<Stored, LogError> {
+    let corrupt = |reason: &str| LogError::Corrupt {
+        seq,
+        reason: reason.to_owned(),
+    };
+    let take_len = |at: usize| -> Result<u16, LogError> {
+        v.get(at..at + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))
+            .ok_or_else(|| corrupt("record truncated"))
+    };
+    let subject_len = usize::from(take_len(0)?);
+    let subject = v
+        .get(2..2 + subject_len)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .ok_or_else(|| corrupt("bad subject"))?
+        .to_owned();
+    let mut at = 2 + subject_len;
+    let id_len = take_len(at)?;
+    at += 2;
+    let msg_id = if id_len == u16::MAX {
+        None
+    } else {
+        let id = v
+            .get(at..at + usize::from(id_len))
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .ok_or_else(|| corrupt("bad idempotency key"))?;
+        at += usize::from(id_len);
+        Some(id.to_owned())
+    };
+    Ok(Stored {
+        seq,
+        subject,
+        msg_id,
+        payload: Bytes::copy_from_slice(&v[at..]),
+    })
+}

