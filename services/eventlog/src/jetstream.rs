@@ -178,13 +178,22 @@ impl JetStreamLog {
             .backpressure_on_inflight(true)
             .build(client.clone());
         if let Err(e) = js.query_account().await {
-            let text = e.to_string();
-            if text.contains("no responders") || text.contains("not enabled") {
-                return Err(ConnectError::NoJetStream {
+            use async_nats::jetstream::context::AccountErrorKind;
+            use async_nats::jetstream::ErrorCode;
+            return Err(match e.kind() {
+                AccountErrorKind::JetStreamUnavailable => ConnectError::NoJetStream {
                     url: url.to_owned(),
-                });
-            }
-            return Err(unreachable(text));
+                },
+                AccountErrorKind::JetStream(j)
+                    if j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED
+                        || j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT =>
+                {
+                    ConnectError::NoJetStream {
+                        url: url.to_owned(),
+                    }
+                }
+                _ => unreachable(e.to_string()),
+            });
         }
         let ledger = ensure_stream(&js, ledger_config(&options)).await?;
         ensure_stream(&js, telemetry_config(&options)).await?;
