@@ -18,7 +18,7 @@ use crate::window::{Window, WindowShape};
 pub type AllocId = u32;
 
 /// One allocation.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Allocation {
     /// Full path.
     pub path: String,
@@ -69,7 +69,7 @@ impl Allocation {
 }
 
 /// The tree: an arena indexed by [`AllocId`] plus a path index.
-#[derive(Clone, Debug, PartialEq, Default)]
+#[derive(Clone, Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct AllocationTree {
     /// All allocations ever created, removed ones included.
     pub nodes: Vec<Allocation>,
@@ -78,6 +78,7 @@ pub struct AllocationTree {
     /// Sum of the top-level allocations' `subtree_demand_gpus`.
     pub roots_demand_gpus: u64,
     by_path: FxHashMap<String, AllocId>,
+    #[serde(skip)]
     buf: SplitBuffers,
 }
 

@@ -19,7 +19,7 @@ pub type NodeIdx = u32;
 pub const GPUS_PER_NODE_MAX: u32 = 64;
 
 /// One node.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Node {
     /// Unique name.
     pub name: String,
@@ -68,7 +68,7 @@ pub fn mask_of(n: u32) -> u64 {
 }
 
 /// Per-model bookkeeping kept up to date on every change.
-#[derive(Clone, Debug, PartialEq, Default)]
+#[derive(Clone, Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ModelGroup {
     /// Model name.
     pub model: String,
@@ -81,7 +81,7 @@ pub struct ModelGroup {
 }
 
 /// All nodes.
-#[derive(Clone, Debug, PartialEq, Default)]
+#[derive(Clone, Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Cluster {
     /// Nodes in registration order.
     pub nodes: Vec<Node>,

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use crate::cluster::Cluster;
 
 /// Running integrals since the ledger began.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     /// Installed GPU-milliseconds.
     pub total_gpu_ms: u64,

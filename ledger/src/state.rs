@@ -18,7 +18,7 @@ use crate::rejection::Rejection;
 use crate::window::WindowShape;
 
 /// Settings of the fold that are fixed for a deployment.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StateConfig {
     /// Usage lookback for the fair-share ranking.
     pub window_ms: u64,
@@ -43,7 +43,7 @@ impl Default for StateConfig {
 }
 
 /// Where a workload is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Phase {
     /// Waiting in the queue.
     Pending,
@@ -71,7 +71,7 @@ impl Phase {
 }
 
 /// GPUs of one node held by a workload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Part {
     /// The node.
     pub node: NodeIdx,
@@ -80,7 +80,7 @@ pub struct Part {
 }
 
 /// A preemption in progress.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Preempting {
     /// When it was asked.
     pub requested_at_ms: u64,
@@ -93,7 +93,7 @@ pub struct Preempting {
 }
 
 /// A live workload.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Workload {
     /// Its id.
     pub id: WorkloadId,
@@ -169,7 +169,7 @@ pub enum Outcome {
 }
 
 /// Everything the ledger knows, folded from the events.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct State {
     config: StateConfig,
     shape: WindowShape,
@@ -204,7 +204,7 @@ pub struct State {
     /// Accumulators for the cluster metrics.
     pub counters: Counters,
     /// Rejections by rule code.
-    pub rejections: FxHashMap<&'static str, u64>,
+    pub rejections: std::collections::BTreeMap<String, u64>,
     owed_stale: bool,
 }
 
@@ -229,7 +229,7 @@ impl State {
             unallocated_held_gpus: 0,
             unallocated_delivering_gpus: 0,
             counters: Counters::default(),
-            rejections: FxHashMap::default(),
+            rejections: std::collections::BTreeMap::new(),
             owed_stale: false,
         }
     }
@@ -303,7 +303,7 @@ impl State {
     }
 
     fn reject(&mut self, r: Rejection) -> Outcome {
-        *self.rejections.entry(r.code()).or_insert(0) += 1;
+        *self.rejections.entry(r.code().to_owned()).or_insert(0) += 1;
         Outcome::Rejected(r)
     }
 

@@ -7,7 +7,7 @@
 //! t/bucket_ms]`: the lookback, rounded out to whole buckets.
 
 /// Shape of every window in a ledger.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WindowShape {
     /// Width of one bucket.
     pub bucket_ms: u64,
@@ -32,7 +32,7 @@ impl WindowShape {
 }
 
 /// Delivered and owed GPU-milliseconds of one allocation, bucketed.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Window {
     /// Absolute index of the newest bucket written; older slots hold `newest - k`.
     newest: u64,

@@ -18,7 +18,9 @@
 //! exactly that). Characters a subject token may not hold become `_`; the payload, not the
 //! subject, is the record.
 
-use ledger::Event;
+use std::collections::HashMap;
+
+use ledger::{Envelope, Event, WorkloadId};
 
 /// Prefix of every ledger subject (the `LEDGER` stream).
 pub const LEDGER_PREFIX: &str = "fairledger.ledger";
@@ -53,6 +55,46 @@ pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
         Event::WorkloadRequeued(_) => ("workload", "requeued", path_tokens(allocation)),
     };
     format!("{LEDGER_PREFIX}.{category}.{verb}.{scope}")
+}
+
+/// Remembers each live workload's allocation from its submission, so the later events of a
+/// ledger written without it (a simulator's, an import) get their subjects.
+#[derive(Debug, Default)]
+pub struct Router {
+    allocations: HashMap<WorkloadId, Option<String>>,
+}
+
+impl Router {
+    /// The subject of `event`.
+    pub fn subject(&mut self, event: &Event) -> String {
+        let workload = match event {
+            Event::WorkloadSubmitted(e) => {
+                self.allocations.insert(e.workload, e.allocation.clone());
+                None
+            }
+            Event::WorkloadCancelled(e) => Some((e.workload, true)),
+            Event::WorkloadFinished(e) => Some((e.workload, true)),
+            Event::WorkloadStarted(e) => Some((e.workload, false)),
+            Event::PreemptionRequested(e) => Some((e.workload, false)),
+            Event::WorkloadStopped(e) => Some((e.workload, false)),
+            Event::WorkloadRequeued(e) => Some((e.workload, false)),
+            _ => None,
+        };
+        let allocation = workload.and_then(|(id, _)| self.allocations.get(&id).cloned().flatten());
+        let subject = for_event(event, allocation.as_deref());
+        if let Some((id, true)) = workload {
+            self.allocations.remove(&id);
+        }
+        subject
+    }
+
+    /// An append of `envelope` on its subject, keyed by `idempotency_key` or its id.
+    pub fn append(&mut self, envelope: &Envelope, idempotency_key: Option<&str>) -> crate::Append {
+        let subject = self.subject(&envelope.event);
+        let mut append = crate::Append::event(envelope, None, idempotency_key);
+        append.subject = subject;
+        append
+    }
 }
 
 /// The subject filter of every workload event of the allocation at `path` and below.

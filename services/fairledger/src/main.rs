@@ -299,7 +299,7 @@ fn progress(policy: &str, until_s: Option<u64>) -> impl FnMut(u64) {
         events += 1;
         // Updating the bar costs more than folding an event: only every 4,096 events, and not
         // at all in the first second.
-        if events % 4096 == 0 && started.elapsed().as_secs() >= 1 {
+        if events.is_multiple_of(4096) && started.elapsed().as_secs() >= 1 {
             bar.set_position(t_ms / 1000);
         }
     }

@@ -1,0 +1,772 @@
+//! The projector: folds the ledger log into a sled projection, exactly once.
+//!
+//! The projection is one sled tree with four key spaces:
+//!
+//! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
+//!   malformed events;
+//! - `w/<id>` one row per workload (phase, allocation, placement, protection, history counts);
+//! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
+//! - `r/<seq>` one row per event the fold rejected or could not decode;
+//! - `s/…` the checkpoint: the whole folded [`ledger::State`] and the sequence it is at.
+//!
+//! Every batch of events is written as one atomic sled batch together with the new last
+//! sequence, so after a crash at any point the projection is exactly the fold of a prefix of the
+//! log, and projecting resumes after that prefix: nothing skipped, nothing applied twice. The
+//! in-memory state resumes from the checkpoint and refolds the few events after it.
+//!
+//! The digest is a SHA-256 over every row but the checkpoint, in key order: two projections of
+//! the same log prefix have the same digest however the work was split into batches, which is
+//! how tests prove the incrementally maintained projection equals a full replay.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use eventlog::{EventLog, LogError, Stored};
+use futures::{FutureExt, StreamExt};
+use ledger::state::{Outcome, Phase, State, StateConfig};
+use ledger::{Envelope, Event, WorkloadId};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Events folded per sled batch when catching up.
+pub const BATCH: usize = 1024;
+/// A checkpoint is written after this many events by default.
+pub const CHECKPOINT_EVERY: u64 = 100_000;
+
+const LAST_SEQ: &[u8] = b"m/last_seq";
+const CONFIG: &[u8] = b"m/config";
+const STATS: &[u8] = b"m/stats";
+const CHECKPOINT_SEQ: &[u8] = b"s/seq";
+const CHECKPOINT_STATE: &[u8] = b"s/state";
+
+/// Counts of what the projector did with the events it read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Events the fold applied.
+    pub applied: u64,
+    /// Events the fold rejected as invalid in the state they met.
+    pub rejected: u64,
+    /// Submissions whose idempotency key was already used.
+    pub duplicates: u64,
+    /// Events that did not decode, or of a schema version this build does not know.
+    pub malformed: u64,
+}
+
+impl Stats {
+    /// Every event read.
+    pub fn total(&self) -> u64 {
+        self.applied + self.rejected + self.duplicates + self.malformed
+    }
+}
+
+/// GPUs of one node held by a workload.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacedRow {
+    /// The node's name.
+    pub node: String,
+    /// GPU indices on the node.
+    pub gpus: Vec<u32>,
+}
+
+/// What the projection knows of one workload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadRow {
+    /// Its id.
+    pub id: WorkloadId,
+    /// Allocation path; `None` for unallocated work.
+    pub allocation: Option<String>,
+    /// `pending`, `running`, `stopped`, `finished` or `cancelled`.
+    pub phase: String,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Nodes in the gang.
+    pub nodes: u32,
+    /// Priority within the allocation.
+    pub priority: i32,
+    /// Sequence of the submission.
+    pub submit_seq: u64,
+    /// Submission time.
+    pub submitted_at_ms: u64,
+    /// Start of the current or last run.
+    pub started_at_ms: Option<u64>,
+    /// End of the current run's protection.
+    pub protected_until_ms: Option<u64>,
+    /// GPUs held while running.
+    pub placement: Vec<PlacedRow>,
+    /// A preemption was requested and is in its grace period.
+    pub preempting: bool,
+    /// Runs started.
+    pub starts: u32,
+    /// Work done in completed runs.
+    pub work_done_ms: u64,
+    /// Sequence of the last event about it.
+    pub last_seq: u64,
+    /// Events about it that the fold applied.
+    pub events: u32,
+}
+
+/// What the projection knows of one allocation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllocationRow {
+    /// Path.
+    pub path: String,
+    /// Weight among siblings.
+    pub weight: u32,
+    /// Cap on GPUs.
+    pub max_gpus: Option<u32>,
+    /// Removed (kept for the audit).
+    pub removed: bool,
+    /// Delivered GPU-milliseconds since the beginning.
+    pub delivered_gpu_ms: u64,
+    /// Owed GPU-milliseconds since the beginning.
+    pub owed_gpu_ms: f64,
+    /// Preemptions of its workloads.
+    pub preemptions: u64,
+    /// Contract violations against its workloads.
+    pub contract_violations: u64,
+    /// Pending, running and stopped workloads.
+    pub live_workloads: u32,
+}
+
+/// An event the projection did not apply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejectedRow {
+    /// The event's kind, when it decoded.
+    pub kind: Option<String>,
+    /// The rule's code, or `malformed` / `unknown_schema_version`.
+    pub code: String,
+    /// Why.
+    pub message: String,
+}
+
+/// Why the projection could not be opened or written.
+#[derive(Debug, thiserror::Error)]
+pub enum ProjectionError {
+    /// sled failed.
+    #[error("projection storage in {dir} failed: {reason}; free disk space or delete the directory (it is rebuilt from the log)")]
+    Storage {
+        /// The directory.
+        dir: PathBuf,
+        /// sled's message.
+        reason: String,
+    },
+    /// The stored projection does not decode or disagrees with itself.
+    #[error("projection in {dir} is corrupt: {reason}")]
+    Corrupt {
+        /// The directory.
+        dir: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The projection was built with other fold settings.
+    #[error("projection in {dir} was built with other ledger settings")]
+    OtherSettings {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// The projection is ahead of the log: it belongs to another log.
+    #[error("projection in {dir} is at sequence {projected} but the log ends at {log}: it belongs to another log")]
+    AheadOfLog {
+        /// The directory.
+        dir: PathBuf,
+        /// Where the projection is.
+        projected: u64,
+        /// Where the log ends.
+        log: u64,
+    },
+    /// A write failed earlier; the in-memory state may be ahead of the stored one.
+    #[error("projection in {dir} stopped after a failed write; reopen it")]
+    Poisoned {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// Reading the log failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+impl ProjectionError {
+    /// Whether deleting the projection and rebuilding it from the log cures this.
+    pub fn is_rebuildable(&self) -> bool {
+        matches!(
+            self,
+            ProjectionError::Corrupt { .. }
+                | ProjectionError::OtherSettings { .. }
+                | ProjectionError::AheadOfLog { .. }
+        )
+    }
+}
+
+/// The sled projection and the folded state it was built from.
+pub struct Projector {
+    dir: PathBuf,
+    db: sled::Db,
+    tree: sled::Tree,
+    state: State,
+    last_seq: u64,
+    stats: Stats,
+    checkpoint_every: u64,
+    since_checkpoint: u64,
+    last_malformed: Option<(u64, String)>,
+    poisoned: bool,
+}
+
+impl Projector {
+    /// Opens the projection in `dir` (creating it if new) and brings its in-memory state up to
+    /// the stored sequence from the checkpoint and the log. Does not read past the stored
+    /// sequence: call [`Projector::catch_up`] or [`Projector::run`] for that.
+    pub async fn open<L: EventLog>(
+        dir: &Path,
+        config: StateConfig,
+        log: &L,
+    ) -> Result<Self, ProjectionError> {
+        let mut p = Self::open_stored(dir, config)?;
+        let log_last = log.last_seq().await?;
+        if p.last_seq > log_last {
+            return Err(ProjectionError::AheadOfLog {
+                dir: dir.to_owned(),
+                projected: p.last_seq,
+                log: log_last,
+            });
+        }
+        // Refold, in memory only, what the projection applied after the checkpoint.
+        while p.state.last_seq < p.last_seq {
+            let events = log
+                .read(
+                    p.state.last_seq + 1,
+                    (p.last_seq - p.state.last_seq) as usize,
+                )
+                .await?;
+            if events.is_empty() {
+                return Err(ProjectionError::Corrupt {
+                    dir: dir.to_owned(),
+                    reason: format!(
+                        "the log has no event after {} to reach the projected {}",
+                        p.state.last_seq, p.last_seq
+                    ),
+                });
+            }
+            for e in events.iter().take_while(|e| e.seq <= p.last_seq) {
+                if let Ok(env) = decode(&e.payload) {
+                    p.state.apply(e.seq, &env);
+                }
+                p.state.last_seq = e.seq;
+            }
+        }
+        Ok(p)
+    }
+
+    /// Like [`Projector::open`], but a projection that is corrupt, was built with other
+    /// settings or belongs to another log is deleted and rebuilt from the log (it is
+    /// disposable: the log is the record).
+    pub async fn open_or_rebuild<L: EventLog>(
+        dir: &Path,
+        config: StateConfig,
+        log: &L,
+    ) -> Result<Self, ProjectionError> {
+        match Self::open(dir, config, log).await {
+            Err(e) if e.is_rebuildable() => {
+                tracing::warn!(error = %e, "rebuilding the projection from the log");
+                std::fs::remove_dir_all(dir).map_err(|io| ProjectionError::Storage {
+                    dir: dir.to_owned(),
+                    reason: io.to_string(),
+                })?;
+                Self::open(dir, config, log).await
+            }
+            other => other,
+        }
+    }
+
+    fn open_stored(dir: &Path, config: StateConfig) -> Result<Self, ProjectionError> {
+        let storage = |e: sled::Error| match e {
+            sled::Error::Corruption { .. } => ProjectionError::Corrupt {
+                dir: dir.to_owned(),
+                reason: e.to_string(),
+            },
+            e => ProjectionError::Storage {
+                dir: dir.to_owned(),
+                reason: e.to_string(),
+            },
+        };
+        let corrupt = |reason: String| ProjectionError::Corrupt {
+            dir: dir.to_owned(),
+            reason,
+        };
+        let db = sled::Config::new().path(dir).open().map_err(storage)?;
+        let tree = db.open_tree("projection").map_err(storage)?;
+        // The fold settings the projection is built with, fixed at creation.
+        let settings = serde_json::to_vec(&config).expect("settings serialize");
+        match tree.get(CONFIG).map_err(storage)? {
+            None => {
+                tree.insert(CONFIG, settings).map_err(storage)?;
+            }
+            Some(stored) if *stored != *settings => {
+                return Err(ProjectionError::OtherSettings {
+                    dir: dir.to_owned(),
+                });
+            }
+            Some(_) => {}
+        }
+        let last_seq = match tree.get(LAST_SEQ).map_err(storage)? {
+            None => 0,
+            Some(v) => u64_of(&v).ok_or_else(|| corrupt("bad last sequence".into()))?,
+        };
+        let stats = match tree.get(STATS).map_err(storage)? {
+            None => Stats::default(),
+            Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt(format!("stats: {e}")))?,
+        };
+        let state = match tree.get(CHECKPOINT_STATE).map_err(storage)? {
+            None => State::new(config),
+            Some(v) => {
+                let state: State =
+                    postcard::from_bytes(&v).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+                let seq = tree
+                    .get(CHECKPOINT_SEQ)
+                    .map_err(storage)?
+                    .and_then(|v| u64_of(&v));
+                if seq != Some(state.last_seq) || state.last_seq > last_seq {
+                    return Err(corrupt(format!(
+                        "checkpoint at {:?} disagrees with its state at {} and the projection at {last_seq}",
+                        seq, state.last_seq
+                    )));
+                }
+                if *state.config() != config {
+                    return Err(ProjectionError::OtherSettings {
+                        dir: dir.to_owned(),
+                    });
+                }
+                state
+            }
+        };
+        if stats.total() > last_seq {
+            return Err(corrupt(format!(
+                "{} events counted but the projection is at {last_seq}",
+                stats.total()
+            )));
+        }
+        Ok(Projector {
+            dir: dir.to_owned(),
+            db,
+            tree,
+            state,
+            last_seq,
+            stats,
+            checkpoint_every: CHECKPOINT_EVERY,
+            since_checkpoint: 0,
+            last_malformed: None,
+            poisoned: false,
+        })
+    }
+
+    /// Writes a checkpoint every `n` events (at least 1).
+    pub fn checkpoint_every(mut self, n: u64) -> Self {
+        self.checkpoint_every = n.max(1);
+        self
+    }
+
+    /// The last applied sequence.
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// The folded state (what the scheduler decides on).
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// What happened to the events read.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// The last event that did not decode since this projector was opened: its sequence and
+    /// why.
+    pub fn last_malformed(&self) -> Option<&(u64, String)> {
+        self.last_malformed.as_ref()
+    }
+
+    /// One workload's row.
+    pub fn workload(&self, id: WorkloadId) -> Result<Option<WorkloadRow>, ProjectionError> {
+        self.get_json(&workload_key(id))
+    }
+
+    /// One allocation's row.
+    pub fn allocation(&self, path: &str) -> Result<Option<AllocationRow>, ProjectionError> {
+        self.get_json(&prefixed(b"a/", path.as_bytes()))
+    }
+
+    /// Every event not applied, by sequence.
+    pub fn rejected(&self) -> Result<Vec<(u64, RejectedRow)>, ProjectionError> {
+        let mut out = Vec::new();
+        for entry in self.tree.scan_prefix(b"r/") {
+            let (k, v) = entry.map_err(|e| self.storage(e))?;
+            let seq = u64_of(&k[2..]).ok_or_else(|| self.corrupt("bad rejection key"))?;
+            let row = serde_json::from_slice(&v).map_err(|_| self.corrupt("bad rejection row"))?;
+            out.push((seq, row));
+        }
+        Ok(out)
+    }
+
+    fn get_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        key: &[u8],
+    ) -> Result<Option<T>, ProjectionError> {
+        match self.tree.get(key).map_err(|e| self.storage(e))? {
+            None => Ok(None),
+            Some(v) => serde_json::from_slice(&v)
+                .map(Some)
+                .map_err(|e| self.corrupt(&format!("row {key:?}: {e}"))),
+        }
+    }
+
+    /// SHA-256 over every row but the checkpoint, in key order, as hex.
+    pub fn digest(&self) -> Result<String, ProjectionError> {
+        let mut hash = Sha256::new();
+        for entry in self.tree.iter() {
+            let (k, v) = entry.map_err(|e| self.storage(e))?;
+            if k.starts_with(b"s/") {
+                continue;
+            }
+            hash.update((k.len() as u64).to_be_bytes());
+            hash.update(&k);
+            hash.update((v.len() as u64).to_be_bytes());
+            hash.update(&v);
+        }
+        Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Folds `events` (in log order) and writes the result and the new last sequence in one
+    /// atomic sled batch. Events at or below the last applied sequence are skipped.
+    pub fn apply(&mut self, events: &[Stored]) -> Result<usize, ProjectionError> {
+        if self.poisoned {
+            return Err(ProjectionError::Poisoned {
+                dir: self.dir.clone(),
+            });
+        }
+        let mut batch = sled::Batch::default();
+        let mut rows: BTreeMap<WorkloadId, WorkloadRow> = BTreeMap::new();
+        let mut applied = 0;
+        for e in events {
+            if e.seq <= self.last_seq {
+                continue;
+            }
+            applied += 1;
+            match decode(&e.payload) {
+                Err(reason) => {
+                    tracing::warn!(seq = e.seq, %reason, "skipping an event that does not decode");
+                    self.stats.malformed += 1;
+                    let code = if reason.starts_with("schema version") {
+                        "unknown_schema_version"
+                    } else {
+                        "malformed"
+                    };
+                    let row = RejectedRow {
+                        kind: None,
+                        code: code.into(),
+                        message: reason.clone(),
+                    };
+                    batch.insert(rejection_key(e.seq).to_vec(), json(&row));
+                    self.last_malformed = Some((e.seq, reason));
+                    // The ledger's sequence moves on even though its state does not.
+                    self.state.last_seq = e.seq;
+                }
+                Ok(env) => match self.state.apply(e.seq, &env) {
+                    Outcome::Applied => {
+                        self.stats.applied += 1;
+                        if let Some(id) = workload_of(&env.event) {
+                            let row = self.row_after(id, e.seq, &rows)?;
+                            rows.insert(id, row);
+                        }
+                    }
+                    Outcome::Duplicate { .. } => self.stats.duplicates += 1,
+                    Outcome::Rejected(r) => {
+                        self.stats.rejected += 1;
+                        let row = RejectedRow {
+                            kind: Some(env.event.kind().to_owned()),
+                            code: r.code().to_owned(),
+                            message: r.to_string(),
+                        };
+                        batch.insert(rejection_key(e.seq).to_vec(), json(&row));
+                    }
+                },
+            }
+            self.last_seq = e.seq;
+            self.since_checkpoint += 1;
+        }
+        if applied == 0 {
+            return Ok(0);
+        }
+        for (id, row) in &rows {
+            batch.insert(workload_key(*id), json(row));
+        }
+        for a in &self.state.allocations.nodes {
+            let row = AllocationRow {
+                path: a.path.clone(),
+                weight: a.weight,
+                max_gpus: a.max_gpus,
+                removed: a.removed,
+                delivered_gpu_ms: a.delivered_gpu_ms,
+                owed_gpu_ms: a.owed_gpu_ms,
+                preemptions: a.preemptions,
+                contract_violations: a.contract_violations,
+                live_workloads: a.live_workloads,
+            };
+            batch.insert(prefixed(b"a/", a.path.as_bytes()), json(&row));
+        }
+        batch.insert(LAST_SEQ, &self.last_seq.to_be_bytes());
+        batch.insert(STATS, json(&self.stats));
+        if self.since_checkpoint >= self.checkpoint_every {
+            self.add_checkpoint(&mut batch);
+        }
+        if let Err(e) = self.tree.apply_batch(batch) {
+            self.poisoned = true;
+            return Err(self.storage(e));
+        }
+        Ok(applied)
+    }
+
+    fn add_checkpoint(&mut self, batch: &mut sled::Batch) {
+        let bytes = postcard::to_stdvec(&self.state).expect("the state always serializes");
+        batch.insert(CHECKPOINT_STATE, bytes);
+        batch.insert(CHECKPOINT_SEQ, &self.state.last_seq.to_be_bytes());
+        self.since_checkpoint = 0;
+    }
+
+    /// Writes a checkpoint now and flushes everything to disk (on shutdown).
+    pub fn checkpoint(&mut self) -> Result<(), ProjectionError> {
+        let mut batch = sled::Batch::default();
+        self.add_checkpoint(&mut batch);
+        self.tree
+            .apply_batch(batch)
+            .and_then(|()| self.db.flush().map(|_| ()))
+            .map_err(|e| self.storage(e))
+    }
+
+    /// Reads and folds up to `max` events after the last applied one, without waiting for
+    /// more. Returns how many were folded (0 when caught up).
+    pub async fn project_next<L: EventLog>(
+        &mut self,
+        log: &L,
+        max: usize,
+    ) -> Result<usize, ProjectionError> {
+        let events = log.read(self.last_seq + 1, max).await?;
+        self.apply(&events)
+    }
+
+    /// Folds everything the log holds now. Returns the last applied sequence.
+    pub async fn catch_up<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
+        let target = log.last_seq().await?;
+        while self.last_seq < target {
+            if self.project_next(log, BATCH).await? == 0 {
+                break;
+            }
+        }
+        Ok(self.last_seq)
+    }
+
+    /// Follows the log until `stop` resolves, folding events as they arrive in batches of
+    /// whatever is ready (at most [`BATCH`]); a lost subscription is resumed after the last
+    /// applied sequence. Writes a checkpoint and flushes before returning.
+    pub async fn run<L: EventLog>(
+        &mut self,
+        log: &L,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<(), ProjectionError> {
+        let mut stop = std::pin::pin!(stop.fuse());
+        'subscribe: loop {
+            let mut events = match log.subscribe(self.last_seq + 1).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot follow the log; retrying");
+                    tokio::select! {
+                        _ = &mut stop => break 'subscribe,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => continue 'subscribe,
+                    }
+                }
+            };
+            loop {
+                let first = tokio::select! {
+                    _ = &mut stop => break 'subscribe,
+                    next = events.next() => next,
+                };
+                let mut batch = Vec::new();
+                let mut failed = false;
+                let mut item = first;
+                loop {
+                    match item {
+                        Some(Ok(e)) => batch.push(e),
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "lost the log subscription; resuming");
+                            failed = true;
+                            break;
+                        }
+                        None => {
+                            failed = true;
+                            break;
+                        }
+                    }
+                    if batch.len() >= BATCH {
+                        break;
+                    }
+                    match events.next().now_or_never() {
+                        Some(next) => item = next,
+                        None => break,
+                    }
+                }
+                self.apply(&batch)?;
+                if failed {
+                    continue 'subscribe;
+                }
+            }
+        }
+        self.checkpoint()
+    }
+
+    /// The row of workload `id` after an event about it at `seq`.
+    fn row_after(
+        &self,
+        id: WorkloadId,
+        seq: u64,
+        pending: &BTreeMap<WorkloadId, WorkloadRow>,
+    ) -> Result<WorkloadRow, ProjectionError> {
+        let previous = match pending.get(&id) {
+            Some(row) => Some(row.clone()),
+            None => self.workload(id)?,
+        };
+        let events = previous.as_ref().map_or(0, |r| r.events) + 1;
+        let row =
+            match self.state.workloads.get(&id) {
+                Some(w) => {
+                    let running = w.phase == Phase::Running;
+                    WorkloadRow {
+                        id,
+                        allocation: w
+                            .allocation
+                            .map(|a| self.state.allocations.node(a).path.clone()),
+                        phase: w.phase.name().to_owned(),
+                        gpus_per_node: w.gpus_per_node,
+                        nodes: w.nodes,
+                        priority: w.priority,
+                        submit_seq: w.submit_seq,
+                        submitted_at_ms: w.submitted_at_ms,
+                        started_at_ms: (w.starts > 0).then_some(w.started_at_ms),
+                        protected_until_ms: running.then_some(w.protected_until_ms),
+                        placement: w
+                            .placement
+                            .iter()
+                            .map(|p| PlacedRow {
+                                node: self.state.cluster.node(p.node).name.clone(),
+                                gpus: (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect(),
+                            })
+                            .collect(),
+                        preempting: w.preempting.is_some(),
+                        starts: w.starts,
+                        work_done_ms: w.work_done_ms,
+                        last_seq: seq,
+                        events,
+                    }
+                }
+                None => {
+                    // It ended with this event: keep what was known and record the end.
+                    let phase =
+                        self.state.ended.get(&id).copied().ok_or_else(|| {
+                            self.corrupt("an applied workload event left no trace")
+                        })?;
+                    let mut row = previous.ok_or_else(|| {
+                        self.corrupt("a workload ended that the projection never saw")
+                    })?;
+                    row.phase = phase.name().to_owned();
+                    row.placement.clear();
+                    row.preempting = false;
+                    row.protected_until_ms = None;
+                    row.last_seq = seq;
+                    row
+                }
+            };
+        Ok(WorkloadRow { events, ..row })
+    }
+
+    fn storage(&self, e: sled::Error) -> ProjectionError {
+        ProjectionError::Storage {
+            dir: self.dir.clone(),
+            reason: e.to_string(),
+        }
+    }
+
+    fn corrupt(&self, reason: &str) -> ProjectionError {
+        ProjectionError::Corrupt {
+            dir: self.dir.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+/// Rebuilds a projection of the whole log from sequence 0 in `dir` (which must be empty or
+/// absent) and returns its digest and counts.
+pub async fn replay<L: EventLog>(
+    log: &L,
+    dir: &Path,
+    config: StateConfig,
+) -> Result<(String, Stats, u64), ProjectionError> {
+    let mut p = Projector::open(dir, config, log).await?;
+    p.catch_up(log).await?;
+    Ok((p.digest()?, p.stats(), p.last_seq()))
+}
+
+/// Decodes one stored event, refusing schema versions this build does not know.
+pub fn decode(payload: &[u8]) -> Result<Envelope, String> {
+    let env: Envelope = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
+    if env.schema_version == 0 || env.schema_version > ledger::event::SCHEMA_VERSION {
+        return Err(format!(
+            "schema version {} is not known to this build (it reads 1 to {})",
+            env.schema_version,
+            ledger::event::SCHEMA_VERSION
+        ));
+    }
+    Ok(env)
+}
+
+/// The workload an event is about, if any.
+pub fn workload_of(event: &Event) -> Option<WorkloadId> {
+    match event {
+        Event::WorkloadSubmitted(e) => Some(e.workload),
+        Event::WorkloadCancelled(e) => Some(e.workload),
+        Event::WorkloadStarted(e) => Some(e.workload),
+        Event::PreemptionRequested(e) => Some(e.workload),
+        Event::WorkloadStopped(e) => Some(e.workload),
+        Event::WorkloadFinished(e) => Some(e.workload),
+        Event::WorkloadRequeued(e) => Some(e.workload),
+        Event::AllocationSet(_)
+        | Event::AllocationRemoved(_)
+        | Event::NodeRegistered(_)
+        | Event::GpuHeartbeat(_)
+        | Event::GpuHealthChanged(_) => None,
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("rows always serialize")
+}
+
+fn workload_key(id: WorkloadId) -> Vec<u8> {
+    prefixed(b"w/", id.as_bytes())
+}
+
+fn rejection_key(seq: u64) -> [u8; 10] {
+    let mut k = [0u8; 10];
+    k[..2].copy_from_slice(b"r/");
+    k[2..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn prefixed(prefix: &[u8], rest: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(prefix.len() + rest.len());
+    k.extend_from_slice(prefix);
+    k.extend_from_slice(rest);
+    k
+}
+
+fn u64_of(v: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(v.try_into().ok()?))
+}

@@ -1,0 +1,249 @@
+//! The projection is the fold of the log, exactly once: incrementally maintained in any batch
+//! sizes, it equals a full replay; a crash between batches resumes without skipping or doubling;
+//! malformed events are counted and skipped; a corrupt projection is rebuilt.
+
+use std::path::Path;
+
+use eventlog::{Append, EmbeddedLog, EventLog};
+use ledger::{Envelope, StateConfig};
+use projector::{Projector, Stats};
+
+/// The ledger of a simulated run of the bundled Alibaba trace (about thirty thousand events).
+fn alibaba_events() -> Vec<Envelope> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sim");
+    let scenario =
+        sim::scenario::Scenario::load(&root.join("scenarios/alibaba-32gpu.toml")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let spec = sim::RunSpec {
+        scenario: scenario.prepare(Some("fairshare")).unwrap(),
+        workloads: root.join("traces/alibaba2023/openb_pod_list_default.csv"),
+        trace: sim::trace::TraceOptions {
+            format: sim::trace::Format::parse("alibaba-openb").unwrap(),
+            skip_bad_rows: false,
+            allocation_column: None,
+        },
+        seed: 1,
+        until_s: None,
+        out: out.path().to_owned(),
+    };
+    sim::run(&spec, |_| {}).unwrap();
+    std::fs::read_to_string(out.path().join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+async fn write_all(log: &EmbeddedLog, events: &[Envelope]) {
+    let mut router = eventlog::subject::Router::default();
+    for chunk in events.chunks(500) {
+        let appends: Vec<Append> = chunk.iter().map(|e| router.append(e, None)).collect();
+        log.append_batch(appends).await.unwrap();
+    }
+}
+
+fn config() -> StateConfig {
+    StateConfig::default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_projection_equals_full_replay() {
+    let events = alibaba_events();
+    assert!(events.len() > 10_000, "{} events", events.len());
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &events).await;
+
+    // Incrementally, in uneven steps, reopening now and then, with frequent checkpoints.
+    let proj_dir = dir.path().join("incremental");
+    let mut step = 1;
+    let mut reopened = 0;
+    loop {
+        let mut p = Projector::open(&proj_dir, config(), &log)
+            .await
+            .unwrap()
+            .checkpoint_every(977);
+        for _ in 0..7 {
+            step = step * 7 % 1013 + 1;
+            p.project_next(&log, step).await.unwrap();
+        }
+        if p.last_seq() == events.len() as u64 {
+            let (full, stats, last) = projector::replay(&log, &dir.path().join("full"), config())
+                .await
+                .unwrap();
+            assert_eq!(last, events.len() as u64);
+            assert_eq!(p.digest().unwrap(), full, "incremental != full replay");
+            assert_eq!(p.stats(), stats);
+            assert_eq!(stats.total(), last, "every event counted once");
+            assert!(stats.applied > 10_000);
+            // The in-memory state reached by checkpoints and refolds is the full fold.
+            let mut fresh = ledger::State::new(config());
+            for (i, e) in events.iter().enumerate() {
+                fresh.apply(i as u64 + 1, e);
+            }
+            assert_eq!(p.state().last_seq, fresh.last_seq);
+            assert_eq!(p.state().workloads, fresh.workloads);
+            assert_eq!(p.state().counters, fresh.counters);
+            break;
+        }
+        reopened += 1;
+    }
+    assert!(
+        reopened > 3,
+        "the projection should have been reopened along the way"
+    );
+}
+
+#[tokio::test]
+async fn rows_answer_for_workloads_and_allocations() {
+    let events = alibaba_events();
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &events).await;
+    let mut p = Projector::open(&dir.path().join("p"), config(), &log)
+        .await
+        .unwrap();
+    p.catch_up(&log).await.unwrap();
+    let finished = events
+        .iter()
+        .rev()
+        .find_map(|e| match &e.event {
+            ledger::Event::WorkloadFinished(f) => Some(f.workload),
+            _ => None,
+        })
+        .unwrap();
+    let row = p.workload(finished).unwrap().unwrap();
+    assert_eq!(row.phase, "finished");
+    assert!(row.starts >= 1 && row.placement.is_empty());
+    let about = events
+        .iter()
+        .filter(|e| projector::workload_of(&e.event) == Some(finished))
+        .count();
+    assert_eq!(
+        row.events as usize, about,
+        "every event about it counted once"
+    );
+    // Delivered GPU-hours per allocation agree with the fold's own accounting.
+    let state = p.state();
+    for a in &state.allocations.nodes {
+        let row = p.allocation(&a.path).unwrap().unwrap();
+        assert_eq!(row.delivered_gpu_ms, a.delivered_gpu_ms, "{}", a.path);
+    }
+    assert!(p.workload(uuid::Uuid::nil()).unwrap().is_none());
+}
+
+#[tokio::test]
+async fn malformed_and_unknown_version_events_are_counted_and_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let events = alibaba_events();
+    let mut router = eventlog::subject::Router::default();
+    for e in &events[..50] {
+        log.append(router.append(e, None)).await.unwrap();
+    }
+    log.append(Append::new("fairledger.ledger.junk", "{not json"))
+        .await
+        .unwrap();
+    let mut future = serde_json::to_value(&events[50]).unwrap();
+    future["schema_version"] = serde_json::json!(99);
+    log.append(Append::new(
+        "fairledger.ledger.future",
+        serde_json::to_vec(&future).unwrap(),
+    ))
+    .await
+    .unwrap();
+    for e in &events[50..100] {
+        log.append(router.append(e, None)).await.unwrap();
+    }
+    let mut p = Projector::open(&dir.path().join("p"), config(), &log)
+        .await
+        .unwrap();
+    p.catch_up(&log).await.unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.malformed, 2);
+    assert_eq!(stats.total(), 102);
+    assert_eq!(p.last_seq(), 102, "the projector went past them");
+    let rejected = p.rejected().unwrap();
+    let codes: Vec<_> = rejected
+        .iter()
+        .filter(|(_, r)| r.kind.is_none())
+        .map(|(seq, r)| (*seq, r.code.as_str()))
+        .collect();
+    assert_eq!(
+        codes,
+        vec![(51, "malformed"), (52, "unknown_schema_version")]
+    );
+    assert_eq!(p.last_malformed().map(|m| m.0), Some(52));
+    // The events after them were folded as if the bad ones were not there.
+    let mut clean = ledger::State::new(config());
+    for (i, e) in events[..100].iter().enumerate() {
+        let seq = if i < 50 { i + 1 } else { i + 3 } as u64;
+        clean.apply(seq, e);
+    }
+    assert_eq!(p.state().workloads, clean.workloads);
+}
+
+#[tokio::test]
+async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &alibaba_events()[..2000]).await;
+    let pdir = dir.path().join("p");
+    let digest = {
+        let mut p = Projector::open(&pdir, config(), &log)
+            .await
+            .unwrap()
+            .checkpoint_every(500);
+        p.catch_up(&log).await.unwrap();
+        p.checkpoint().unwrap();
+        p.digest().unwrap()
+    };
+    // Damage the checkpoint.
+    {
+        let db = sled::open(&pdir).unwrap();
+        let tree = db.open_tree("projection").unwrap();
+        tree.insert(b"s/state", b"garbage".to_vec()).unwrap();
+        db.flush().unwrap();
+    }
+    let err = Projector::open(&pdir, config(), &log).await.err().unwrap();
+    assert!(err.is_rebuildable(), "{err}");
+    assert!(err.to_string().contains("corrupt"), "{err}");
+    let mut p = Projector::open_or_rebuild(&pdir, config(), &log)
+        .await
+        .unwrap();
+    assert_eq!(p.last_seq(), 0, "rebuilt from scratch");
+    p.catch_up(&log).await.unwrap();
+    assert_eq!(p.digest().unwrap(), digest);
+    drop(p);
+    // Other settings: rebuilt too.
+    let other = StateConfig {
+        window_ms: 3_600_000,
+        ..config()
+    };
+    let err = Projector::open(&pdir, other, &log).await.err().unwrap();
+    assert!(
+        matches!(err, projector::ProjectionError::OtherSettings { .. }),
+        "{err}"
+    );
+    // A projection ahead of the log belongs to another log.
+    let empty = EmbeddedLog::open(&dir.path().join("empty")).unwrap();
+    let err = Projector::open(&pdir, config(), &empty)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, projector::ProjectionError::AheadOfLog { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn stats_total_counts_every_kind() {
+    let s = Stats {
+        applied: 1,
+        rejected: 2,
+        duplicates: 3,
+        malformed: 4,
+    };
+    assert_eq!(s.total(), 10);
+}
