@@ -213,6 +213,55 @@ pub trait EventLog: Send + Sync + 'static {
     ) -> impl Future<Output = Result<BoxStream<'static, Result<Stored, LogError>>, LogError>> + Send;
 }
 
+/// Either backend, chosen at run time (`--nats URL` or the embedded default).
+#[derive(Clone)]
+pub enum AnyLog {
+    /// The embedded sled log.
+    Embedded(EmbeddedLog),
+    /// The JetStream log.
+    JetStream(Box<JetStreamLog>),
+}
+
+impl EventLog for AnyLog {
+    async fn append(&self, append: Append) -> Result<Appended, AppendError> {
+        match self {
+            AnyLog::Embedded(l) => l.append(append).await,
+            AnyLog::JetStream(l) => l.append(append).await,
+        }
+    }
+
+    async fn append_batch(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
+        match self {
+            AnyLog::Embedded(l) => l.append_batch(appends).await,
+            AnyLog::JetStream(l) => l.append_batch(appends).await,
+        }
+    }
+
+    async fn last_seq(&self) -> Result<u64, LogError> {
+        match self {
+            AnyLog::Embedded(l) => l.last_seq().await,
+            AnyLog::JetStream(l) => l.last_seq().await,
+        }
+    }
+
+    async fn read(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
+        match self {
+            AnyLog::Embedded(l) => l.read(from, max).await,
+            AnyLog::JetStream(l) => l.read(from, max).await,
+        }
+    }
+
+    async fn subscribe(
+        &self,
+        from: u64,
+    ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
+        match self {
+            AnyLog::Embedded(l) => l.subscribe(from).await,
+            AnyLog::JetStream(l) => l.subscribe(from).await,
+        }
+    }
+}
+
 /// Checks that `subject` is a ledger subject a NATS publish accepts: under
 /// [`subject::LEDGER_PREFIX`], no empty tokens, no wildcards, no whitespace.
 pub fn check_subject(subject: &str) -> Result<(), AppendError> {

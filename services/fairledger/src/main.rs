@@ -4,11 +4,15 @@
 //!   was owed and who got what;
 //! - `sim` replays a workload trace through the same scheduler and writes the ledger and reports
 //!   (the `sim` crate);
-//! - `replay` folds any ledger written as JSON lines and prints the same audit.
+//! - `replay` folds any ledger written as JSON lines and prints the same audit, or rebuilds a
+//!   projection of an event log from sequence 0 and prints its digest;
+//! - `project` keeps the sled projection of an event log up to date;
+//! - `log import` appends a ledger written as JSON lines to an event log.
 //!
 //! `serve` and `agent` join as their crates land.
 
 mod demo;
+mod logcmd;
 
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -53,16 +57,56 @@ enum Command {
     /// Replay a workload trace through the scheduler on a virtual clock and report owed versus
     /// delivered GPU-hours, waits and the cluster metrics.
     Sim(SimArgs),
-    /// Fold a ledger written as JSON lines (one event per line, in order) and print the audit.
+    /// Fold a ledger written as JSON lines (one event per line, in order) and print the audit;
+    /// without a file, rebuild the projection of the event log (--nats or --data) from sequence
+    /// 0 and print its digest.
     Replay {
         /// The events file.
-        events: PathBuf,
+        events: Option<PathBuf>,
+        #[command(flatten)]
+        log: logcmd::LogArgs,
+        /// Build the replayed projection here instead of in a temporary directory.
+        #[arg(long)]
+        projection: Option<PathBuf>,
         /// Read the figures at this time (milliseconds) instead of at the last event.
         #[arg(long)]
         at_ms: Option<u64>,
         /// Print the audit as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Keep the sled projection of the event log up to date, exactly once, until SIGINT or
+    /// SIGTERM; print its digest on the way out.
+    Project {
+        #[command(flatten)]
+        log: logcmd::LogArgs,
+        /// The projection directory (default: DATA/projection).
+        #[arg(long)]
+        projection: Option<PathBuf>,
+        /// Catch up with the log, then stop.
+        #[arg(long)]
+        once: bool,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Work on the event log itself.
+    #[command(subcommand)]
+    Log(LogCommand),
+}
+
+#[derive(Subcommand)]
+enum LogCommand {
+    /// Append a ledger written as JSON lines (e.g. a simulation's events.jsonl) to the log;
+    /// importing the same file again appends nothing twice.
+    Import {
+        /// The events file.
+        events: PathBuf,
+        #[command(flatten)]
+        log: logcmd::LogArgs,
+        /// Events per atomic batch (1 to 1000).
+        #[arg(long, default_value_t = 500)]
+        batch: usize,
     },
 }
 
@@ -104,6 +148,7 @@ struct SimArgs {
 }
 
 fn main() -> ExitCode {
+    init_logging();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
@@ -169,9 +214,26 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Sim(args) => simulate(args),
         Command::Replay {
-            events,
+            events: None,
+            log,
+            projection,
+            json,
+            ..
+        } => logcmd::replay(&log, projection.as_deref(), json),
+        Command::Project {
+            log,
+            projection,
+            once,
+            json,
+        } => logcmd::project(&log, projection.as_deref(), once, json),
+        Command::Log(LogCommand::Import { events, log, batch }) => {
+            logcmd::import(&log, &events, batch)
+        }
+        Command::Replay {
+            events: Some(events),
             at_ms,
             json,
+            ..
         } => {
             // Any ledger: the default fold settings, and no policy to name.
             let result = sim::replay(&events, StateConfig::default(), "-", at_ms, 0)
@@ -303,4 +365,17 @@ fn progress(policy: &str, until_s: Option<u64>) -> impl FnMut(u64) {
             bar.set_position(t_ms / 1000);
         }
     }
+}
+
+/// Warnings and progress to stderr; `FAIRLEDGER_LOG` = error, warn, info (default) or debug.
+fn init_logging() {
+    let level = std::env::var("FAIRLEDGER_LOG")
+        .ok()
+        .and_then(|l| l.parse::<tracing::Level>().ok())
+        .unwrap_or(tracing::Level::INFO);
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
 }

@@ -1,0 +1,255 @@
+//! The commands that work on the event log itself: `replay` from a log, `project`, `log import`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use eventlog::{AnyLog, EmbeddedLog, EventLog, JetStreamLog, JetStreamOptions};
+use ledger::{Envelope, StateConfig};
+use projector::Projector;
+
+/// Where the event log is.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LogArgs {
+    /// NATS server with JetStream (2.12 or newer); without it the embedded log in --data is used.
+    #[arg(long, env = "FAIRLEDGER_NATS")]
+    pub nats: Option<String>,
+    /// Data directory of the embedded log (and of projections by default).
+    #[arg(long, env = "FAIRLEDGER_DATA", default_value = "fairledger-data")]
+    pub data: PathBuf,
+    /// Replicas of the JetStream streams: 1, or 3 in a cluster.
+    #[arg(long, env = "FAIRLEDGER_REPLICAS", default_value_t = 1)]
+    pub replicas: usize,
+    /// Gather concurrent appends into atomic batches (use with a server that fsyncs always).
+    #[arg(long, env = "FAIRLEDGER_GROUP_COMMIT")]
+    pub group_commit: bool,
+}
+
+impl LogArgs {
+    /// Opens the log these arguments name.
+    pub async fn open(&self) -> Result<AnyLog, String> {
+        match &self.nats {
+            Some(url) => {
+                let options = JetStreamOptions {
+                    replicas: self.replicas,
+                    group_commit: self.group_commit,
+                    ..Default::default()
+                };
+                JetStreamLog::connect(url, options)
+                    .await
+                    .map(|log| AnyLog::JetStream(Box::new(log)))
+                    .map_err(|e| e.to_string())
+            }
+            None => EmbeddedLog::open(&self.data.join("log"))
+                .map(AnyLog::Embedded)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match &self.nats {
+            Some(url) => format!("JetStream at {url}"),
+            None => format!("the embedded log in {}", self.data.join("log").display()),
+        }
+    }
+}
+
+/// A runtime for one command.
+pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+/// What a projection reached, as printed by `replay` and `project`.
+#[derive(serde::Serialize)]
+struct Reached {
+    last_seq: u64,
+    digest: String,
+    applied: u64,
+    rejected: u64,
+    duplicates: u64,
+    malformed: u64,
+    elapsed_s: f64,
+}
+
+fn print_reached(what: &str, r: &Reached, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("serializes"));
+    } else {
+        println!("{what} to sequence {} in {:.2} s", r.last_seq, r.elapsed_s);
+        println!(
+            "events: {} applied, {} rejected, {} duplicate, {} malformed",
+            r.applied, r.rejected, r.duplicates, r.malformed
+        );
+        println!("digest: {}", r.digest);
+    }
+}
+
+/// `fairledger replay --nats|--data`: rebuilds a projection from sequence 0 and prints its
+/// digest.
+pub fn replay(log_args: &LogArgs, projection: Option<&Path>, json: bool) -> Result<(), String> {
+    runtime()?.block_on(async {
+        let log = log_args.open().await?;
+        let scratch;
+        let dir = match projection {
+            Some(dir) => {
+                if dir.exists() {
+                    return Err(format!(
+                        "{} exists; replay builds a fresh projection, so name a new directory",
+                        dir.display()
+                    ));
+                }
+                dir.to_owned()
+            }
+            None => {
+                scratch =
+                    tempfile::tempdir().map_err(|e| format!("no temporary directory: {e}"))?;
+                scratch.path().join("projection")
+            }
+        };
+        let started = Instant::now();
+        let (digest, stats, last_seq) = projector::replay(&log, &dir, StateConfig::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let reached = Reached {
+            last_seq,
+            digest,
+            applied: stats.applied,
+            rejected: stats.rejected,
+            duplicates: stats.duplicates,
+            malformed: stats.malformed,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        };
+        print_reached(&format!("replayed {}", log_args.describe()), &reached, json);
+        Ok(())
+    })
+}
+
+/// `fairledger project`: keeps a projection up to date with the log until SIGINT or SIGTERM
+/// (or, with `once`, until it has caught up), then checkpoints and prints its digest.
+pub fn project(
+    log_args: &LogArgs,
+    projection: Option<&Path>,
+    once: bool,
+    json: bool,
+) -> Result<(), String> {
+    runtime()?.block_on(async {
+        let log = log_args.open().await?;
+        let dir = projection
+            .map(Path::to_owned)
+            .unwrap_or_else(|| log_args.data.join("projection"));
+        let started = Instant::now();
+        let mut p = Projector::open_or_rebuild(&dir, StateConfig::default(), &log)
+            .await
+            .map_err(|e| e.to_string())?;
+        if once {
+            p.catch_up(&log).await.map_err(|e| e.to_string())?;
+            p.checkpoint().map_err(|e| e.to_string())?;
+        } else {
+            eprintln!(
+                "projecting {} into {} from sequence {}",
+                log_args.describe(),
+                dir.display(),
+                p.last_seq() + 1
+            );
+            p.run(&log, shutdown_signal())
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let stats = p.stats();
+        let reached = Reached {
+            last_seq: p.last_seq(),
+            digest: p.digest().map_err(|e| e.to_string())?,
+            applied: stats.applied,
+            rejected: stats.rejected,
+            duplicates: stats.duplicates,
+            malformed: stats.malformed,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        };
+        print_reached(&format!("projected into {}", dir.display()), &reached, json);
+        Ok(())
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// `fairledger log import FILE`: appends a ledger written as JSON lines (a simulator's
+/// `events.jsonl`, an export) to the log, in order, each event keyed by its id so that running
+/// the import again appends nothing twice.
+pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), String> {
+    let text = std::fs::read_to_string(events)
+        .map_err(|e| format!("cannot read {}: {e}", events.display()))?;
+    let mut parsed = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let env: Envelope = serde_json::from_str(line).map_err(|e| {
+            format!(
+                "{}:{}: not a ledger event ({e}); nothing was imported",
+                events.display(),
+                i + 1
+            )
+        })?;
+        parsed.push(env);
+    }
+    let batch = batch.clamp(1, eventlog::MAX_BATCH);
+    runtime()?.block_on(async {
+        let log = log_args.open().await?;
+        let started = Instant::now();
+        let mut router = eventlog::subject::Router::default();
+        let (mut written, mut duplicates) = (0u64, 0u64);
+        for chunk in parsed.chunks(batch) {
+            let appends: Vec<_> = chunk.iter().map(|e| router.append(e, None)).collect();
+            // Append one by one where a batch would be refused for holding a known key (a
+            // second import of the same file).
+            match log.append_batch(appends.clone()).await {
+                Ok(acks) => written += acks.len() as u64,
+                Err(eventlog::AppendError::DuplicateBatch(_)) => {
+                    for a in appends {
+                        let ack = append_retrying(&log, a).await?;
+                        if ack.duplicate {
+                            duplicates += 1;
+                        } else {
+                            written += 1;
+                        }
+                    }
+                }
+                Err(e) => return Err(format!("import stopped after {written} events: {e}")),
+            }
+        }
+        eprintln!(
+            "imported {written} events ({duplicates} already present) into {} in {:.2} s",
+            log_args.describe(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    })
+}
+
+async fn append_retrying(
+    log: &AnyLog,
+    append: eventlog::Append,
+) -> Result<eventlog::Appended, String> {
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match log.append(append.clone()).await {
+            Ok(ack) => return Ok(ack),
+            Err(eventlog::AppendError::Unacknowledged(why)) if delay < Duration::from_secs(5) => {
+                eprintln!("append not acknowledged ({why}); retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
