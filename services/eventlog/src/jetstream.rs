@@ -37,6 +37,8 @@ pub const TELEMETRY_STREAM: &str = "TELEMETRY";
 const EXPECTED_SUBJECT_FILTER: &str = "Nats-Expected-Last-Subject-Sequence-Subject";
 /// Atomic batches one log keeps in flight (the server allows 50 per stream).
 const BATCHES_IN_FLIGHT: usize = 32;
+/// Group commits in flight at once.
+const GROUPS_IN_FLIGHT: usize = 1;
 
 /// Settings of the JetStream log.
 #[derive(Clone, Debug)]
@@ -293,9 +295,18 @@ impl JetStreamLog {
             .collect())
     }
 
-    /// Gathers concurrent unconditional appends into atomic batches (group commit).
+    /// Gathers concurrent unconditional appends into atomic batches (group commit). Only a few
+    /// groups are in flight at once: while they are being stored (and fsynced), the next group
+    /// fills up, so one fsync serves many appends.
     async fn gather(self, mut rx: mpsc::Receiver<Single>) {
-        while let Some(first) = rx.recv().await {
+        let in_flight = Arc::new(Semaphore::new(GROUPS_IN_FLIGHT));
+        loop {
+            let permit = in_flight
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("never closed");
+            let Some(first) = rx.recv().await else { break };
             let mut group = vec![first];
             while group.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -304,16 +315,9 @@ impl JetStreamLog {
                 }
             }
             let log = self.clone();
-            let permit = self
-                .batches
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("never closed");
-            // Publish in this task so the batches go out in order; await the ack elsewhere.
             tokio::spawn(async move {
-                drop(permit);
                 log.commit_group(group).await;
+                drop(permit);
             });
         }
     }

@@ -4,7 +4,7 @@
 //!
 //! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
 //!   malformed events;
-//! - `w/<id>` one row per workload (phase, allocation, placement, protection, history counts);
+//! - `w/<id>` one row per workload (phase, allocation, placement, protection), in postcard;
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
 //! - `s/…` the checkpoint: the whole folded [`ledger::State`] and the sequence it is at.
@@ -100,10 +100,10 @@ pub struct WorkloadRow {
     pub starts: u32,
     /// Work done in completed runs.
     pub work_done_ms: u64,
-    /// Sequence of the last event about it.
+    /// Sequence of the last event about it that the fold applied.
     pub last_seq: u64,
-    /// Events about it that the fold applied.
-    pub events: u32,
+    /// When it finished or was cancelled.
+    pub ended_at_ms: Option<u64>,
 }
 
 /// What the projection knows of one allocation.
@@ -388,7 +388,16 @@ impl Projector {
 
     /// One workload's row.
     pub fn workload(&self, id: WorkloadId) -> Result<Option<WorkloadRow>, ProjectionError> {
-        self.get_json(&workload_key(id))
+        match self
+            .tree
+            .get(workload_key(id))
+            .map_err(|e| self.storage(e))?
+        {
+            None => Ok(None),
+            Some(v) => postcard::from_bytes(&v)
+                .map(Some)
+                .map_err(|e| self.corrupt(&format!("workload row {id}: {e}"))),
+        }
     }
 
     /// One allocation's row.
@@ -471,25 +480,50 @@ impl Projector {
                     // The ledger's sequence moves on even though its state does not.
                     self.state.last_seq = e.seq;
                 }
-                Ok(env) => match self.state.apply(e.seq, &env) {
-                    Outcome::Applied => {
-                        self.stats.applied += 1;
-                        if let Some(id) = workload_of(&env.event) {
-                            let row = self.row_after(id, e.seq, &rows)?;
-                            rows.insert(id, row);
+                Ok(env) => {
+                    let about = workload_of(&env.event);
+                    // An ending removes the workload from the state: keep its row as it was.
+                    let ending = matches!(
+                        env.event,
+                        Event::WorkloadFinished(_) | Event::WorkloadCancelled(_)
+                    );
+                    let before = about
+                        .filter(|_| ending)
+                        .and_then(|id| self.row_of(id, e.seq));
+                    match self.state.apply(e.seq, &env) {
+                        Outcome::Applied => {
+                            self.stats.applied += 1;
+                            if let Some(id) = about {
+                                let row = match self.row_of(id, e.seq) {
+                                    Some(row) => row,
+                                    None => {
+                                        let phase = self.state.ended.get(&id).copied();
+                                        let mut row = before.ok_or_else(|| {
+                                            self.corrupt("an ending applied to an unknown workload")
+                                        })?;
+                                        row.phase = phase.map_or("ended", Phase::name).to_owned();
+                                        row.placement.clear();
+                                        row.preempting = false;
+                                        row.protected_until_ms = None;
+                                        row.ended_at_ms = Some(self.state.now_ms);
+                                        row
+                                    }
+                                };
+                                rows.insert(id, row);
+                            }
+                        }
+                        Outcome::Duplicate { .. } => self.stats.duplicates += 1,
+                        Outcome::Rejected(r) => {
+                            self.stats.rejected += 1;
+                            let row = RejectedRow {
+                                kind: Some(env.event.kind().to_owned()),
+                                code: r.code().to_owned(),
+                                message: r.to_string(),
+                            };
+                            batch.insert(rejection_key(e.seq).to_vec(), json(&row));
                         }
                     }
-                    Outcome::Duplicate { .. } => self.stats.duplicates += 1,
-                    Outcome::Rejected(r) => {
-                        self.stats.rejected += 1;
-                        let row = RejectedRow {
-                            kind: Some(env.event.kind().to_owned()),
-                            code: r.code().to_owned(),
-                            message: r.to_string(),
-                        };
-                        batch.insert(rejection_key(e.seq).to_vec(), json(&row));
-                    }
-                },
+                }
             }
             self.last_seq = e.seq;
             self.since_checkpoint += 1;
@@ -498,7 +532,10 @@ impl Projector {
             return Ok(0);
         }
         for (id, row) in &rows {
-            batch.insert(workload_key(*id), json(row));
+            batch.insert(
+                workload_key(*id),
+                postcard::to_stdvec(row).expect("rows always serialize"),
+            );
         }
         for a in &self.state.allocations.nodes {
             let row = AllocationRow {
@@ -623,68 +660,37 @@ impl Projector {
         self.checkpoint()
     }
 
-    /// The row of workload `id` after an event about it at `seq`.
-    fn row_after(
-        &self,
-        id: WorkloadId,
-        seq: u64,
-        pending: &BTreeMap<WorkloadId, WorkloadRow>,
-    ) -> Result<WorkloadRow, ProjectionError> {
-        let previous = match pending.get(&id) {
-            Some(row) => Some(row.clone()),
-            None => self.workload(id)?,
-        };
-        let events = previous.as_ref().map_or(0, |r| r.events) + 1;
-        let row =
-            match self.state.workloads.get(&id) {
-                Some(w) => {
-                    let running = w.phase == Phase::Running;
-                    WorkloadRow {
-                        id,
-                        allocation: w
-                            .allocation
-                            .map(|a| self.state.allocations.node(a).path.clone()),
-                        phase: w.phase.name().to_owned(),
-                        gpus_per_node: w.gpus_per_node,
-                        nodes: w.nodes,
-                        priority: w.priority,
-                        submit_seq: w.submit_seq,
-                        submitted_at_ms: w.submitted_at_ms,
-                        started_at_ms: (w.starts > 0).then_some(w.started_at_ms),
-                        protected_until_ms: running.then_some(w.protected_until_ms),
-                        placement: w
-                            .placement
-                            .iter()
-                            .map(|p| PlacedRow {
-                                node: self.state.cluster.node(p.node).name.clone(),
-                                gpus: (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect(),
-                            })
-                            .collect(),
-                        preempting: w.preempting.is_some(),
-                        starts: w.starts,
-                        work_done_ms: w.work_done_ms,
-                        last_seq: seq,
-                        events,
-                    }
-                }
-                None => {
-                    // It ended with this event: keep what was known and record the end.
-                    let phase =
-                        self.state.ended.get(&id).copied().ok_or_else(|| {
-                            self.corrupt("an applied workload event left no trace")
-                        })?;
-                    let mut row = previous.ok_or_else(|| {
-                        self.corrupt("a workload ended that the projection never saw")
-                    })?;
-                    row.phase = phase.name().to_owned();
-                    row.placement.clear();
-                    row.preempting = false;
-                    row.protected_until_ms = None;
-                    row.last_seq = seq;
-                    row
-                }
-            };
-        Ok(WorkloadRow { events, ..row })
+    /// The row of live workload `id`, as of the event at `seq`.
+    fn row_of(&self, id: WorkloadId, seq: u64) -> Option<WorkloadRow> {
+        let w = self.state.workloads.get(&id)?;
+        let running = w.phase == Phase::Running;
+        Some(WorkloadRow {
+            id,
+            allocation: w
+                .allocation
+                .map(|a| self.state.allocations.node(a).path.clone()),
+            phase: w.phase.name().to_owned(),
+            gpus_per_node: w.gpus_per_node,
+            nodes: w.nodes,
+            priority: w.priority,
+            submit_seq: w.submit_seq,
+            submitted_at_ms: w.submitted_at_ms,
+            started_at_ms: (w.starts > 0).then_some(w.started_at_ms),
+            protected_until_ms: running.then_some(w.protected_until_ms),
+            placement: w
+                .placement
+                .iter()
+                .map(|p| PlacedRow {
+                    node: self.state.cluster.node(p.node).name.clone(),
+                    gpus: (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect(),
+                })
+                .collect(),
+            preempting: w.preempting.is_some(),
+            starts: w.starts,
+            work_done_ms: w.work_done_ms,
+            last_seq: seq,
+            ended_at_ms: None,
+        })
     }
 
     fn storage(&self, e: sled::Error) -> ProjectionError {

@@ -115,14 +115,12 @@ async fn rows_answer_for_workloads_and_allocations() {
     let row = p.workload(finished).unwrap().unwrap();
     assert_eq!(row.phase, "finished");
     assert!(row.starts >= 1 && row.placement.is_empty());
-    let about = events
+    let last_about = events
         .iter()
-        .filter(|e| projector::workload_of(&e.event) == Some(finished))
-        .count();
-    assert_eq!(
-        row.events as usize, about,
-        "every event about it counted once"
-    );
+        .rposition(|e| projector::workload_of(&e.event) == Some(finished))
+        .unwrap();
+    assert_eq!(row.last_seq, last_about as u64 + 1);
+    assert_eq!(row.ended_at_ms, Some(events[last_about].occurred_at_ms));
     // Delivered GPU-hours per allocation agree with the fold's own accounting.
     let state = p.state();
     for a in &state.allocations.nodes {
