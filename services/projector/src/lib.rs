@@ -181,6 +181,14 @@ pub enum ProjectionError {
         /// The directory.
         dir: PathBuf,
     },
+    /// The log skipped sequences: the reader lost events.
+    #[error("the log reader skipped from sequence {expected} to {got}; resubscribing")]
+    Gap {
+        /// The sequence due.
+        expected: u64,
+        /// The sequence that came.
+        got: u64,
+    },
     /// Reading the log failed.
     #[error(transparent)]
     Log(#[from] LogError),
@@ -460,6 +468,15 @@ impl Projector {
             if e.seq <= self.last_seq {
                 continue;
             }
+            if e.seq != self.last_seq + 1 {
+                // The ledger never deletes, so a hole means the reader lost events: stop
+                // before the hole rather than skip it.
+                self.write(batch, &rows)?;
+                return Err(ProjectionError::Gap {
+                    expected: self.last_seq + 1,
+                    got: e.seq,
+                });
+            }
             applied += 1;
             match decode(&e.payload) {
                 Err(reason) => {
@@ -528,10 +545,20 @@ impl Projector {
             self.last_seq = e.seq;
             self.since_checkpoint += 1;
         }
-        if applied == 0 {
-            return Ok(0);
+        if applied > 0 {
+            self.write(batch, &rows)?;
         }
-        for (id, row) in &rows {
+        Ok(applied)
+    }
+
+    /// Adds the rows, the allocations, the meta rows and maybe a checkpoint to `batch` and
+    /// writes it atomically.
+    fn write(
+        &mut self,
+        mut batch: sled::Batch,
+        rows: &BTreeMap<WorkloadId, WorkloadRow>,
+    ) -> Result<(), ProjectionError> {
+        for (id, row) in rows {
             batch.insert(
                 workload_key(*id),
                 postcard::to_stdvec(row).expect("rows always serialize"),
@@ -560,7 +587,7 @@ impl Projector {
             self.poisoned = true;
             return Err(self.storage(e));
         }
-        Ok(applied)
+        Ok(())
     }
 
     fn add_checkpoint(&mut self, batch: &mut sled::Batch) {
@@ -591,12 +618,25 @@ impl Projector {
         self.apply(&events)
     }
 
-    /// Folds everything the log holds now. Returns the last applied sequence.
+    /// Folds everything the log holds now, in batches of [`BATCH`], from one subscription.
+    /// Returns the last applied sequence.
     pub async fn catch_up<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
         let target = log.last_seq().await?;
+        if self.last_seq >= target {
+            return Ok(self.last_seq);
+        }
+        let mut events = log.subscribe(self.last_seq + 1).await?;
+        let mut batch = Vec::with_capacity(BATCH);
         while self.last_seq < target {
-            if self.project_next(log, BATCH).await? == 0 {
+            let Some(event) = events.next().await else {
                 break;
+            };
+            let event = event?;
+            let done = event.seq >= target;
+            batch.push(event);
+            if batch.len() >= BATCH || done {
+                self.apply(&batch)?;
+                batch.clear();
             }
         }
         Ok(self.last_seq)
@@ -651,7 +691,14 @@ impl Projector {
                         None => break,
                     }
                 }
-                self.apply(&batch)?;
+                match self.apply(&batch) {
+                    Ok(_) => {}
+                    Err(e @ ProjectionError::Gap { .. }) => {
+                        tracing::warn!(error = %e, "lost events in the log subscription");
+                        continue 'subscribe;
+                    }
+                    Err(e) => return Err(e),
+                }
                 if failed {
                     continue 'subscribe;
                 }

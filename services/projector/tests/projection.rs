@@ -245,3 +245,44 @@ fn stats_total_counts_every_kind() {
     };
     assert_eq!(s.total(), 10);
 }
+
+#[tokio::test]
+async fn a_hole_in_the_log_stops_the_projector_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let events = alibaba_events();
+    let mut router = eventlog::subject::Router::default();
+    let stored: Vec<eventlog::Stored> = events[..10]
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let a = router.append(e, None);
+            eventlog::Stored {
+                seq: i as u64 + 1,
+                subject: a.subject,
+                msg_id: a.msg_id,
+                payload: a.payload,
+            }
+        })
+        .collect();
+    let mut p = Projector::open(&dir.path().join("p"), config(), &log)
+        .await
+        .unwrap();
+    let with_hole: Vec<_> = stored[..4].iter().chain(&stored[5..]).cloned().collect();
+    let err = p.apply(&with_hole).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            projector::ProjectionError::Gap {
+                expected: 5,
+                got: 6
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(p.last_seq(), 4, "applied up to the hole");
+    assert_eq!(p.stats().total(), 4);
+    // Given the missing event, it goes on.
+    assert_eq!(p.apply(&stored[4..]).unwrap(), 6);
+    assert_eq!(p.last_seq(), 10);
+}
