@@ -155,7 +155,8 @@ pub fn check_version(url: &str, version: &str) -> Result<(), ConnectError> {
 }
 
 impl JetStreamLog {
-    /// Connects to `url`, checks the server and creates or updates the streams.
+    /// Connects to `url` (one server, or a cluster's as a comma-separated list), checks the
+    /// server and creates or updates the streams.
     pub async fn connect(url: &str, options: JetStreamOptions) -> Result<Self, ConnectError> {
         if options.replicas != 1 && options.replicas != 3 {
             return Err(ConnectError::Invalid(format!(
@@ -170,7 +171,13 @@ impl JetStreamLog {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(options.connect_timeout)
             .name("fairledger")
-            .connect(url)
+            // A cluster is given as a comma-separated list of its servers.
+            .connect(
+                url.split(',')
+                    .map(str::trim)
+                    .filter(|u| !u.is_empty())
+                    .collect::<Vec<_>>(),
+            )
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         check_version(url, &client.server_info().version)?;

@@ -149,3 +149,42 @@ async fn start_up_is_idempotent_and_updates_what_may_change() {
         .unwrap();
     assert_eq!(telemetry.config.max_age, Duration::from_secs(24 * 3600));
 }
+
+#[tokio::test]
+async fn a_list_of_servers_is_a_cluster_to_try_in_turn() {
+    let server = NatsServer::start();
+    let dead = format!("nats://127.0.0.1:{}", free_port());
+    let urls = format!("{dead}, {}", server.url());
+    let log = JetStreamLog::connect(&urls, quick()).await.unwrap();
+    log.append(Append::new("fairledger.ledger.test.a", "1"))
+        .await
+        .unwrap();
+    assert_eq!(log.last_seq().await.unwrap(), 1);
+}
+
+#[test]
+fn the_shipped_server_configs_are_valid() {
+    let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/nats");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&ops).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "conf") {
+            let out = std::process::Command::new(eventlog::testing::server_binary())
+                .arg("-c")
+                .arg(&path)
+                .arg("-t")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 5, "single, strict and three cluster nodes");
+    let strict = std::fs::read_to_string(ops.join("strict.conf")).unwrap();
+    assert!(strict.contains("sync_interval: always"));
+}

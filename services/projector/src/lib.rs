@@ -456,6 +456,12 @@ impl Projector {
     /// Folds `events` (in log order) and writes the result and the new last sequence in one
     /// atomic sled batch. Events at or below the last applied sequence are skipped.
     pub fn apply(&mut self, events: &[Stored]) -> Result<usize, ProjectionError> {
+        let decoded: Vec<Decoded> = events.iter().map(Decoded::from).collect();
+        self.apply_decoded(&decoded)
+    }
+
+    /// [`Projector::apply`] of events already decoded (by a reader running ahead).
+    pub fn apply_decoded(&mut self, events: &[Decoded]) -> Result<usize, ProjectionError> {
         if self.poisoned {
             return Err(ProjectionError::Poisoned {
                 dir: self.dir.clone(),
@@ -478,8 +484,9 @@ impl Projector {
                 });
             }
             applied += 1;
-            match decode(&e.payload) {
+            match &e.envelope {
                 Err(reason) => {
+                    let reason = reason.clone();
                     tracing::warn!(seq = e.seq, %reason, "skipping an event that does not decode");
                     self.stats.malformed += 1;
                     let code = if reason.starts_with("schema version") {
@@ -498,6 +505,7 @@ impl Projector {
                     self.state.last_seq = e.seq;
                 }
                 Ok(env) => {
+                    let env = &**env;
                     let about = workload_of(&env.event);
                     // An ending removes the workload from the state: keep its row as it was.
                     let ending = matches!(
@@ -507,7 +515,7 @@ impl Projector {
                     let before = about
                         .filter(|_| ending)
                         .and_then(|id| self.row_of(id, e.seq));
-                    match self.state.apply(e.seq, &env) {
+                    match self.state.apply(e.seq, env) {
                         Outcome::Applied => {
                             self.stats.applied += 1;
                             if let Some(id) = about {
@@ -625,20 +633,43 @@ impl Projector {
         if self.last_seq >= target {
             return Ok(self.last_seq);
         }
+        // Reading (decoding the wire) and folding (writing sled) overlap: a task reads batches
+        // ahead while this one folds.
         let mut events = log.subscribe(self.last_seq + 1).await?;
-        let mut batch = Vec::with_capacity(BATCH);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Decoded>, LogError>>(4);
+        let reader = tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(BATCH);
+            while let Some(event) = events.next().await {
+                let event = match event {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
+                let done = event.seq >= target;
+                batch.push(Decoded::from(&event));
+                if batch.len() >= BATCH || done {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                    if tx.send(Ok(full)).await.is_err() || done {
+                        return;
+                    }
+                }
+            }
+        });
         while self.last_seq < target {
-            let Some(event) = events.next().await else {
+            let Some(batch) = rx.recv().await else {
                 break;
             };
-            let event = event?;
-            let done = event.seq >= target;
-            batch.push(event);
-            if batch.len() >= BATCH || done {
-                self.apply(&batch)?;
-                batch.clear();
+            if let Err(e) = batch
+                .map_err(ProjectionError::from)
+                .and_then(|b| self.apply_decoded(&b))
+            {
+                reader.abort();
+                return Err(e);
             }
         }
+        reader.abort();
         Ok(self.last_seq)
     }
 
@@ -765,6 +796,24 @@ pub async fn replay<L: EventLog>(
     let mut p = Projector::open(dir, config, log).await?;
     p.catch_up(log).await?;
     Ok((p.digest()?, p.stats(), p.last_seq()))
+}
+
+/// A stored event and what its payload decoded to.
+#[derive(Clone, Debug)]
+pub struct Decoded {
+    /// Its sequence.
+    pub seq: u64,
+    /// The envelope, or why it did not decode.
+    pub envelope: Result<Box<Envelope>, String>,
+}
+
+impl From<&Stored> for Decoded {
+    fn from(e: &Stored) -> Self {
+        Decoded {
+            seq: e.seq,
+            envelope: decode(&e.payload).map(Box::new),
+        }
+    }
 }
 
 /// Decodes one stored event, refusing schema versions this build does not know.
