@@ -22,6 +22,8 @@ use crate::{subject_matches, Append, AppendError, Appended, EventLog, Expect, Lo
 const GROUP_MAX: usize = 4096;
 /// Events read per range scan by a subscription.
 const READ_CHUNK: usize = 1024;
+/// The file beside sled's holding the last acknowledged sequence.
+const HIGH_WATER: &str = "high-water";
 
 /// Why the embedded log could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +95,27 @@ impl EmbeddedLog {
             }
             subjects.insert(subject, seq);
         }
+        // The high-water mark: the last sequence ever acknowledged, written after each flush.
+        // A log that opens shorter than it lost acknowledged events to damage.
+        let mark_path = dir.join(HIGH_WATER);
+        let mark = match std::fs::read_to_string(&mark_path) {
+            Ok(text) => text.trim().parse::<u64>().ok(),
+            Err(_) => None,
+        };
+        if let Some(mark) = mark.filter(|&m| m > last_seq) {
+            return Err(corrupt(format!(
+                "it holds events up to sequence {last_seq} but had acknowledged up to {mark}"
+            )));
+        }
+        let high_water = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&mark_path)
+            .map_err(|e| OpenError::Storage {
+                dir: dir.to_owned(),
+                reason: format!("{}: {e}", mark_path.display()),
+            })?;
         let (durable_tx, durable) = watch::channel(last_seq);
         let (writer, rx) = mpsc::channel(GROUP_MAX);
         let db = Arc::new(db);
@@ -103,6 +126,7 @@ impl EmbeddedLog {
             subjects,
             durable: durable_tx,
             failed: None,
+            high_water,
         };
         std::thread::Builder::new()
             .name("eventlog-writer".into())
@@ -198,6 +222,7 @@ struct Writer {
     subjects: HashMap<String, u64>,
     durable: watch::Sender<u64>,
     failed: Option<String>,
+    high_water: std::fs::File,
 }
 
 /// What a group has written so far, on top of the durable log.
@@ -272,14 +297,16 @@ impl Writer {
                 .apply_batch(batch)
                 .and_then(|()| self.db.flush().map(|_| ()));
             if let Err(e) = written {
-                let reason = format!(
-                    "writing to disk failed ({e}); free disk space and restart, nothing unacknowledged was kept"
-                );
+                let reason =
+                    format!("writing to disk failed ({e}); free disk space and restart fairledger");
+                // The log stops here: what it holds on disk is what it held before this group,
+                // perhaps with some of this group, which is why these appends are reported as
+                // unacknowledged (a retry with the same key after the restart is safe).
                 self.failed = Some(reason.clone());
                 for (answer, result) in answers {
                     let result = match result {
                         Ok(acks) if acks.iter().any(|a| !a.duplicate) => {
-                            Err(AppendError::Unavailable(reason.clone()))
+                            Err(AppendError::Unacknowledged(reason.clone()))
                         }
                         other => other,
                     };
@@ -288,6 +315,13 @@ impl Writer {
                 return;
             }
             self.last_seq = next;
+            // Fixed width, so an overwrite in place never leaves a longer old value behind.
+            let mark = format!("{next:020}\n");
+            if let Err(e) =
+                std::os::unix::fs::FileExt::write_all_at(&self.high_water, mark.as_bytes(), 0)
+            {
+                tracing::warn!(error = %e, "cannot record the log's high-water mark");
+            }
             self.subjects.extend(overlay.subjects);
             self.durable.send_replace(next);
         }

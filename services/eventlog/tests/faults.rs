@@ -218,3 +218,158 @@ async fn embedded_log_survives_kill_9_mid_append() {
         assert_eq!(next.seq, stored.len() as u64 + 1);
     }
 }
+
+const FULL_DISK_DIR: &str = "FAIRLEDGER_EVENTLOG_FULL_DISK_DIR";
+
+/// In the child process, whose file size limit stands in for a full disk: append until the log
+/// refuses, printing every acknowledgement and then the refusal.
+async fn append_until_full(dir: &str) {
+    let log = EmbeddedLog::open(std::path::Path::new(dir)).unwrap();
+    for i in 0.. {
+        let key = format!("w0-{i}");
+        let body = format!("{key}:{}", "x".repeat(2000));
+        let append = Append::new("fairledger.ledger.test.full", body).with_msg_id(&key);
+        match log.append(append).await {
+            Ok(ack) => println!("ack {key} {}", ack.seq),
+            Err(e) => {
+                println!("refused {e}");
+                // Later appends are refused too, not half-written.
+                let again = log.append(key_append("after")).await.unwrap_err();
+                println!("refused {again}");
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn a_full_disk_fails_appends_clearly_and_loses_nothing_acknowledged() {
+    if let Ok(dir) = std::env::var(FULL_DISK_DIR) {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(append_until_full(&dir));
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // A file size limit makes writes past 4 MiB fail with EFBIG, as a full disk fails them
+    // with ENOSPC; SIGXFSZ is ignored so the write returns the error.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -f 4096; trap '' XFSZ; exec \"$0\" \"$@\"")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_full_disk_fails_appends_clearly_and_loses_nothing_acknowledged",
+            "--nocapture",
+        ])
+        .env(FULL_DISK_DIR, dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let acked: Vec<(String, u64)> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("ack "))
+        .map(|l| {
+            let (k, s) = l.split_once(' ').unwrap();
+            (k.to_owned(), s.parse().unwrap())
+        })
+        .collect();
+    let refusals: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("refused "))
+        .collect();
+    assert_eq!(
+        refusals.len(),
+        2,
+        "the child should hit the limit and report it:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        refusals[0].contains("not acknowledged") && refusals[0].contains("free disk space"),
+        "{}",
+        refusals[0]
+    );
+    assert!(
+        refusals[1].contains("unavailable") && refusals[1].contains("free disk space"),
+        "{}",
+        refusals[1]
+    );
+    assert!(acked.len() > 100, "only {} acknowledged", acked.len());
+    let log = EmbeddedLog::open(dir.path()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let stored = rt.block_on(log.read(1, 1_000_000)).unwrap();
+    for (key, seq) in &acked {
+        let e = &stored[*seq as usize - 1];
+        assert_eq!(
+            e.msg_id.as_deref(),
+            Some(key.as_str()),
+            "acknowledged {key} lost"
+        );
+    }
+    // With room again, the log goes on after what it holds.
+    let next = rt.block_on(log.append(key_append("after"))).unwrap();
+    assert_eq!(next.seq, stored.len() as u64 + 1);
+}
+
+#[tokio::test]
+async fn a_damaged_embedded_log_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        for i in 0..200 {
+            log.append(key_append(&format!("k{i}"))).await.unwrap();
+        }
+    }
+    // Overwrite the middle of every file sled keeps.
+    let mut damaged = 0;
+    for entry in walk(dir.path()) {
+        if entry.ends_with("high-water") {
+            continue;
+        }
+        let mut bytes = std::fs::read(&entry).unwrap();
+        if bytes.len() < 64 {
+            continue;
+        }
+        let mid = bytes.len() / 2;
+        let end = (mid + 4096).min(bytes.len());
+        bytes[mid..end].iter_mut().for_each(|b| *b = 0xA5);
+        std::fs::write(&entry, bytes).unwrap();
+        damaged += 1;
+    }
+    assert!(damaged > 0);
+    let opened = std::panic::catch_unwind(|| EmbeddedLog::open(dir.path()));
+    let err = match opened {
+        Ok(Ok(log)) => {
+            // sled may recover a prefix; then reading must not return garbage silently.
+            let read = log.read(1, 1000).await;
+            match read {
+                Ok(events) => {
+                    // Only an intact log may open: every event there, each as written.
+                    assert_eq!(events.len(), 200, "a shortened log opened silently");
+                    for e in &events {
+                        assert_eq!(e.payload, format!("k{}", e.seq - 1), "garbage served");
+                    }
+                    return;
+                }
+                Err(e) => e.to_string(),
+            }
+        }
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => panic!("opening a damaged log panicked instead of reporting it"),
+    };
+    eprintln!("damaged log: {err}");
+    assert!(err.contains("corrupt") || err.contains("restore"), "{err}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
