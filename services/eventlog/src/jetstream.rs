@@ -222,6 +222,33 @@ impl JetStreamLog {
         Ok(log)
     }
 
+    /// Publishes one telemetry message (a `gpu_heartbeat`) on the `TELEMETRY` stream and
+    /// waits for its acknowledgement. Telemetry has its own sequence and is kept only for
+    /// `telemetry_max_age`; health *changes* derived from it are ledger events.
+    pub async fn publish_telemetry(
+        &self,
+        subject: String,
+        payload: bytes::Bytes,
+    ) -> Result<u64, AppendError> {
+        let telemetry = subject
+            .strip_prefix(crate::subject::TELEMETRY_PREFIX)
+            .is_some_and(|rest| rest.starts_with('.'));
+        if !telemetry {
+            return Err(AppendError::Refused(format!(
+                "subject {subject:?} is not under {}.>",
+                crate::subject::TELEMETRY_PREFIX
+            )));
+        }
+        let ack = self
+            .js
+            .publish(subject, payload)
+            .await
+            .map_err(|e| publish_error(e, &Expect::Any))?
+            .await
+            .map_err(|e| publish_error(e, &Expect::Any))?;
+        Ok(ack.sequence)
+    }
+
     /// The underlying client, for telemetry and key-value use by other roles.
     pub fn client(&self) -> &async_nats::Client {
         &self.client

@@ -188,3 +188,36 @@ fn the_shipped_server_configs_are_valid() {
     let strict = std::fs::read_to_string(ops.join("strict.conf")).unwrap();
     assert!(strict.contains("sync_interval: always"));
 }
+
+#[tokio::test]
+async fn heartbeats_go_to_telemetry_not_to_the_ledger() {
+    let server = NatsServer::start();
+    let log = JetStreamLog::connect(&server.url(), quick()).await.unwrap();
+    let heartbeat = ledger::Event::GpuHeartbeat(ledger::event::GpuHeartbeat {
+        node: "h100-0".into(),
+        readings: Vec::new(),
+    });
+    let subject = eventlog::subject::for_event(&heartbeat, None);
+    assert_eq!(subject, "fairledger.telemetry.gpu.heartbeat.h100-0");
+    let seq = log
+        .publish_telemetry(subject.clone(), "{}".into())
+        .await
+        .unwrap();
+    assert_eq!(seq, 1);
+    assert_eq!(log.last_seq().await.unwrap(), 0, "the ledger did not move");
+    // The ledger refuses telemetry subjects and the reverse.
+    assert!(log.append(Append::new(subject, "{}")).await.is_err());
+    assert!(log
+        .publish_telemetry("fairledger.ledger.x".into(), "{}".into())
+        .await
+        .is_err());
+    let telemetry = log
+        .context()
+        .get_stream("TELEMETRY")
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap();
+    assert_eq!(telemetry.state.messages, 1);
+}
