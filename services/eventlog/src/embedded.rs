@@ -64,10 +64,7 @@ pub struct EmbeddedLog {
 impl EmbeddedLog {
     /// Opens (or creates) the log in `dir`.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
-        let db = sled::Config::new()
-            .path(dir)
-            .open()
-            .map_err(|e| open_error(dir, e))?;
+        let db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
         let tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
         let corrupt = |reason: String| OpenError::Corrupt {
             dir: dir.to_owned(),
@@ -423,6 +420,23 @@ impl Writer {
 enum Checked {
     Fresh,
     Duplicate(u64),
+}
+
+/// Opens a sled database, waiting up to a second for the lock of a handle this process just
+/// dropped: sled's flusher thread lets go of the directory shortly after the last handle.
+pub fn open_sled(config: sled::Config) -> sled::Result<sled::Db> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match config.open() {
+            Err(sled::Error::Io(e))
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
 }
 
 fn open_error(dir: &Path, e: sled::Error) -> OpenError {

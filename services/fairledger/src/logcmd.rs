@@ -153,9 +153,12 @@ pub fn project(
                 dir.display(),
                 p.last_seq() + 1
             );
-            p.run(&log, shutdown_signal())
+            let shared = tokio::sync::RwLock::new(p);
+            let (applied, _) = tokio::sync::watch::channel(0);
+            projector::follow(&log, &shared, &applied, shutdown_signal())
                 .await
                 .map_err(|e| e.to_string())?;
+            p = shared.into_inner();
         }
         let stats = p.stats();
         let reached = Reached {

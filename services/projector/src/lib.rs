@@ -301,7 +301,7 @@ impl Projector {
             dir: dir.to_owned(),
             reason,
         };
-        let db = sled::Config::new().path(dir).open().map_err(storage)?;
+        let db = eventlog::embedded::open_sled(sled::Config::new().path(dir)).map_err(storage)?;
         let tree = db.open_tree("projection").map_err(storage)?;
         // The fold settings the projection is built with, fixed at creation.
         let settings = serde_json::to_vec(&config).expect("settings serialize");
@@ -411,6 +411,11 @@ impl Projector {
     /// One allocation's row.
     pub fn allocation(&self, path: &str) -> Result<Option<AllocationRow>, ProjectionError> {
         self.get_json(&prefixed(b"a/", path.as_bytes()))
+    }
+
+    /// Why the event at `seq` was not applied, if it was not.
+    pub fn rejection(&self, seq: u64) -> Result<Option<RejectedRow>, ProjectionError> {
+        self.get_json(&rejection_key(seq))
     }
 
     /// Every event not applied, by sequence.
@@ -673,71 +678,6 @@ impl Projector {
         Ok(self.last_seq)
     }
 
-    /// Follows the log until `stop` resolves, folding events as they arrive in batches of
-    /// whatever is ready (at most [`BATCH`]); a lost subscription is resumed after the last
-    /// applied sequence. Writes a checkpoint and flushes before returning.
-    pub async fn run<L: EventLog>(
-        &mut self,
-        log: &L,
-        stop: impl std::future::Future<Output = ()>,
-    ) -> Result<(), ProjectionError> {
-        let mut stop = std::pin::pin!(stop.fuse());
-        'subscribe: loop {
-            let mut events = match log.subscribe(self.last_seq + 1).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot follow the log; retrying");
-                    tokio::select! {
-                        _ = &mut stop => break 'subscribe,
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => continue 'subscribe,
-                    }
-                }
-            };
-            loop {
-                let first = tokio::select! {
-                    _ = &mut stop => break 'subscribe,
-                    next = events.next() => next,
-                };
-                let mut batch = Vec::new();
-                let mut failed = false;
-                let mut item = first;
-                loop {
-                    match item {
-                        Some(Ok(e)) => batch.push(e),
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, "lost the log subscription; resuming");
-                            failed = true;
-                            break;
-                        }
-                        None => {
-                            failed = true;
-                            break;
-                        }
-                    }
-                    if batch.len() >= BATCH {
-                        break;
-                    }
-                    match events.next().now_or_never() {
-                        Some(next) => item = next,
-                        None => break,
-                    }
-                }
-                match self.apply(&batch) {
-                    Ok(_) => {}
-                    Err(e @ ProjectionError::Gap { .. }) => {
-                        tracing::warn!(error = %e, "lost events in the log subscription");
-                        continue 'subscribe;
-                    }
-                    Err(e) => return Err(e),
-                }
-                if failed {
-                    continue 'subscribe;
-                }
-            }
-        }
-        self.checkpoint()
-    }
-
     /// The row of live workload `id`, as of the event at `seq`.
     fn row_of(&self, id: WorkloadId, seq: u64) -> Option<WorkloadRow> {
         let w = self.state.workloads.get(&id)?;
@@ -784,6 +724,79 @@ impl Projector {
             reason: reason.to_owned(),
         }
     }
+}
+
+/// Follows the log into the shared projection until `stop` resolves, folding events as they
+/// arrive in batches of whatever is ready (at most [`BATCH`]), holding the write lock only while
+/// a batch is applied, and announcing each new last sequence on `applied`. A lost subscription
+/// (or a hole) is resumed after the last applied sequence. Writes a checkpoint and flushes
+/// before returning.
+pub async fn follow<L: EventLog>(
+    log: &L,
+    projection: &tokio::sync::RwLock<Projector>,
+    applied: &tokio::sync::watch::Sender<u64>,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), ProjectionError> {
+    let mut stop = std::pin::pin!(stop.fuse());
+    'subscribe: loop {
+        let from = projection.read().await.last_seq() + 1;
+        let mut events = match log.subscribe(from).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot follow the log; retrying");
+                tokio::select! {
+                    _ = &mut stop => break 'subscribe,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue 'subscribe,
+                }
+            }
+        };
+        loop {
+            let first = tokio::select! {
+                _ = &mut stop => break 'subscribe,
+                next = events.next() => next,
+            };
+            let mut batch = Vec::new();
+            let mut failed = false;
+            let mut item = first;
+            loop {
+                match item {
+                    Some(Ok(e)) => batch.push(Decoded::from(&e)),
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "lost the log subscription; resuming");
+                        failed = true;
+                        break;
+                    }
+                    None => {
+                        failed = true;
+                        break;
+                    }
+                }
+                if batch.len() >= BATCH {
+                    break;
+                }
+                match events.next().now_or_never() {
+                    Some(next) => item = next,
+                    None => break,
+                }
+            }
+            let mut p = projection.write().await;
+            let result = p.apply_decoded(&batch);
+            applied.send_replace(p.last_seq());
+            drop(p);
+            match result {
+                Ok(_) => {}
+                Err(e @ ProjectionError::Gap { .. }) => {
+                    tracing::warn!(error = %e, "lost events in the log subscription");
+                    continue 'subscribe;
+                }
+                Err(e) => return Err(e),
+            }
+            if failed {
+                continue 'subscribe;
+            }
+        }
+    }
+    projection.write().await.checkpoint()
 }
 
 /// Rebuilds a projection of the whole log from sequence 0 in `dir` (which must be empty or
