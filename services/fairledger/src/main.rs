@@ -9,10 +9,13 @@
 //! - `project` keeps the sled projection of an event log up to date;
 //! - `log import` appends a ledger written as JSON lines to an event log.
 //!
-//! `serve` and `agent` join as their crates land.
+//! - `serve` runs the API, the projector and the scheduler in one process.
+//!
+//! `agent` joins as its crate lands.
 
 mod demo;
 mod logcmd;
+mod serve;
 
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -35,6 +38,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the scheduling ledger: HTTP API, projector and scheduler in one process. Without
+    /// --nats, on the embedded log in --data with a demo cluster of fake GPUs.
+    Serve(serve::ServeArgs),
     /// Run the demo cluster (4 nodes x 8 GPUs, three teams) through the scheduler on a virtual
     /// clock and print owed versus delivered GPU-hours.
     Demo {
@@ -213,6 +219,7 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Sim(args) => simulate(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Replay {
             events: None,
             log,

@@ -1,0 +1,809 @@
+//! The HTTP API, v1: JSON in and out, every error `application/problem+json` naming the field at
+//! fault. Writes go to the event log and answer once the event is durable *and* folded, so a
+//! client reads its own writes; reads come from the projection.
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `POST /v1/workloads` | submit (`Idempotency-Key` header; `?wait=placed&timeout_s=N`) |
+//! | `GET /v1/workloads/{id}` | status, placement, `protected_until_ms` |
+//! | `DELETE /v1/workloads/{id}` | cancel a waiting workload, or ask a running one to stop |
+//! | `GET /v1/queue?allocation=` | pending workloads in policy order, each with why it waits |
+//! | `GET /v1/allocations` | the tree: weights, owed and delivered |
+//! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
+//! | `GET /v1/events?after=&limit=` | the ledger, paged |
+//! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
+//! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use eventlog::{AnyLog, Append, EventLog};
+use ledger::event::*;
+use ledger::policy::{decide, Blocked, PolicyConfig};
+use ledger::{Envelope, Phase};
+use projector::Projector;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::sync::{watch, RwLock};
+use uuid::Uuid;
+
+pub mod problem;
+
+pub use problem::Problem;
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 64 * 1024;
+/// How long a write waits for the projection to fold it.
+const FOLD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct App {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    log: AnyLog,
+    projection: Arc<RwLock<Projector>>,
+    applied: watch::Receiver<u64>,
+    policy: PolicyConfig,
+    ready: AtomicBool,
+}
+
+impl App {
+    /// The API over `log` and its shared `projection`, whose folds are announced on `applied`.
+    pub fn new(
+        log: AnyLog,
+        projection: Arc<RwLock<Projector>>,
+        applied: watch::Receiver<u64>,
+        policy: PolicyConfig,
+    ) -> Self {
+        App {
+            inner: Arc::new(Inner {
+                log,
+                projection,
+                applied,
+                policy,
+                ready: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).
+    pub fn set_ready(&self) {
+        self.inner.ready.store(true, Ordering::Release);
+    }
+
+    /// Waits until the projection has folded `seq`; false on timeout.
+    async fn folded(&self, seq: u64) -> bool {
+        let mut applied = self.inner.applied.clone();
+        let wait = async {
+            while *applied.borrow_and_update() < seq {
+                if applied.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        };
+        tokio::time::timeout(FOLD_TIMEOUT, wait)
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Appends one event about `allocation` keyed by `key`, waits for the fold, and turns a
+    /// rejection by the fold into a 409 naming the rule.
+    async fn write(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+    ) -> Result<u64, Problem> {
+        let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
+        let append = Append::event(&env, allocation, key);
+        let ack = self
+            .inner
+            .log
+            .append(append)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        if !self.folded(ack.seq).await {
+            return Err(Problem::unavailable(format!(
+                "event {} is durable but not yet folded; read it back shortly",
+                ack.seq
+            )));
+        }
+        let rejection = self
+            .inner
+            .projection
+            .read()
+            .await
+            .rejection(ack.seq)
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        match rejection {
+            Some(r) => Err(Problem::new(StatusCode::CONFLICT, &r.code, r.message)),
+            None => Ok(ack.seq),
+        }
+    }
+}
+
+/// The router of the whole API.
+pub fn router(app: App) -> Router {
+    Router::new()
+        .route("/v1/workloads", post(submit))
+        .route("/v1/workloads/{id}", get(workload).delete(cancel))
+        .route("/v1/queue", get(queue))
+        .route("/v1/allocations", get(allocations))
+        .route(
+            "/v1/allocations/{*path}",
+            put(set_allocation).delete(remove_allocation),
+        )
+        .route("/v1/events", get(events))
+        .route("/v1/nodes", post(register_node))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { Problem::not_found("no such route; see /v1/…") })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(app)
+}
+
+/// A body that did not parse, as a problem naming the field where serde says which.
+fn bad_body(rejection: JsonRejection) -> Problem {
+    match rejection {
+        JsonRejection::JsonDataError(e) => {
+            let message = e.body_text();
+            match problem::field_of_serde_error(&message) {
+                Some(field) => Problem::invalid(&field, message),
+                None => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-body", message),
+            }
+        }
+        JsonRejection::JsonSyntaxError(e) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "malformed-json",
+            format!("the body is not JSON: {}", e.body_text()),
+        ),
+        JsonRejection::MissingJsonContentType(_) => Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "content-type",
+            "send the body as JSON with Content-Type: application/json",
+        ),
+        JsonRejection::BytesRejection(_) => Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            format!("the body is larger than {MAX_BODY} bytes"),
+        ),
+        other => Problem::new(StatusCode::BAD_REQUEST, "bad-body", other.body_text()),
+    }
+}
+
+/// A submission.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRequest {
+    /// Leaf allocation path; absent for unallocated (opportunistic) work.
+    #[serde(default)]
+    pub allocation: Option<String>,
+    /// GPUs on each node.
+    pub gpus_per_node: u32,
+    /// Nodes in the gang (default 1).
+    #[serde(default)]
+    pub nodes: Option<u32>,
+    /// Required GPU model.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Order within the allocation, higher first.
+    #[serde(default)]
+    pub priority: i32,
+    /// Protection asked for, at most the cluster's cap.
+    #[serde(default)]
+    pub min_runtime_s: Option<u64>,
+    /// Expected run time.
+    #[serde(default)]
+    pub duration_estimate_s: Option<u64>,
+    /// Checkpoint interval.
+    #[serde(default)]
+    pub checkpoint_s: Option<u64>,
+    /// A name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// What the node agent runs.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// Its environment.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubmitQuery {
+    wait: Option<String>,
+    timeout_s: Option<u64>,
+}
+
+/// Checks a submission against the cluster and the tree as they stand; the fold checks again.
+fn check_submission(
+    state: &ledger::State,
+    r: &SubmitRequest,
+    policy: &PolicyConfig,
+) -> Result<(), Problem> {
+    if r.gpus_per_node == 0 {
+        return Err(Problem::invalid("gpus_per_node", "must be at least 1"));
+    }
+    let nodes = r.nodes.unwrap_or(1);
+    if nodes == 0 {
+        return Err(Problem::invalid("nodes", "must be at least 1"));
+    }
+    let model = match &r.model {
+        None => None,
+        Some(m) => Some(
+            state
+                .cluster
+                .models
+                .iter()
+                .position(|g| &g.model == m)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = state
+                        .cluster
+                        .models
+                        .iter()
+                        .map(|g| g.model.as_str())
+                        .collect();
+                    Problem::invalid(
+                        "model",
+                        format!("no node has model {m:?}; the cluster has {known:?}"),
+                    )
+                })? as u32,
+        ),
+    };
+    let largest = state.cluster.largest_node(model);
+    if r.gpus_per_node > largest {
+        return Err(Problem::invalid(
+            "gpus_per_node",
+            format!(
+                "{} GPUs per node is more than the largest node has ({largest})",
+                r.gpus_per_node
+            ),
+        ));
+    }
+    let fitting = state
+        .cluster
+        .nodes
+        .iter()
+        .filter(|n| n.gpu_count >= r.gpus_per_node)
+        .filter(|n| model.is_none_or(|m| n.model_idx == m))
+        .count() as u32;
+    if nodes > fitting {
+        return Err(Problem::invalid(
+            "nodes",
+            format!(
+                "a gang of {nodes} nodes × {} GPUs is larger than the cluster: {fitting} nodes have that many GPUs",
+                r.gpus_per_node
+            ),
+        ));
+    }
+    let cap_s = state.config().min_runtime_cap_ms / 1000;
+    if let Some(m) = r.min_runtime_s {
+        if m > cap_s {
+            return Err(Problem::invalid(
+                "min_runtime_s",
+                format!("{m} s is above the cluster's cap of {cap_s} s"),
+            ));
+        }
+    }
+    if let Some(path) = &r.allocation {
+        let Some(id) = state.allocations.get(path) else {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} does not exist; see GET /v1/allocations"),
+            ));
+        };
+        let a = state.allocations.node(id);
+        if a.removed {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} was removed"),
+            ));
+        }
+        if !a.is_leaf() {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} has children; charge one of its leaves"),
+            ));
+        }
+    }
+    if r.name.as_ref().is_some_and(|n| n.len() > 256) {
+        return Err(Problem::invalid("name", "at most 256 bytes"));
+    }
+    let _ = policy;
+    Ok(())
+}
+
+async fn submit(
+    State(app): State<App>,
+    headers: HeaderMap,
+    query: Result<Query<SubmitQuery>, axum::extract::rejection::QueryRejection>,
+    body: Result<Json<SubmitRequest>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Json(request) = body.map_err(bad_body)?;
+    let wait_placed = match query.wait.as_deref() {
+        None => false,
+        Some("placed") => true,
+        Some(other) => {
+            return Err(Problem::invalid(
+                "wait",
+                format!("wait={other} is not known; use wait=placed"),
+            ))
+        }
+    };
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 128)
+                .ok_or_else(|| {
+                    Problem::invalid("Idempotency-Key", "1 to 128 printable ASCII characters")
+                })?;
+            Some(k.to_owned())
+        }
+    };
+    {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        if let Some(id) = key.as_ref().and_then(|k| state.idempotency.get(k)) {
+            return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
+        }
+        check_submission(state, &request, &app.inner.policy)?;
+    }
+    let id = Uuid::now_v7();
+    let submitted = WorkloadSubmitted {
+        model: request.model.clone(),
+        priority: request.priority,
+        min_runtime_s: request.min_runtime_s,
+        duration_estimate_s: request.duration_estimate_s,
+        checkpoint_s: request.checkpoint_s,
+        name: request.name.clone(),
+        command: request.command.clone(),
+        env: request.env.clone(),
+        idempotency_key: key.clone(),
+        ..WorkloadSubmitted::new(
+            id,
+            request.allocation.clone(),
+            request.gpus_per_node,
+            request.nodes.unwrap_or(1),
+        )
+    };
+    let allocation = request.allocation.clone();
+    let seq = app
+        .write(
+            Event::WorkloadSubmitted(submitted),
+            allocation.as_deref(),
+            key.as_deref(),
+            "api",
+        )
+        .await?;
+    // A retry whose first attempt landed between the check above and the append: the fold
+    // answered it with the original workload.
+    let id = {
+        let p = app.inner.projection.read().await;
+        key.as_ref()
+            .and_then(|k| p.state().idempotency.get(k).copied())
+            .unwrap_or(id)
+    };
+    if wait_placed {
+        let timeout = Duration::from_secs(query.timeout_s.unwrap_or(30).min(300));
+        let placed = async {
+            let mut applied = app.inner.applied.clone();
+            loop {
+                if let Ok(Some(row)) = app.inner.projection.read().await.workload(id) {
+                    if row.phase != Phase::Pending.name() {
+                        return row;
+                    }
+                }
+                if applied.changed().await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        if let Ok(row) = tokio::time::timeout(timeout, placed).await {
+            return Ok((
+                StatusCode::OK,
+                Json(json!({"id": id, "seq": seq, "workload": row})),
+            )
+                .into_response());
+        }
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"id": id, "seq": seq, "phase": "pending"})),
+    )
+        .into_response())
+}
+
+fn parse_id(id: &str) -> Result<Uuid, Problem> {
+    Uuid::parse_str(id)
+        .map_err(|_| Problem::invalid("id", format!("{id:?} is not a workload id (a UUID)")))
+}
+
+async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let row = app
+        .inner
+        .projection
+        .read()
+        .await
+        .workload(id)
+        .map_err(|e| Problem::unavailable(e.to_string()))?
+        .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
+    Ok(Json(row).into_response())
+}
+
+async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let (event, allocation, action) = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        let Some(w) = state.workloads.get(&id) else {
+            return Err(match state.ended.get(&id) {
+                Some(phase) => Problem::new(
+                    StatusCode::CONFLICT,
+                    "already-ended",
+                    format!("workload {id} is already {}", phase.name()),
+                ),
+                None => Problem::not_found(format!("no workload {id}")),
+            });
+        };
+        let allocation = w.allocation.map(|a| state.allocations.node(a).path.clone());
+        match w.phase {
+            Phase::Running if w.preempting.is_some() => {
+                return Err(Problem::new(
+                    StatusCode::CONFLICT,
+                    "already-stopping",
+                    format!("workload {id} is already being stopped"),
+                ))
+            }
+            Phase::Running => (
+                Event::PreemptionRequested(PreemptionRequested {
+                    workload: id,
+                    reason: PreemptionReason::UserCancelled,
+                    beneficiary: None,
+                    grace_s: app.inner.policy.grace_ms / 1000,
+                }),
+                allocation,
+                "stop_requested",
+            ),
+            _ => (
+                Event::WorkloadCancelled(WorkloadCancelled {
+                    workload: id,
+                    reason: Some("cancelled through the API".into()),
+                }),
+                allocation,
+                "cancelled",
+            ),
+        }
+    };
+    let seq = app.write(event, allocation.as_deref(), None, "api").await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"id": id, "seq": seq, "action": action})),
+    )
+        .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QueueQuery {
+    allocation: Option<String>,
+}
+
+fn reason(b: &Blocked) -> serde_json::Value {
+    match b {
+        Blocked::HoldsReservation { nodes, start_at_ms } => json!({
+            "code": "holds_reservation", "nodes": nodes, "start_at_ms": start_at_ms,
+            "detail": "heads the queue; the reserved nodes are held for it as they free up"}),
+        Blocked::WaitingForPreemption { victims, until_ms } => json!({
+            "code": "waiting_for_preemption", "victims": victims, "until_ms": until_ms,
+            "detail": "workloads are leaving to make room for it"}),
+        Blocked::BehindReservation { holder } => json!({
+            "code": "behind_reservation", "holder": holder,
+            "detail": "would fit, but on GPUs reserved for a workload ranked above it"}),
+        Blocked::NoCapacity {
+            gpus_per_node,
+            nodes,
+            fitting_nodes,
+        } => json!({
+            "code": "no_capacity", "gpus_per_node": gpus_per_node, "nodes": nodes,
+            "fitting_nodes": fitting_nodes,
+            "detail": format!("needs {nodes} node(s) with {gpus_per_node} free GPUs; {fitting_nodes} have them now")}),
+        Blocked::AllocationCap { path, max_gpus } => json!({
+            "code": "allocation_cap", "allocation": path, "max_gpus": max_gpus,
+            "detail": format!("{path} is at its cap of {max_gpus} GPUs")}),
+    }
+}
+
+async fn queue(
+    State(app): State<App>,
+    query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let config = PolicyConfig {
+        explain: true,
+        ..app.inner.policy.clone()
+    };
+    let plan = decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config);
+    let mut rows = Vec::new();
+    for pending in &plan.pending {
+        let Some(w) = state.workloads.get(&pending.workload) else {
+            continue;
+        };
+        let path = w.allocation.map(|a| state.allocations.node(a).path.clone());
+        if let Some(filter) = &query.allocation {
+            let under = path
+                .as_deref()
+                .is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/")));
+            if !under {
+                continue;
+            }
+        }
+        rows.push(json!({
+            "position": pending.position,
+            "id": w.id,
+            "allocation": path,
+            "gpus_per_node": w.gpus_per_node,
+            "nodes": w.nodes,
+            "priority": w.priority,
+            "submitted_at_ms": w.submitted_at_ms,
+            "reason": reason(&pending.reason),
+        }));
+    }
+    Ok(Json(json!({"as_of_seq": state.last_seq, "pending": rows})).into_response())
+}
+
+async fn allocations(State(app): State<App>) -> Response {
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let rows: Vec<_> = state
+        .allocations
+        .nodes
+        .iter()
+        .filter(|a| !a.removed)
+        .map(|a| {
+            json!({
+                "path": a.path,
+                "weight": a.weight,
+                "max_gpus": a.max_gpus,
+                "leaf": a.is_leaf(),
+                "owed_gpus_now": a.owed_gpus,
+                "held_gpus": a.held_gpus,
+                "demand_gpus": a.raw_demand_gpus,
+                "owed_gpu_hours": a.owed_gpu_ms / 3.6e6,
+                "delivered_gpu_hours": a.delivered_gpu_ms as f64 / 3.6e6,
+                "preemptions": a.preemptions,
+                "contract_violations": a.contract_violations,
+                "live_workloads": a.live_workloads,
+            })
+        })
+        .collect();
+    Json(json!({"as_of_seq": state.last_seq, "allocations": rows})).into_response()
+}
+
+/// The body of `PUT /v1/allocations/{path}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AllocationBody {
+    weight: u32,
+    #[serde(default)]
+    max_gpus: Option<u32>,
+}
+
+async fn set_allocation(
+    State(app): State<App>,
+    Path(path): Path<String>,
+    body: Result<Json<AllocationBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(body) = body.map_err(bad_body)?;
+    ledger::alloc::validate_path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    if body.weight == 0 {
+        return Err(Problem::invalid("weight", "must be at least 1"));
+    }
+    let event = Event::AllocationSet(AllocationSet {
+        path: path.clone(),
+        weight: body.weight,
+        max_gpus: body.max_gpus,
+    });
+    let seq = app.write(event, None, None, "api").await?;
+    Ok(Json(json!({"path": path, "seq": seq})).into_response())
+}
+
+async fn remove_allocation(
+    State(app): State<App>,
+    Path(path): Path<String>,
+) -> Result<Response, Problem> {
+    ledger::alloc::validate_path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    {
+        let p = app.inner.projection.read().await;
+        let tree = &p.state().allocations;
+        let Some(id) = tree.get(&path) else {
+            return Err(Problem::not_found(format!("no allocation {path:?}")));
+        };
+        let a = tree.node(id);
+        // The fold would reject these; answer before writing anything.
+        if !a.children.is_empty() {
+            return Err(Problem::new(
+                StatusCode::CONFLICT,
+                "allocation_has_children",
+                format!("allocation {path:?} has children; remove them first"),
+            ));
+        }
+        if a.live_workloads > 0 {
+            return Err(Problem::new(
+                StatusCode::CONFLICT,
+                "allocation_in_use",
+                format!(
+                    "allocation {path:?} has {} live workloads; cancel them or let them finish",
+                    a.live_workloads
+                ),
+            ));
+        }
+    }
+    let event = Event::AllocationRemoved(AllocationRemoved { path: path.clone() });
+    let seq = app.write(event, None, None, "api").await?;
+    Ok(Json(json!({"path": path, "seq": seq, "removed": true})).into_response())
+}
+
+/// The body of `POST /v1/nodes`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeBody {
+    node: String,
+    gpus: u32,
+    model: String,
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+async fn register_node(
+    State(app): State<App>,
+    body: Result<Json<NodeBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(body) = body.map_err(bad_body)?;
+    let valid_name = !body.node.is_empty()
+        && body.node.len() <= 128
+        && body
+            .node
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if !valid_name {
+        return Err(Problem::invalid(
+            "node",
+            "1 to 128 letters, digits, '-' or '_'",
+        ));
+    }
+    let max = ledger::cluster::GPUS_PER_NODE_MAX;
+    if body.gpus == 0 || body.gpus > max {
+        return Err(Problem::invalid("gpus", format!("1 to {max}")));
+    }
+    if body.model.is_empty() {
+        return Err(Problem::invalid("model", "name the GPU model, e.g. H100"));
+    }
+    let event = Event::NodeRegistered(NodeRegistered {
+        node: body.node.clone(),
+        gpus: body.gpus,
+        model: body.model,
+        labels: body.labels,
+    });
+    let seq = app.write(event, None, None, "api").await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"node": body.node, "seq": seq})),
+    )
+        .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    after: Option<u64>,
+    limit: Option<usize>,
+}
+
+async fn events(
+    State(app): State<App>,
+    query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let limit = query.limit.unwrap_or(100);
+    if limit == 0 || limit > 1000 {
+        return Err(Problem::invalid("limit", "1 to 1000"));
+    }
+    let stored = app
+        .inner
+        .log
+        .read(query.after.unwrap_or(0) + 1, limit)
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let rows: Vec<_> = stored
+        .iter()
+        .map(|e| {
+            let event: serde_json::Value = serde_json::from_slice(&e.payload)
+                .unwrap_or_else(|_| json!({"malformed": String::from_utf8_lossy(&e.payload)}));
+            json!({"seq": e.seq, "subject": e.subject, "event": event})
+        })
+        .collect();
+    let next = stored.last().map(|e| e.seq);
+    Ok(Json(json!({"events": rows, "next_after": next})).into_response())
+}
+
+async fn readyz(State(app): State<App>) -> Response {
+    if app.inner.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "the projection is still catching up with the log",
+        )
+        .into_response()
+    }
+}
+
+async fn metrics(State(app): State<App>) -> Response {
+    let p = app.inner.projection.read().await;
+    let s = p.stats();
+    let state = p.state();
+    let c = &state.cluster;
+    let text = format!(
+        "# HELP fairledger_projection_last_seq Last ledger sequence folded.\n\
+         # TYPE fairledger_projection_last_seq gauge\n\
+         fairledger_projection_last_seq {}\n\
+         # HELP fairledger_projection_events_total Events read by the projector, by outcome.\n\
+         # TYPE fairledger_projection_events_total counter\n\
+         fairledger_projection_events_total{{outcome=\"applied\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"rejected\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"duplicate\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"malformed\"}} {}\n\
+         # HELP fairledger_gpus GPUs of the cluster, by state.\n\
+         # TYPE fairledger_gpus gauge\n\
+         fairledger_gpus{{state=\"total\"}} {}\n\
+         fairledger_gpus{{state=\"healthy\"}} {}\n\
+         fairledger_gpus{{state=\"allocated\"}} {}\n\
+         # HELP fairledger_workloads Live workloads.\n\
+         # TYPE fairledger_workloads gauge\n\
+         fairledger_workloads{{phase=\"running\"}} {}\n\
+         fairledger_workloads{{phase=\"live\"}} {}\n",
+        p.last_seq(),
+        s.applied,
+        s.rejected,
+        s.duplicates,
+        s.malformed,
+        c.total_gpus,
+        c.healthy_gpus,
+        c.allocated_gpus,
+        state.running.len(),
+        state.workloads.len(),
+    );
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        text,
+    )
+        .into_response()
+}

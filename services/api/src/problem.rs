@@ -1,0 +1,99 @@
+//! RFC 9457 problem details: every error the API answers is `application/problem+json` naming
+//! what was wrong and, for bad input, the field at fault.
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// One problem.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Problem {
+    /// A URI reference naming the kind of problem.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short summary of the kind.
+    pub title: String,
+    /// HTTP status.
+    pub status: u16,
+    /// What happened here and what to do.
+    pub detail: String,
+    /// The request field at fault (a JSON pointer-like path), when one is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+impl Problem {
+    /// A problem of `status` with a slug naming its kind.
+    pub fn new(status: StatusCode, slug: &str, detail: impl Into<String>) -> Self {
+        Problem {
+            kind: format!("https://fairledger.dev/problems/{slug}"),
+            title: status.canonical_reason().unwrap_or("error").to_owned(),
+            status: status.as_u16(),
+            detail: detail.into(),
+            field: None,
+        }
+    }
+
+    /// Bad input in `field`.
+    pub fn invalid(field: &str, detail: impl Into<String>) -> Self {
+        Problem {
+            field: Some(field.to_owned()),
+            ..Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-field", detail)
+        }
+    }
+
+    /// Nothing with this id.
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::NOT_FOUND, "not-found", detail)
+    }
+
+    /// The event log could not take or give the data.
+    pub fn unavailable(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "log-unavailable", detail)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = serde_json::to_vec(&self).expect("a problem serializes");
+        (
+            status,
+            [(header::CONTENT_TYPE, "application/problem+json")],
+            body,
+        )
+            .into_response()
+    }
+}
+
+/// The field serde complained about, from its message ("unknown field `gpus`", "missing field
+/// `gpus_per_node`", "invalid type ... at line 1 column 20").
+pub fn field_of_serde_error(message: &str) -> Option<String> {
+    for marker in ["unknown field `", "missing field `", "duplicate field `"] {
+        if let Some(rest) = message.split(marker).nth(1) {
+            return rest.split('`').next().map(str::to_owned);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::field_of_serde_error;
+
+    #[test]
+    fn serde_messages_name_their_field() {
+        assert_eq!(
+            field_of_serde_error("unknown field `gpus`, expected one of `a`").as_deref(),
+            Some("gpus")
+        );
+        assert_eq!(
+            field_of_serde_error("missing field `gpus_per_node` at line 1 column 2").as_deref(),
+            Some("gpus_per_node")
+        );
+        assert_eq!(
+            field_of_serde_error("expected value at line 1 column 1"),
+            None
+        );
+    }
+}

@@ -1,0 +1,509 @@
+//! The API through its router, without a socket, on an embedded log with the projector and the
+//! scheduler running: submissions, reads of one's own writes, cancels, the queue's reasons, and
+//! bad input answered with problem+json naming the field while the log does not move.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use eventlog::{AnyLog, Append, EmbeddedLog, EventLog};
+use http_body_util::BodyExt;
+use ledger::event::*;
+use ledger::policy::PolicyConfig;
+use ledger::{Envelope, StateConfig};
+use projector::Projector;
+use serde_json::Value;
+use tokio::sync::{watch, RwLock};
+use tower::ServiceExt;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    log: AnyLog,
+    router: axum::Router,
+    projection: Arc<RwLock<Projector>>,
+    stop: watch::Sender<bool>,
+}
+
+/// Two nodes of 8 GPUs and allocations `a/x` (weight 1) and `b` (weight 1).
+async fn fixture(scheduler_on: bool) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let log = AnyLog::Embedded(EmbeddedLog::open(&dir.path().join("log")).unwrap());
+    let mut setup = Vec::new();
+    for n in 0..2 {
+        setup.push(Event::NodeRegistered(NodeRegistered {
+            node: format!("n{n}"),
+            gpus: 8,
+            model: "H100".into(),
+            labels: Default::default(),
+        }));
+    }
+    for path in ["a/x", "b"] {
+        setup.push(Event::AllocationSet(AllocationSet {
+            path: path.into(),
+            weight: 1,
+            max_gpus: None,
+        }));
+    }
+    let now = scheduler::wall_clock_ms();
+    let appends: Vec<Append> = setup
+        .into_iter()
+        .map(|e| {
+            Append::event(
+                &Envelope::new(uuid::Uuid::now_v7(), now, "test", e),
+                None,
+                None,
+            )
+        })
+        .collect();
+    log.append_batch(appends).await.unwrap();
+    let mut p = Projector::open(&dir.path().join("p"), StateConfig::default(), &log)
+        .await
+        .unwrap();
+    p.catch_up(&log).await.unwrap();
+    let (applied_tx, applied) = watch::channel(p.last_seq());
+    let projection = Arc::new(RwLock::new(p));
+    let (stop, stop_rx) = watch::channel(false);
+    {
+        let (log, projection, mut rx) = (log.clone(), projection.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            projector::follow(&log, &projection, &applied_tx, async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+            .unwrap();
+        });
+    }
+    if scheduler_on {
+        let (log, projection, applied, mut rx) =
+            (log.clone(), projection.clone(), applied.clone(), stop_rx);
+        tokio::spawn(async move {
+            let config = scheduler::SchedulerConfig {
+                tick: std::time::Duration::from_millis(50),
+                ..Default::default()
+            };
+            scheduler::run(&log, &projection, applied, &config, async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+        });
+    }
+    let app = api::App::new(
+        log.clone(),
+        projection.clone(),
+        applied,
+        PolicyConfig::default(),
+    );
+    app.set_ready();
+    Fixture {
+        _dir: dir,
+        log,
+        router: api::router(app),
+        projection,
+        stop,
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn call(
+    f: &Fixture,
+    method: &str,
+    uri: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, String, Value) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_owned())))
+        .unwrap();
+    let res = f.router.clone().oneshot(req).await.unwrap();
+    let status = res.status();
+    let content_type = res
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    let value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, content_type, value)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_then_placed_then_cancel() {
+    let f = fixture(true).await;
+    let (status, _, body) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"a/x","gpus_per_node":8,"nodes":2,"name":"big"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(body["workload"]["phase"], "running");
+    assert_eq!(body["workload"]["placement"].as_array().unwrap().len(), 2);
+    assert!(body["workload"]["protected_until_ms"].as_u64().unwrap() > 0);
+
+    // The cluster is full: the next waits, and the queue says why.
+    let (status, _, queued) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":4}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{queued}");
+    let (_, _, queue) = call(&f, "GET", "/v1/queue", None, &[]).await;
+    let pending = queue["pending"].as_array().unwrap();
+    assert_eq!(pending.len(), 1, "{queue}");
+    assert_eq!(pending[0]["id"], queued["id"]);
+    assert!(pending[0]["reason"]["code"].is_string(), "{queue}");
+    let (_, _, filtered) = call(&f, "GET", "/v1/queue?allocation=a", None, &[]).await;
+    assert!(filtered["pending"].as_array().unwrap().is_empty());
+
+    // Cancelling the waiting one ends it; cancelling the running one asks it to stop.
+    let queued_id = queued["id"].as_str().unwrap();
+    let (status, _, c) = call(
+        &f,
+        "DELETE",
+        &format!("/v1/workloads/{queued_id}"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (status, c["action"].as_str()),
+        (StatusCode::ACCEPTED, Some("cancelled"))
+    );
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{queued_id}"), None, &[]).await;
+    assert_eq!(row["phase"], "cancelled");
+    let (status, _, c) = call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(
+        (status, c["action"].as_str()),
+        (StatusCode::ACCEPTED, Some("stop_requested"))
+    );
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(row["preempting"], true);
+    let (status, ct, again) = call(
+        &f,
+        "DELETE",
+        &format!("/v1/workloads/{queued_id}"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{again}");
+    assert_eq!(ct, "application/problem+json");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_returns_the_same_workload() {
+    let f = fixture(false).await;
+    let body = r#"{"allocation":"b","gpus_per_node":1}"#;
+    let key = [("idempotency-key", "retry-me")];
+    let (s1, _, first) = call(&f, "POST", "/v1/workloads", Some(body), &key).await;
+    let seq = f.log.last_seq().await.unwrap();
+    let (s2, _, second) = call(&f, "POST", "/v1/workloads", Some(body), &key).await;
+    assert_eq!(s1, StatusCode::ACCEPTED);
+    assert_eq!(s2, StatusCode::OK);
+    assert_eq!(first["id"], second["id"]);
+    assert_eq!(second["duplicate"], true);
+    assert_eq!(
+        f.log.last_seq().await.unwrap(),
+        seq,
+        "a retry writes nothing"
+    );
+}
+
+/// Method, URI, body, the status wanted and the field it must name.
+type Case<'a> = (
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    StatusCode,
+    Option<&'a str>,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_names_the_field_and_changes_nothing() {
+    let f = fixture(false).await;
+    let before = f.log.last_seq().await.unwrap();
+    let cases: &[Case] = &[
+        (
+            "POST",
+            "/v1/workloads",
+            Some("{not json"),
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus":1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("gpus"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b"}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("gpus_per_node"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"nope","gpus_per_node":1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocation"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"a","gpus_per_node":1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocation"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":0}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("gpus_per_node"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":-1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":4294967295}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("gpus_per_node"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":8,"nodes":3}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("nodes"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":8,"nodes":0}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("nodes"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":1,"min_runtime_s":999999}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("min_runtime_s"),
+        ),
+        (
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":1,"model":"TPU"}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("model"),
+        ),
+        (
+            "POST",
+            "/v1/workloads?wait=forever",
+            Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("wait"),
+        ),
+        (
+            "GET",
+            "/v1/workloads/not-a-uuid",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("id"),
+        ),
+        (
+            "GET",
+            "/v1/workloads/0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11",
+            None,
+            StatusCode::NOT_FOUND,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/workloads/0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11",
+            None,
+            StatusCode::NOT_FOUND,
+            None,
+        ),
+        (
+            "PUT",
+            "/v1/allocations/bad%20path",
+            Some(r#"{"weight":1}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("path"),
+        ),
+        (
+            "PUT",
+            "/v1/allocations/c",
+            Some(r#"{"weight":0}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("weight"),
+        ),
+        (
+            "PUT",
+            "/v1/allocations/c",
+            Some(r#"{"weight":1,"color":"red"}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("color"),
+        ),
+        (
+            "DELETE",
+            "/v1/allocations/zzz",
+            None,
+            StatusCode::NOT_FOUND,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/events?limit=0",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("limit"),
+        ),
+        (
+            "GET",
+            "/v1/events?after=x",
+            None,
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
+        ("GET", "/v1/nothing", None, StatusCode::NOT_FOUND, None),
+    ];
+    for (method, uri, body, want, field) in cases {
+        let (status, ct, problem) = call(&f, method, uri, *body, &[]).await;
+        assert_eq!(status, *want, "{method} {uri} {body:?}: {problem}");
+        assert_eq!(ct, "application/problem+json", "{method} {uri}");
+        assert!(
+            problem["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{problem}"
+        );
+        if let Some(field) = field {
+            assert_eq!(
+                problem["field"], *field,
+                "{method} {uri} {body:?}: {problem}"
+            );
+        }
+    }
+    // Oversized bodies.
+    let huge = format!(
+        r#"{{"allocation":"b","gpus_per_node":1,"name":"{}"}}"#,
+        "x".repeat(api::MAX_BODY)
+    );
+    let (status, ct, _) = call(&f, "POST", "/v1/workloads", Some(&huge), &[]).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(ct, "application/problem+json");
+    assert_eq!(
+        f.log.last_seq().await.unwrap(),
+        before,
+        "bad input moved the log"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocations_are_set_removed_and_listed() {
+    let f = fixture(false).await;
+    let (status, _, set) = call(
+        &f,
+        "PUT",
+        "/v1/allocations/c/d",
+        Some(r#"{"weight":3,"max_gpus":4}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{set}");
+    let (_, _, list) = call(&f, "GET", "/v1/allocations", None, &[]).await;
+    let d = list["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "c/d")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (d["weight"].as_u64(), d["max_gpus"].as_u64()),
+        (Some(3), Some(4))
+    );
+    // A parent with children cannot go, and nothing is written.
+    let before = f.log.last_seq().await.unwrap();
+    let (status, ct, problem) = call(&f, "DELETE", "/v1/allocations/c", None, &[]).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(ct, "application/problem+json");
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+    let (status, _, _) = call(&f, "DELETE", "/v1/allocations/c/d", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(f
+        .projection
+        .read()
+        .await
+        .state()
+        .allocations
+        .get("c/d")
+        .is_none());
+    let (_, _, list) = call(&f, "GET", "/v1/allocations", None, &[]).await;
+    assert!(!list["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|a| a["path"] == "c/d"));
+    let (_, _, events) = call(&f, "GET", "/v1/events?after=4&limit=10", None, &[]).await;
+    let kinds: Vec<&str> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"]["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, vec!["allocation_set", "allocation_removed"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics() {
+    let f = fixture(false).await;
+    let (status, _, _) = call(&f, "GET", "/healthz", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, _) = call(&f, "GET", "/readyz", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let res = f
+        .router
+        .clone()
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let text =
+        String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    assert!(
+        text.contains("fairledger_gpus{state=\"total\"} 16"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fairledger_projection_events_total{outcome=\"applied\"} 4"),
+        "{text}"
+    );
+}

@@ -1,0 +1,119 @@
+//! `fairledger serve`: the API, the projector and the scheduler in one process.
+
+use std::sync::Arc;
+
+use eventlog::{Append, EventLog};
+use ledger::policy::{self, PolicyConfig};
+use ledger::{Envelope, StateConfig};
+use projector::Projector;
+use scheduler::SchedulerConfig;
+use tokio::sync::{watch, RwLock};
+
+use crate::logcmd::{runtime, shutdown_signal, LogArgs};
+
+/// Settings of `serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// Address to listen on (port 0 picks a free one; the address is printed).
+    #[arg(long, env = "FAIRLEDGER_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Scheduling policy: fairshare, fairtree, fifo or priority.
+    #[arg(long, env = "FAIRLEDGER_POLICY", default_value = "fairshare")]
+    pub policy: String,
+    /// Do not create the demo cluster in an empty embedded log.
+    #[arg(long)]
+    pub no_demo: bool,
+}
+
+pub fn serve(args: ServeArgs) -> Result<(), String> {
+    let name = policy::POLICY_NAMES
+        .iter()
+        .find(|p| **p == args.policy)
+        .ok_or_else(|| {
+            format!(
+                "unknown policy {:?}; use one of {}",
+                args.policy,
+                policy::POLICY_NAMES.join(", ")
+            )
+        })?;
+    let policy = PolicyConfig {
+        policy: name,
+        ..PolicyConfig::default()
+    };
+    let embedded = args.log.nats.is_none();
+    runtime()?.block_on(async move {
+        let log = args.log.open().await?;
+        if embedded && !args.no_demo && log.last_seq().await.map_err(|e| e.to_string())? == 0 {
+            let now = scheduler::wall_clock_ms();
+            let appends: Vec<Append> = crate::demo::cluster()
+                .into_iter()
+                .map(|e| {
+                    Append::event(
+                        &Envelope::new(uuid::Uuid::now_v7(), now, "serve", e),
+                        None,
+                        None,
+                    )
+                })
+                .collect();
+            log.append_batch(appends).await.map_err(|e| e.to_string())?;
+            eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp");
+        }
+        let dir = args.log.data.join("projection");
+        let mut projection = Projector::open_or_rebuild(&dir, StateConfig::default(), &log)
+            .await
+            .map_err(|e| e.to_string())?;
+        projection.catch_up(&log).await.map_err(|e| e.to_string())?;
+        let (applied_tx, applied) = watch::channel(projection.last_seq());
+        let projection = Arc::new(RwLock::new(projection));
+        let app = api::App::new(log.clone(), projection.clone(), applied.clone(), policy.clone());
+        app.set_ready();
+
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}; pass another --listen", args.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        eprintln!("listening on http://{addr}");
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let projector_task = {
+            let log = log.clone();
+            let projection = projection.clone();
+            let stop = stopped(stop_rx.clone());
+            tokio::spawn(async move {
+                projector::follow(&log, &projection, &applied_tx, stop).await
+            })
+        };
+        let scheduler_task = {
+            let log = log.clone();
+            let projection = projection.clone();
+            let config = SchedulerConfig {
+                policy,
+                fake_agents: embedded,
+                ..Default::default()
+            };
+            let stop = stopped(stop_rx.clone());
+            tokio::spawn(async move {
+                scheduler::run(&log, &projection, applied, &config, stop).await;
+            })
+        };
+        let server = axum::serve(listener, api::router(app))
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("shutting down");
+            });
+        let served = server.await.map_err(|e| format!("the HTTP server failed: {e}"));
+        let _ = stop_tx.send(true);
+        let _ = scheduler_task.await;
+        let projected = projector_task
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string());
+        served?;
+        projected
+    })
+}

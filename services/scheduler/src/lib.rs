@@ -1,0 +1,164 @@
+//! The scheduler: runs the policy's `decide` on the projection's state whenever events arrive
+//! (and on a timer, as contracts expire and grace periods end), and appends the decisions as one
+//! atomic batch fenced by the sequence the state was folded to. If anything was appended in
+//! between, the log answers `Conflict`, and the scheduler waits for the projection to catch up
+//! and decides again — so two schedulers can never both place from stale state.
+//!
+//! [`fake`] stands in for node agents on fake GPUs (the embedded `serve`): it ends a run when its
+//! duration estimate is done and a preempted run when its grace period is over.
+
+use std::time::Duration;
+
+use eventlog::{Append, AppendError, EventLog, Expect};
+use ledger::policy::{decide, PolicyConfig};
+use ledger::{Envelope, Event, State};
+use projector::Projector;
+use tokio::sync::{watch, RwLock};
+use uuid::Uuid;
+
+pub mod fake;
+
+/// Settings of the loop.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// The policy and the contract.
+    pub policy: PolicyConfig,
+    /// Decide at least this often, even when no event arrives.
+    pub tick: Duration,
+    /// Also write what fake node agents would report (embedded demo cluster).
+    pub fake_agents: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            policy: PolicyConfig::default(),
+            tick: Duration::from_secs(1),
+            fake_agents: false,
+        }
+    }
+}
+
+/// The events one pass wants appended: the policy's decisions, then what fake agents report.
+pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
+    let plan = decide(state, now_ms, &config.policy);
+    let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
+    if config.fake_agents {
+        events.extend(fake::reports(state, now_ms));
+    }
+    events.truncate(eventlog::MAX_BATCH);
+    events
+}
+
+/// The allocation path of the workload an event is about, for its subject.
+pub fn allocation_of(state: &State, event: &Event) -> Option<String> {
+    let id = projector::workload_of(event)?;
+    let w = state.workloads.get(&id)?;
+    w.allocation.map(|a| state.allocations.node(a).path.clone())
+}
+
+/// The appends of one pass, the first fenced by the state's sequence.
+pub fn appends(state: &State, events: Vec<Event>, now_ms: u64, actor: &str) -> Vec<Append> {
+    let mut out = Vec::with_capacity(events.len());
+    for (i, event) in events.into_iter().enumerate() {
+        let allocation = allocation_of(state, &event);
+        let env = Envelope::new(Uuid::now_v7(), now_ms, actor, event);
+        let mut append = Append::event(&env, allocation.as_deref(), None);
+        if i == 0 {
+            append = append.expecting(Expect::LastSequence(state.last_seq));
+        }
+        out.push(append);
+    }
+    out
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What one pass of the loop did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Passed {
+    /// Events appended.
+    pub appended: usize,
+    /// The log had moved on: nothing was appended.
+    pub conflict: bool,
+    /// The sequence of the last event appended.
+    pub last_seq: Option<u64>,
+}
+
+/// One pass: decide on the projection's state as of `now_ms` and append the decisions. The
+/// projection must have caught up with the log for the append to go through.
+pub async fn step<L: EventLog>(
+    log: &L,
+    projection: &RwLock<Projector>,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Result<Passed, AppendError> {
+    let appends = {
+        let p = projection.read().await;
+        let state = p.state();
+        let events = pass(state, now_ms, config);
+        if events.is_empty() {
+            return Ok(Passed::default());
+        }
+        appends(state, events, now_ms, "scheduler")
+    };
+    let n = appends.len();
+    match log.append_batch(appends).await {
+        Ok(acks) => Ok(Passed {
+            appended: n,
+            conflict: false,
+            last_seq: acks.last().map(|a| a.seq),
+        }),
+        Err(AppendError::Conflict { .. }) => Ok(Passed {
+            appended: 0,
+            conflict: true,
+            last_seq: None,
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+/// Decides whenever the projection applies new events and at least every `config.tick`, until
+/// `stop` resolves. After appending, it waits for the projection to fold its own decisions
+/// before deciding again.
+pub async fn run<L: EventLog>(
+    log: &L,
+    projection: &RwLock<Projector>,
+    mut applied: watch::Receiver<u64>,
+    config: &SchedulerConfig,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let mut stop = std::pin::pin!(stop);
+    let mut wait_for = 0u64;
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = applied.changed() => {}
+            _ = tokio::time::sleep(config.tick) => {}
+        }
+        // Debounce: let a burst of events land before deciding.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if *applied.borrow() < wait_for {
+            continue;
+        }
+        match step(log, projection, config, wall_clock_ms()).await {
+            Ok(Passed {
+                last_seq: Some(seq),
+                ..
+            }) => wait_for = seq,
+            Ok(Passed { conflict: true, .. }) => {
+                tracing::debug!("the log moved on while deciding; deciding again on fresh state");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot append decisions; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
