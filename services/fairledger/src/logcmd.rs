@@ -73,6 +73,20 @@ struct Reached {
     elapsed_s: f64,
 }
 
+impl Reached {
+    fn new(last_seq: u64, digest: String, stats: projector::Stats, started: Instant) -> Self {
+        Reached {
+            last_seq,
+            digest,
+            applied: stats.applied,
+            rejected: stats.rejected,
+            duplicates: stats.duplicates,
+            malformed: stats.malformed,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        }
+    }
+}
+
 fn print_reached(what: &str, r: &Reached, json: bool) {
     if json {
         println!("{}", serde_json::to_string(r).expect("serializes"));
@@ -112,15 +126,7 @@ pub fn replay(log_args: &LogArgs, projection: Option<&Path>, json: bool) -> Resu
         let (digest, stats, last_seq) = projector::replay(&log, &dir, StateConfig::default())
             .await
             .map_err(|e| e.to_string())?;
-        let reached = Reached {
-            last_seq,
-            digest,
-            applied: stats.applied,
-            rejected: stats.rejected,
-            duplicates: stats.duplicates,
-            malformed: stats.malformed,
-            elapsed_s: started.elapsed().as_secs_f64(),
-        };
+        let reached = Reached::new(last_seq, digest, stats, started);
         print_reached(&format!("replayed {}", log_args.describe()), &reached, json);
         Ok(())
     })
@@ -161,15 +167,8 @@ pub fn project(
             p = shared.into_inner();
         }
         let stats = p.stats();
-        let reached = Reached {
-            last_seq: p.last_seq(),
-            digest: p.digest().map_err(|e| e.to_string())?,
-            applied: stats.applied,
-            rejected: stats.rejected,
-            duplicates: stats.duplicates,
-            malformed: stats.malformed,
-            elapsed_s: started.elapsed().as_secs_f64(),
-        };
+        let digest = p.digest().map_err(|e| e.to_string())?;
+        let reached = Reached::new(p.last_seq(), digest, stats, started);
         print_reached(&format!("projected into {}", dir.display()), &reached, json);
         Ok(())
     })

@@ -8,7 +8,6 @@
 //!
 //! `cargo bench -p projector --bench replay` (`FAIRLEDGER_BENCH_EVENTS=N`, default 1,000,000).
 
-use std::path::Path;
 use std::time::Instant;
 
 use eventlog::testing::NatsServer;
@@ -17,28 +16,10 @@ use ledger::{Envelope, Event, StateConfig};
 use projector::Projector;
 
 fn alibaba() -> Vec<Envelope> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sim");
-    let scenario =
-        sim::scenario::Scenario::load(&root.join("scenarios/alibaba-32gpu.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let spec = sim::RunSpec {
-        scenario: scenario.prepare(Some("fairshare")).unwrap(),
-        workloads: root.join("traces/alibaba2023/openb_pod_list_default.csv"),
-        trace: sim::trace::TraceOptions {
-            format: sim::trace::Format::parse("alibaba-openb").unwrap(),
-            skip_bad_rows: false,
-            allocation_column: None,
-        },
-        seed: 1,
-        until_s: None,
-        out: out.path().to_owned(),
-    };
+    let spec = sim::bundled_alibaba(out.path(), Some("fairshare")).unwrap();
     sim::run(&spec, |_| {}).unwrap();
-    std::fs::read_to_string(out.path().join("events.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    sim::read_ledger(&out.path().join("events.jsonl")).unwrap()
 }
 
 fn remap(value: &mut serde_json::Value, copy: u128) {

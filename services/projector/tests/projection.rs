@@ -2,36 +2,16 @@
 //! sizes, it equals a full replay; a crash between batches resumes without skipping or doubling;
 //! malformed events are counted and skipped; a corrupt projection is rebuilt.
 
-use std::path::Path;
-
 use eventlog::{Append, EmbeddedLog, EventLog};
 use ledger::{Envelope, StateConfig};
 use projector::{Projector, Stats};
 
-/// The ledger of a simulated run of the bundled Alibaba trace (about thirty thousand events).
+/// The ledger of a simulated run of the bundled Alibaba trace (about twenty thousand events).
 fn alibaba_events() -> Vec<Envelope> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sim");
-    let scenario =
-        sim::scenario::Scenario::load(&root.join("scenarios/alibaba-32gpu.toml")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let spec = sim::RunSpec {
-        scenario: scenario.prepare(Some("fairshare")).unwrap(),
-        workloads: root.join("traces/alibaba2023/openb_pod_list_default.csv"),
-        trace: sim::trace::TraceOptions {
-            format: sim::trace::Format::parse("alibaba-openb").unwrap(),
-            skip_bad_rows: false,
-            allocation_column: None,
-        },
-        seed: 1,
-        until_s: None,
-        out: out.path().to_owned(),
-    };
+    let spec = sim::bundled_alibaba(out.path(), Some("fairshare")).unwrap();
     sim::run(&spec, |_| {}).unwrap();
-    std::fs::read_to_string(out.path().join("events.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    sim::read_ledger(&out.path().join("events.jsonl")).unwrap()
 }
 
 async fn write_all(log: &EmbeddedLog, events: &[Envelope]) {

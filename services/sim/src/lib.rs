@@ -76,6 +76,45 @@ pub struct RunResult {
     pub rejections: std::collections::BTreeMap<String, u64>,
 }
 
+/// The bundled example run: the Alibaba GPU cluster trace v2023 (`traces/alibaba2023/`) on the
+/// 32-GPU scenario (`scenarios/alibaba-32gpu.toml`) under `policy` (the scenario's if `None`),
+/// until every workload has finished, writing into `out`. About 22,000 events; tests and
+/// benchmarks of other crates use its ledger as a realistic stream.
+pub fn bundled_alibaba(out: &Path, policy: Option<&str>) -> Result<RunSpec, SimError> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scenario = scenario::Scenario::load(&root.join("scenarios/alibaba-32gpu.toml"))?;
+    Ok(RunSpec {
+        scenario: scenario.prepare(policy)?,
+        workloads: root.join("traces/alibaba2023/openb_pod_list_default.csv"),
+        trace: TraceOptions {
+            format: trace::Format::AlibabaOpenb,
+            skip_bad_rows: false,
+            allocation_column: None,
+        },
+        seed: 1,
+        until_s: None,
+        out: out.to_owned(),
+    })
+}
+
+/// Reads a ledger written as JSON lines.
+pub fn read_ledger(path: &Path) -> Result<Vec<Envelope>, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::Io(path.to_owned(), e))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                SimError::Invalid(format!(
+                    "{}:{}: not a ledger event: {e}",
+                    path.display(),
+                    i + 1
+                ))
+            })
+        })
+        .collect()
+}
+
 /// Reads the whole trace once to find bad rows before anything runs, so a bad file stops the
 /// run before it starts. Returns the number of bad rows skipped.
 pub fn check_trace(spec: &RunSpec) -> Result<u64, SimError> {
