@@ -45,6 +45,7 @@
 #![deny(missing_docs)]
 
 pub mod alloc;
+pub mod audit;
 pub mod cluster;
 pub mod event;
 pub mod metrics;

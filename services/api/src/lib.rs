@@ -12,6 +12,7 @@
 //! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
+//! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -147,6 +148,7 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/events", get(events))
         .route("/v1/nodes", post(register_node))
+        .route("/v1/audit/ledger", get(audit_ledger))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -713,6 +715,126 @@ async fn register_node(
         Json(json!({"node": body.node, "seq": seq})),
     )
         .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuditQuery {
+    allocation: Option<String>,
+    from: Option<u64>,
+    to: Option<u64>,
+    granularity: Option<String>,
+}
+
+/// The most periods one audit request may ask for.
+const AUDIT_PERIODS_MAX: u64 = 10_000;
+
+async fn audit_ledger(
+    State(app): State<App>,
+    headers: HeaderMap,
+    query: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(q) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let step_ms: u64 = match q.granularity.as_deref().unwrap_or("day") {
+        "hour" => 3_600_000,
+        "day" => 86_400_000,
+        "week" => 7 * 86_400_000,
+        other => {
+            return Err(Problem::invalid(
+                "granularity",
+                format!("{other:?} is not hour, day or week"),
+            ))
+        }
+    };
+    // Nothing is delivered in the future: a period reaching past now ends now.
+    let now = scheduler::wall_clock_ms();
+    let to = q.to.unwrap_or(now).min(now);
+    let from = q.from.unwrap_or(to.saturating_sub(7 * 86_400_000));
+    if from >= to {
+        return Err(Problem::invalid(
+            "to",
+            format!("the period must end after it starts (from={from}, to={to}, in ms)"),
+        ));
+    }
+    if (to - from).div_ceil(step_ms) > AUDIT_PERIODS_MAX {
+        return Err(Problem::invalid(
+            "granularity",
+            format!("more than {AUDIT_PERIODS_MAX} periods; use a coarser granularity or a shorter range"),
+        ));
+    }
+    if let Some(path) = &q.allocation {
+        let p = app.inner.projection.read().await;
+        let tree = &p.state().allocations;
+        let known = tree.nodes.iter().any(|a| &a.path == path);
+        if !known {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} never existed; see GET /v1/allocations"),
+            ));
+        }
+    }
+    let config = *app.inner.projection.read().await.state().config();
+    let mut audit = ledger::audit::Audit::new(config, from, to, step_ms, q.allocation.as_deref());
+    let last = app
+        .inner
+        .log
+        .last_seq()
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let mut next = 1;
+    while next <= last {
+        let chunk = app
+            .inner
+            .log
+            .read(next, 10_000)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        let Some(end) = chunk.last().map(|e| e.seq) else {
+            break;
+        };
+        for e in chunk.iter().filter(|e| e.seq <= last) {
+            if let Ok(env) = projector::decode(&e.payload) {
+                if env.occurred_at_ms >= to {
+                    next = last + 1;
+                    break;
+                }
+                audit.apply(e.seq, &env);
+            }
+        }
+        next = next.max(end + 1);
+    }
+    let rows = audit.finish();
+    let csv = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/csv"));
+    if csv {
+        let mut out = String::from(
+            "allocation,from_ms,to_ms,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,preemptions,contract_violations,first_seq,last_seq\n",
+        );
+        for r in &rows {
+            let seq = |s: Option<u64>| s.map(|s| s.to_string()).unwrap_or_default();
+            out += &format!(
+                "{},{},{},{},{},{},{},{},{},{}\n",
+                r.allocation,
+                r.from_ms,
+                r.to_ms,
+                r.entitlement_gpu_hours,
+                r.owed_gpu_hours,
+                r.delivered_gpu_hours,
+                r.preemptions,
+                r.contract_violations,
+                seq(r.first_seq),
+                seq(r.last_seq)
+            );
+        }
+        return Ok(([(axum::http::header::CONTENT_TYPE, "text/csv")], out).into_response());
+    }
+    Ok(Json(
+        json!({"from_ms": from, "to_ms": to, "step_ms": step_ms, "last_seq": last, "rows": rows}),
+    )
+    .into_response())
 }
 
 #[derive(Debug, Default, Deserialize)]

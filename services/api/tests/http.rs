@@ -396,6 +396,41 @@ async fn bad_input_names_the_field_and_changes_nothing() {
             None,
         ),
         ("GET", "/v1/nothing", None, StatusCode::NOT_FOUND, None),
+        (
+            "GET",
+            "/v1/audit/ledger?granularity=minute",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("granularity"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?from=10&to=5",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("to"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?from=0&granularity=hour",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("granularity"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?allocation=zzz",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocation"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?from=yesterday",
+            None,
+            StatusCode::BAD_REQUEST,
+            None,
+        ),
     ];
     for (method, uri, body, want, field) in cases {
         let (status, ct, problem) = call(&f, method, uri, *body, &[]).await;
@@ -481,6 +516,57 @@ async fn allocations_are_set_removed_and_listed() {
         .map(|e| e["event"]["type"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, vec!["allocation_set", "allocation_removed"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_answers_in_json_and_csv() {
+    let f = fixture(true).await;
+    let (status, _, placed) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"b","gpus_per_node":2}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{placed}");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let now = scheduler::wall_clock_ms();
+    let uri = format!(
+        "/v1/audit/ledger?from={}&to={now}&granularity=hour",
+        now - 3_600_000
+    );
+    let (status, _, audit) = call(&f, "GET", &uri, None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{audit}");
+    let rows = audit["rows"].as_array().unwrap();
+    // Two leaves (a/x and b) over the hour before now.
+    assert_eq!(rows.len(), 2, "{audit}");
+    assert_eq!(audit["to_ms"].as_u64(), Some(now));
+    // A period reaching into the future is cut at the present.
+    let future = format!(
+        "/v1/audit/ledger?from={}&to={}",
+        now - 1000,
+        now + 86_400_000
+    );
+    let (_, _, cut) = call(&f, "GET", &future, None, &[]).await;
+    assert!(cut["to_ms"].as_u64().unwrap() < now + 60_000, "{cut}");
+    let b_delivered: f64 = rows
+        .iter()
+        .filter(|r| r["allocation"] == "b")
+        .map(|r| r["delivered_gpu_hours"].as_f64().unwrap())
+        .sum();
+    assert!(b_delivered > 0.0, "{audit}");
+    let req = Request::get(uri.as_str())
+        .header("accept", "text/csv")
+        .body(Body::empty())
+        .unwrap();
+    let res = f.router.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.headers()["content-type"], "text/csv");
+    let text =
+        String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("allocation,from_ms,to_ms,entitlement_gpu_hours"));
+    assert_eq!(lines.len(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -126,6 +126,26 @@ fn embedded_submit_run_finish_and_audit_across_a_restart() {
         (delivered - expected).abs() < 1e-12,
         "delivered {delivered} GPU-hours, the run was {expected}"
     );
+    // The audit re-derives the same figure from the ledger, for the period around the run.
+    let started = row["started_at_ms"].as_u64().unwrap();
+    let ended = row["ended_at_ms"].as_u64().unwrap();
+    let period = format!(
+        "/v1/audit/ledger?allocation=ai2/tulu&granularity=hour&from={}&to={}",
+        started - 1000,
+        ended + 1000
+    );
+    let (status, audit) = server.call("GET", &period, None);
+    assert_eq!(status, 200, "{audit}");
+    let rows = audit["rows"].as_array().unwrap();
+    assert!(rows.iter().all(|r| r["allocation"] == "ai2/tulu"));
+    let audited: f64 = rows
+        .iter()
+        .map(|r| r["delivered_gpu_hours"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (audited - expected).abs() < 1e-12,
+        "audited {audited}, the run was {expected}"
+    );
     assert!(server.stop().success(), "a graceful shutdown exits 0");
 
     // Restarted on the same data: the same answers, no second demo cluster.
