@@ -7,10 +7,12 @@
 //! | `POST /v1/workloads` | submit (`Idempotency-Key` header; `?wait=placed&timeout_s=N`) |
 //! | `GET /v1/workloads/{id}` | status, placement, `protected_until_ms` |
 //! | `DELETE /v1/workloads/{id}` | cancel a waiting workload, or ask a running one to stop |
+//! | `GET /v1/workloads/{id}/explain` | queue position, why it waits, who is ahead, estimated start |
 //! | `GET /v1/queue?allocation=` | pending workloads in policy order, each with why it waits |
 //! | `GET /v1/allocations` | the tree: weights, owed and delivered |
 //! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
+//! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
@@ -140,6 +142,7 @@ pub fn router(app: App) -> Router {
     Router::new()
         .route("/v1/workloads", post(submit))
         .route("/v1/workloads/{id}", get(workload).delete(cancel))
+        .route("/v1/workloads/{id}/explain", get(explain))
         .route("/v1/queue", get(queue))
         .route("/v1/allocations", get(allocations))
         .route(
@@ -147,6 +150,7 @@ pub fn router(app: App) -> Router {
             put(set_allocation).delete(remove_allocation),
         )
         .route("/v1/events", get(events))
+        .route("/v1/events/stream", get(event_stream))
         .route("/v1/nodes", post(register_node))
         .route("/v1/audit/ledger", get(audit_ledger))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -535,6 +539,94 @@ fn reason(b: &Blocked) -> serde_json::Value {
     }
 }
 
+/// The policy's view of the queue now, with every pending workload explained.
+fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Plan {
+    let config = PolicyConfig {
+        explain: true,
+        ..policy.clone()
+    };
+    decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config)
+}
+
+async fn explain(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let Some(w) = state.workloads.get(&id) else {
+        return Err(match state.ended.get(&id) {
+            Some(phase) => Problem::new(
+                StatusCode::CONFLICT,
+                "already-ended",
+                format!("workload {id} is {}; nothing to explain", phase.name()),
+            ),
+            None => Problem::not_found(format!("no workload {id}")),
+        });
+    };
+    if w.phase == Phase::Running {
+        return Ok(Json(json!({
+            "id": id,
+            "phase": "running",
+            "started_at_ms": w.started_at_ms,
+            "protected_until_ms": w.protected_until_ms,
+            "preempting": w.preempting.is_some(),
+            "detail": "running; it cannot be preempted before protected_until_ms except for a hardware failure",
+        }))
+        .into_response());
+    }
+    let plan = explained(state, &app.inner.policy);
+    let Some(mine) = plan.pending.iter().find(|q| q.workload == id) else {
+        return Ok(Json(json!({
+            "id": id,
+            "phase": w.phase.name(),
+            "detail": "not in the queue: it is being stopped or requeued",
+        }))
+        .into_response());
+    };
+    let ahead: Vec<_> = plan
+        .pending
+        .iter()
+        .take_while(|q| q.workload != id)
+        .filter_map(|q| state.workloads.get(&q.workload))
+        .take(20)
+        .map(|a| {
+            json!({
+                "id": a.id,
+                "allocation": a.allocation.map(|x| state.allocations.node(x).path.clone()),
+                "gpus": a.gpus(),
+            })
+        })
+        .collect();
+    // The start estimate: the reservation's, where the policy knows one; otherwise when enough
+    // running work should have ended by its estimates and contracts.
+    let estimate = match &mine.reason {
+        Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|t| {
+            json!({"start_at_ms": t, "how": "the reserved nodes free up then, by the running workloads' duration estimates"})
+        }),
+        Blocked::WaitingForPreemption { until_ms, .. } => Some(json!({
+            "start_at_ms": until_ms,
+            "how": "the workloads preempted for it leave when their grace periods end",
+        })),
+        _ => plan
+            .reservation
+            .as_ref()
+            .and_then(|r| r.start_at_ms)
+            .map(|t| json!({
+                "not_before_ms": t,
+                "how": "it waits behind the head of the queue, whose reserved nodes free up then",
+            })),
+    };
+    Ok(Json(json!({
+        "id": id,
+        "phase": "pending",
+        "position": mine.position,
+        "of": plan.pending.len(),
+        "reason": reason(&mine.reason),
+        "ahead": ahead,
+        "estimate": estimate,
+    }))
+    .into_response())
+}
+
 async fn queue(
     State(app): State<App>,
     query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
@@ -543,11 +635,7 @@ async fn queue(
         query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
     let p = app.inner.projection.read().await;
     let state = p.state();
-    let config = PolicyConfig {
-        explain: true,
-        ..app.inner.policy.clone()
-    };
-    let plan = decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config);
+    let plan = explained(state, &app.inner.policy);
     let mut rows = Vec::new();
     for pending in &plan.pending {
         let Some(w) = state.workloads.get(&pending.workload) else {
@@ -870,6 +958,85 @@ async fn events(
         .collect();
     let next = stored.last().map(|e| e.seq);
     Ok(Json(json!({"events": rows, "next_after": next})).into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamQuery {
+    after: Option<u64>,
+    kind: Option<String>,
+    allocation: Option<String>,
+}
+
+/// The ledger as Server-Sent Events, one per event, `id` = its sequence and `event` = its
+/// kind, from after `Last-Event-ID` (or `?after=`), then live.
+async fn event_stream(
+    State(app): State<App>,
+    headers: HeaderMap,
+    query: Result<Query<StreamQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    use axum::response::sse::{Event as Sse, KeepAlive};
+    use futures::StreamExt;
+    let Query(q) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let resume = match headers.get("last-event-id") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    Problem::invalid("Last-Event-ID", "the sequence of the last event received")
+                })?,
+        ),
+    };
+    let after = resume.or(q.after).unwrap_or(0);
+    if let Some(path) = &q.allocation {
+        ledger::alloc::validate_path(path)
+            .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+    }
+    let tokens = q.allocation.as_ref().map(|p| p.replace('/', "."));
+    let kind = q.kind.clone();
+    let events = app
+        .inner
+        .log
+        .subscribe(after + 1)
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let stream = events.filter_map(move |item| {
+        let (tokens, kind) = (tokens.clone(), kind.clone());
+        async move {
+            let stored = match item {
+                Ok(s) => s,
+                Err(e) => return Some(Err(std::io::Error::other(e.to_string()))),
+            };
+            if let Some(t) = &tokens {
+                // The subject ends in the allocation's tokens: match the subtree.
+                let scope: Vec<&str> = stored.subject.splitn(5, '.').collect();
+                let under = scope
+                    .get(4)
+                    .is_some_and(|s| s == t || s.starts_with(&format!("{t}.")));
+                if !under {
+                    return None;
+                }
+            }
+            let text = String::from_utf8_lossy(&stored.payload).into_owned();
+            let event_kind = serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| v["type"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| "malformed".into());
+            if kind.as_ref().is_some_and(|k| *k != event_kind) {
+                return None;
+            }
+            Some(Ok(Sse::default()
+                .id(stored.seq.to_string())
+                .event(event_kind)
+                .data(text)))
+        }
+    });
+    Ok(axum::response::sse::Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 async fn readyz(State(app): State<App>) -> Response {

@@ -172,9 +172,32 @@ async fn submit_then_placed_then_cancel() {
     assert!(pending[0]["reason"]["code"].is_string(), "{queue}");
     let (_, _, filtered) = call(&f, "GET", "/v1/queue?allocation=a", None, &[]).await;
     assert!(filtered["pending"].as_array().unwrap().is_empty());
+    // Explain: first in line, why it waits; the running one is protected until its contract.
+    let queued_id = queued["id"].as_str().unwrap();
+    let (status, _, why) = call(
+        &f,
+        "GET",
+        &format!("/v1/workloads/{queued_id}/explain"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{why}");
+    assert_eq!(
+        (why["position"].as_u64(), why["of"].as_u64()),
+        (Some(1), Some(1)),
+        "{why}"
+    );
+    assert_eq!(why["reason"]["code"], pending[0]["reason"]["code"]);
+    assert!(why["ahead"].as_array().unwrap().is_empty());
+    let (_, _, running) = call(&f, "GET", &format!("/v1/workloads/{id}/explain"), None, &[]).await;
+    assert_eq!(running["phase"], "running");
+    assert_eq!(
+        running["protected_until_ms"],
+        body["workload"]["protected_until_ms"]
+    );
 
     // Cancelling the waiting one ends it; cancelling the running one asks it to stop.
-    let queued_id = queued["id"].as_str().unwrap();
     let (status, _, c) = call(
         &f,
         "DELETE",
@@ -196,6 +219,19 @@ async fn submit_then_placed_then_cancel() {
     );
     let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(row["preempting"], true);
+    let (status, _, _) = call(
+        &f,
+        "GET",
+        &format!("/v1/workloads/{queued_id}/explain"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "an ended workload has nothing to explain"
+    );
     let (status, ct, again) = call(
         &f,
         "DELETE",
@@ -592,4 +628,86 @@ async fn health_readiness_and_metrics() {
         text.contains("fairledger_projection_events_total{outcome=\"applied\"} 4"),
         "{text}"
     );
+}
+
+/// Reads Server-Sent Events from `body` until `n` have come; returns their (id, event) pairs.
+async fn sse_events(body: Body, n: usize) -> Vec<(u64, String)> {
+    let mut body = body;
+    let mut text = String::new();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(10), body.frame())
+            .await
+            .expect("an event within 10 s")
+            .expect("the stream goes on")
+            .unwrap();
+        if let Ok(data) = frame.into_data() {
+            text.push_str(std::str::from_utf8(&data).unwrap());
+        }
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            let field = |name: &str| {
+                block
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&format!("{name}:")))
+                    .map(|v| v.trim().to_owned())
+            };
+            if let (Some(id), Some(event)) = (field("id"), field("event")) {
+                out.push((id.parse().unwrap(), event));
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_resumes_after_the_last_event_id() {
+    let f = fixture(false).await;
+    let open = |last: Option<&str>, query: &str| {
+        let mut req = Request::get(format!("/v1/events/stream{query}"));
+        if let Some(last) = last {
+            req = req.header("last-event-id", last);
+        }
+        f.router.clone().oneshot(req.body(Body::empty()).unwrap())
+    };
+    let res = open(None, "").await.unwrap();
+    assert_eq!(res.headers()["content-type"], "text/event-stream");
+    let first = sse_events(res.into_body(), 4).await;
+    assert_eq!(
+        first,
+        vec![
+            (1, "node_registered".to_owned()),
+            (2, "node_registered".to_owned()),
+            (3, "allocation_set".to_owned()),
+            (4, "allocation_set".to_owned()),
+        ]
+    );
+    // The client drops after id 2 and comes back: it gets 3 and 4, then what is new.
+    let res = open(Some("2"), "").await.unwrap();
+    let body = res.into_body();
+    let (status, _, _) = call(&f, "PUT", "/v1/allocations/c", Some(r#"{"weight":1}"#), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let resumed = sse_events(body, 3).await;
+    assert_eq!(
+        resumed.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![3, 4, 5]
+    );
+    // Filters: one kind, one allocation subtree.
+    let res = open(None, "?kind=allocation_set&allocation=c")
+        .await
+        .unwrap();
+    assert_eq!(
+        sse_events(res.into_body(), 1).await,
+        vec![(5, "allocation_set".to_owned())]
+    );
+    let (status, _, problem) = call(
+        &f,
+        "GET",
+        "/v1/events/stream",
+        None,
+        &[("last-event-id", "x")],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem["field"], "Last-Event-ID");
 }
