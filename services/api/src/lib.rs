@@ -667,18 +667,21 @@ async fn queue(
 async fn allocations(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let state = p.state();
+    // The split as of the last event, even if time has not moved since.
+    let owed = state.owed_now();
     let rows: Vec<_> = state
         .allocations
         .nodes
         .iter()
-        .filter(|a| !a.removed)
-        .map(|a| {
+        .enumerate()
+        .filter(|(_, a)| !a.removed)
+        .map(|(id, a)| {
             json!({
                 "path": a.path,
                 "weight": a.weight,
                 "max_gpus": a.max_gpus,
                 "leaf": a.is_leaf(),
-                "owed_gpus_now": a.owed_gpus,
+                "owed_gpus_now": owed.get(id).copied().unwrap_or(0.0),
                 "held_gpus": a.held_gpus,
                 "demand_gpus": a.raw_demand_gpus,
                 "owed_gpu_hours": a.owed_gpu_ms / 3.6e6,

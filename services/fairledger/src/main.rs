@@ -13,6 +13,7 @@
 //!
 //! `agent` joins as its crate lands.
 
+mod client;
 mod demo;
 mod logcmd;
 mod serve;
@@ -99,6 +100,80 @@ enum Command {
     /// Work on the event log itself.
     #[command(subcommand)]
     Log(LogCommand),
+    /// Submit a workload to a running server.
+    Submit {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        submit: client::SubmitArgs,
+    },
+    /// Show one workload.
+    Status {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Workload id.
+        id: String,
+    },
+    /// Cancel a waiting workload, or ask a running one to stop.
+    Cancel {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Workload id.
+        id: String,
+    },
+    /// The pending workloads in policy order, with why each waits (like squeue).
+    Queue {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Only this allocation and below.
+        #[arg(long, short)]
+        allocation: Option<String>,
+    },
+    /// Why a workload waits, who is ahead, and when it may start.
+    Explain {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Workload id.
+        id: String,
+    },
+    /// The allocation tree (like sshare), or change it.
+    Alloc {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: Option<client::AllocCommand>,
+    },
+    /// Entitled, owed and delivered GPU-hours per allocation and period (like sreport).
+    Audit {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Only this allocation and below.
+        #[arg(long, short)]
+        allocation: Option<String>,
+        /// Start, in milliseconds since the epoch (default a week before the end).
+        #[arg(long)]
+        from: Option<u64>,
+        /// End, in milliseconds since the epoch (default now).
+        #[arg(long)]
+        to: Option<u64>,
+        /// hour, day or week.
+        #[arg(long, default_value = "day")]
+        granularity: String,
+    },
+    /// The ledger's events; --follow tails the live stream.
+    Events {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        /// Start after this sequence.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// At most this many (without --follow).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Keep printing new events as they come.
+        #[arg(long, short)]
+        follow: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -220,6 +295,27 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Sim(args) => simulate(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Submit { client, submit } => client::submit(&client, submit),
+        Command::Status { client, id } => client::status(&client, &id),
+        Command::Cancel { client, id } => client::cancel(&client, &id),
+        Command::Queue { client, allocation } => client::queue(&client, allocation.as_deref()),
+        Command::Explain { client, id } => client::explain(&client, &id),
+        Command::Alloc { client, command } => {
+            client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
+        }
+        Command::Audit {
+            client,
+            allocation,
+            from,
+            to,
+            granularity,
+        } => client::audit(&client, allocation.as_deref(), from, to, &granularity),
+        Command::Events {
+            client,
+            after,
+            limit,
+            follow,
+        } => client::events(&client, after, limit, follow),
         Command::Replay {
             events: None,
             log,

@@ -220,3 +220,104 @@ fn on_nats_a_submission_is_placed() {
         ]
     );
 }
+
+/// Runs the command-line client against `server`; returns its stdout, or its stderr on failure.
+fn cli(server: &Server, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(BIN)
+        .args(args)
+        .args(["--api", &format!("http://{}", server.addr)])
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8(out.stderr).unwrap())
+    }
+}
+
+#[test]
+fn the_command_line_client_speaks_to_the_server() {
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--data", data.path().to_str().unwrap()]);
+    // A 4-node gang takes the whole demo cluster; the next one waits.
+    let first = cli(
+        &server,
+        &[
+            "submit", "-a", "uw/nlp", "-g", "8", "-n", "4", "--wait", "20",
+        ],
+    )
+    .unwrap();
+    assert!(
+        first.starts_with("submitted ") && first.contains("(running)"),
+        "{first}"
+    );
+    let second = cli(
+        &server,
+        &["submit", "-a", "ai2/tulu", "-g", "8", "--name", "sft"],
+    )
+    .unwrap();
+    let id = second.split_whitespace().nth(1).unwrap().to_owned();
+    let queue = cli(&server, &["queue"]).unwrap();
+    let lines: Vec<&str> = queue.lines().collect();
+    assert!(
+        lines[0].starts_with("POS") && lines[0].contains("REASON"),
+        "{queue}"
+    );
+    assert!(
+        lines[1].contains(&id) && lines[1].contains("ai2/tulu"),
+        "{queue}"
+    );
+    let why = cli(&server, &["explain", &id]).unwrap();
+    assert!(why.contains("is 1 of 1 in the queue"), "{why}");
+    let status = cli(&server, &["status", &id]).unwrap();
+    assert!(status.contains("phase       pending"), "{status}");
+    // sshare-like: the split owes ai2 its demand of 8 and uw the rest.
+    let alloc = cli(&server, &["alloc"]).unwrap();
+    let row = |path: &str| {
+        alloc
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(path))
+            .unwrap_or_else(|| panic!("no {path} in\n{alloc}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(row("ai2/tulu")[2], "8.0", "{alloc}");
+    assert_eq!(row("uw/nlp")[2], "24.0", "{alloc}");
+    let json = cli(&server, &["queue", "--json"]).unwrap();
+    let parsed: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(parsed["pending"][0]["id"], id.as_str());
+    // Bad input: one line naming the field, exit status 1.
+    let err = cli(&server, &["submit", "-a", "nope", "-g", "1"]).unwrap_err();
+    assert!(
+        err.starts_with("fairledger: ") && err.contains("(field allocation)"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let cancelled = cli(&server, &["cancel", &id]).unwrap();
+    assert!(cancelled.contains("cancelled"), "{cancelled}");
+    let events = cli(&server, &["events", "--after", "8"]).unwrap();
+    assert!(
+        events
+            .lines()
+            .last()
+            .unwrap()
+            .contains("workload_cancelled"),
+        "{events}"
+    );
+    let audit = cli(&server, &["audit", "--granularity", "hour", "-a", "uw"]).unwrap();
+    assert!(
+        audit.lines().skip(1).all(|l| l.starts_with("uw/nlp")),
+        "{audit}"
+    );
+    assert!(server.stop().success());
+    let unreachable = Command::new(BIN)
+        .args(["queue", "--api", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8(unreachable.stderr).unwrap();
+    assert!(
+        err.contains("cannot reach the API") && err.contains("fairledger serve"),
+        "{err}"
+    );
+}
