@@ -321,3 +321,96 @@ fn the_command_line_client_speaks_to_the_server() {
         "{err}"
     );
 }
+
+/// A downstream service: a plain NATS client subscribed to one team's workload events with a
+/// wildcard gets exactly that team's events, each valid against the checked-in schemas.
+#[test]
+fn a_downstream_subscriber_sees_exactly_one_teams_events() {
+    let nats = NatsServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = rt.block_on(async_nats::connect(nats.url())).unwrap();
+    let mut team = rt
+        .block_on(client.subscribe("fairledger.ledger.workload.*.ai2.olmo.>"))
+        .unwrap();
+    rt.block_on(client.flush()).unwrap();
+
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        data.path().to_str().unwrap(),
+    ]);
+    for path in ["ai2/olmo/pretrain", "ai2/olmo/eval", "uw/nlp"] {
+        let (status, _) = server.call(
+            "PUT",
+            &format!("/v1/allocations/{path}"),
+            Some(r#"{"weight":1}"#),
+        );
+        assert_eq!(status, 200);
+    }
+    let (status, _) = server.call(
+        "POST",
+        "/v1/nodes",
+        Some(r#"{"node":"g1","gpus":8,"model":"H100"}"#),
+    );
+    assert_eq!(status, 201);
+    let mut olmo = Vec::new();
+    for (path, gpus) in [
+        ("ai2/olmo/pretrain", 4),
+        ("uw/nlp", 2),
+        ("ai2/olmo/eval", 2),
+        ("uw/nlp", 8),
+    ] {
+        let (status, v) = server.call(
+            "POST",
+            "/v1/workloads?wait=placed&timeout_s=2",
+            Some(&format!(
+                r#"{{"allocation":"{path}","gpus_per_node":{gpus}}}"#
+            )),
+        );
+        assert!(status == 200 || status == 202, "{v}");
+        if path.starts_with("ai2/olmo") {
+            olmo.push(v["id"].as_str().unwrap().to_owned());
+        }
+    }
+    // The olmo workloads were submitted and started; uw's never show up.
+    let schemas = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../schemas");
+    let load = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(schemas.join(name)).unwrap()).unwrap()
+    };
+    let envelope = jsonschema::validator_for(&load("envelope.json")).unwrap();
+    let mut got = Vec::new();
+    rt.block_on(async {
+        use futures::StreamExt;
+        while got.len() < 4 {
+            let message = tokio::time::timeout(Duration::from_secs(10), team.next())
+                .await
+                .expect("the team's events within 10 s")
+                .unwrap();
+            let event: Value = serde_json::from_slice(&message.payload).unwrap();
+            assert!(envelope.is_valid(&event), "{event}");
+            let kind = event["type"].as_str().unwrap().to_owned();
+            let payload = jsonschema::validator_for(&load(&format!("events/{kind}.json"))).unwrap();
+            assert!(payload.is_valid(&event["payload"]), "{event}");
+            got.push((
+                message.subject.to_string(),
+                kind,
+                event["payload"]["workload"].as_str().unwrap().to_owned(),
+            ));
+        }
+        // Nothing else arrives for the team.
+        let more = tokio::time::timeout(Duration::from_millis(300), team.next()).await;
+        assert!(more.is_err(), "an extra event: {more:?}");
+    });
+    let ids: std::collections::BTreeSet<&str> = got.iter().map(|g| g.2.as_str()).collect();
+    assert_eq!(ids, olmo.iter().map(String::as_str).collect());
+    for (subject, kind, _) in &got {
+        assert!(subject.contains(".ai2.olmo."), "{subject}");
+        assert!(
+            kind == "workload_submitted" || kind == "workload_started",
+            "{kind}"
+        );
+    }
+    assert!(server.stop().success());
+}
