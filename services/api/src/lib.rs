@@ -14,6 +14,7 @@
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
+//! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
 
@@ -58,7 +59,11 @@ struct Inner {
     applied: watch::Receiver<u64>,
     policy: PolicyConfig,
     ready: AtomicBool,
+    health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
 }
+
+/// A node's GPUs go unhealthy after this long without a heartbeat.
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
 
 impl App {
     /// The API over `log` and its shared `projection`, whose folds are announced on `applied`.
@@ -75,8 +80,16 @@ impl App {
                 applied,
                 policy,
                 ready: AtomicBool::new(false),
+                health: Arc::new(std::sync::Mutex::new(scheduler::HealthMonitor::new(
+                    HEARTBEAT_TIMEOUT_MS,
+                ))),
             }),
         }
+    }
+
+    /// The heartbeats the API has received, for the scheduler to turn into health changes.
+    pub fn health(&self) -> Arc<std::sync::Mutex<scheduler::HealthMonitor>> {
+        self.inner.health.clone()
     }
 
     /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).
@@ -152,6 +165,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/events", get(events))
         .route("/v1/events/stream", get(event_stream))
         .route("/v1/nodes", post(register_node))
+        .route("/v1/nodes/{node}/heartbeat", post(heartbeat))
         .route("/v1/audit/ledger", get(audit_ledger))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -804,6 +818,73 @@ async fn register_node(
     Ok((
         StatusCode::CREATED,
         Json(json!({"node": body.node, "seq": seq})),
+    )
+        .into_response())
+}
+
+/// The body of `POST /v1/nodes/{node}/heartbeat`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeartbeatBody {
+    readings: Vec<GpuReading>,
+}
+
+async fn heartbeat(
+    State(app): State<App>,
+    Path(node): Path<String>,
+    body: Result<Json<HeartbeatBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(body) = body.map_err(bad_body)?;
+    let gpus = {
+        let p = app.inner.projection.read().await;
+        let cluster = &p.state().cluster;
+        let idx = cluster.get(&node).ok_or_else(|| {
+            Problem::not_found(format!(
+                "node {node:?} is not registered; POST /v1/nodes first"
+            ))
+        })?;
+        cluster.node(idx).gpu_count
+    };
+    for (i, r) in body.readings.iter().enumerate() {
+        if r.gpu >= gpus {
+            return Err(Problem::invalid(
+                &format!("readings[{i}].gpu"),
+                format!("node {node:?} has GPUs 0 to {}, not {}", gpus - 1, r.gpu),
+            ));
+        }
+        if r.utilization_pct > 100 {
+            return Err(Problem::invalid(
+                &format!("readings[{i}].utilization_pct"),
+                "0 to 100",
+            ));
+        }
+    }
+    let hb = GpuHeartbeat {
+        node: node.clone(),
+        readings: body.readings,
+    };
+    let now = scheduler::wall_clock_ms();
+    if let AnyLog::JetStream(js) = &app.inner.log {
+        let env = Envelope::new(
+            Uuid::now_v7(),
+            now,
+            format!("agent:{node}"),
+            Event::GpuHeartbeat(hb.clone()),
+        );
+        let subject = eventlog::subject::for_event(&env.event, None);
+        let payload = serde_json::to_vec(&env).expect("serializes");
+        js.publish_telemetry(subject, payload.into())
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+    }
+    app.inner
+        .health
+        .lock()
+        .expect("the health monitor is never poisoned")
+        .heartbeat(&hb, now);
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"node": node, "at_ms": now})),
     )
         .into_response())
 }

@@ -18,6 +18,7 @@ use tower::ServiceExt;
 
 struct Fixture {
     _dir: tempfile::TempDir,
+    app: api::App,
     log: AnyLog,
     router: axum::Router,
     projection: Arc<RwLock<Projector>>,
@@ -96,6 +97,7 @@ async fn fixture(scheduler_on: bool) -> Fixture {
     app.set_ready();
     Fixture {
         _dir: dir,
+        app: app.clone(),
         log,
         router: api::router(app),
         projection,
@@ -710,4 +712,56 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["field"], "Last-Event-ID");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
+    let f = fixture(false).await;
+    let reading = |gpu: u32, ecc: u64| {
+        format!(r#"{{"gpu":{gpu},"utilization_pct":40,"ecc_errors_uncorrected":{ecc}}}"#)
+    };
+    let (status, _, problem) = call(
+        &f,
+        "POST",
+        "/v1/nodes/ghost/heartbeat",
+        Some(&format!(r#"{{"readings":[{}]}}"#, reading(0, 0))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{problem}");
+    let (status, _, problem) = call(
+        &f,
+        "POST",
+        "/v1/nodes/n0/heartbeat",
+        Some(&format!(r#"{{"readings":[{}]}}"#, reading(8, 0))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem["field"], "readings[0].gpu");
+    let readings: Vec<String> = (0..8).map(|g| reading(g, u64::from(g == 3))).collect();
+    let (status, _, _) = call(
+        &f,
+        "POST",
+        "/v1/nodes/n0/heartbeat",
+        Some(&format!(r#"{{"readings":[{}]}}"#, readings.join(","))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    // The scheduler's next pass turns the report into a ledger event.
+    let config = scheduler::SchedulerConfig {
+        health: Some(f.app.health()),
+        ..Default::default()
+    };
+    let passed = scheduler::step(&f.log, &f.projection, &config, scheduler::wall_clock_ms())
+        .await
+        .unwrap();
+    assert_eq!(passed.appended, 1);
+    f.projection.write().await.catch_up(&f.log).await.unwrap();
+    let p = f.projection.read().await;
+    let cluster = &p.state().cluster;
+    assert_eq!(cluster.healthy_gpus, 15);
+    let n0 = cluster.node(cluster.get("n0").unwrap());
+    assert_eq!(n0.healthy & (1 << 3), 0, "GPU 3 of n0 is out");
 }

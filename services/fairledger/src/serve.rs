@@ -94,6 +94,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             let config = SchedulerConfig {
                 policy,
                 fake_agents: embedded,
+                health: Some(app.health()),
                 ..Default::default()
             };
             let stop = stopped(stop_rx.clone());

@@ -17,6 +17,9 @@ use tokio::sync::{watch, RwLock};
 use uuid::Uuid;
 
 pub mod fake;
+pub mod health;
+
+pub use health::HealthMonitor;
 
 /// Settings of the loop.
 #[derive(Clone, Debug)]
@@ -27,6 +30,8 @@ pub struct SchedulerConfig {
     pub tick: Duration,
     /// Also write what fake node agents would report (embedded demo cluster).
     pub fake_agents: bool,
+    /// Heartbeats, turned into GPU health changes.
+    pub health: Option<std::sync::Arc<std::sync::Mutex<HealthMonitor>>>,
 }
 
 impl Default for SchedulerConfig {
@@ -35,12 +40,25 @@ impl Default for SchedulerConfig {
             policy: PolicyConfig::default(),
             tick: Duration::from_secs(1),
             fake_agents: false,
+            health: None,
         }
     }
 }
 
-/// The events one pass wants appended: the policy's decisions, then what fake agents report.
+/// The events one pass wants appended: GPU health changes alone if there are any (decisions
+/// wait for the ledger to hold them), else the policy's decisions, then what fake agents
+/// report.
 pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
+    if let Some(health) = &config.health {
+        let mut changes = health
+            .lock()
+            .expect("the health monitor is never poisoned")
+            .changes(state, now_ms);
+        if !changes.is_empty() {
+            changes.truncate(eventlog::MAX_BATCH);
+            return changes;
+        }
+    }
     let plan = decide(state, now_ms, &config.policy);
     let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
     if config.fake_agents {
