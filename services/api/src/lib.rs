@@ -122,19 +122,38 @@ impl App {
         key: Option<&str>,
         actor: &str,
     ) -> Result<u64, Problem> {
-        let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
-        let append = Append::event(&env, allocation, key);
-        let ack = self
-            .inner
-            .log
-            .append(append)
+        self.write_expecting(event, allocation, key, actor, None)
             .await
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
+            .map_err(|e| e.unwrap_or_else(|| unreachable!("no expectation, no conflict")))
+    }
+
+    /// [`App::write`], fenced by the sequence the decision was made on when `decided_at` is
+    /// given: `Err(None)` means the log moved on and the caller should decide again.
+    async fn write_expecting(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+        decided_at: Option<u64>,
+    ) -> Result<u64, Option<Problem>> {
+        let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
+        let mut append = Append::event(&env, allocation, key);
+        if let Some(seq) = decided_at {
+            append = append.expecting(eventlog::Expect::LastSequence(seq));
+        }
+        let ack = match self.inner.log.append(append).await {
+            Ok(ack) => ack,
+            Err(eventlog::AppendError::Conflict { .. }) if decided_at.is_some() => {
+                return Err(None)
+            }
+            Err(e) => return Err(Some(Problem::unavailable(e.to_string()))),
+        };
         if !self.folded(ack.seq).await {
-            return Err(Problem::unavailable(format!(
+            return Err(Some(Problem::unavailable(format!(
                 "event {} is durable but not yet folded; read it back shortly",
                 ack.seq
-            )));
+            ))));
         }
         let rejection = self
             .inner
@@ -142,9 +161,9 @@ impl App {
             .read()
             .await
             .rejection(ack.seq)
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
+            .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
         match rejection {
-            Some(r) => Err(Problem::new(StatusCode::CONFLICT, &r.code, r.message)),
+            Some(r) => Err(Some(Problem::new(StatusCode::CONFLICT, &r.code, r.message))),
             None => Ok(ack.seq),
         }
     }
@@ -472,7 +491,22 @@ async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Resp
 
 async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let (event, allocation, action) = {
+    // Decided on the state as read, fenced by its sequence: if the scheduler started the
+    // workload meanwhile, read again and ask it to stop instead.
+    for _ in 0..8 {
+        if let Some(response) = try_cancel(&app, id).await? {
+            return Ok(response);
+        }
+    }
+    Err(Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "the ledger kept moving while cancelling; try again",
+    ))
+}
+
+async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
+    let (event, allocation, action, decided_at) = {
         let p = app.inner.projection.read().await;
         let state = p.state();
         let Some(w) = state.workloads.get(&id) else {
@@ -503,6 +537,7 @@ async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Respon
                 }),
                 allocation,
                 "stop_requested",
+                state.last_seq,
             ),
             _ => (
                 Event::WorkloadCancelled(WorkloadCancelled {
@@ -511,15 +546,34 @@ async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Respon
                 }),
                 allocation,
                 "cancelled",
+                state.last_seq,
             ),
         }
     };
-    let seq = app.write(event, allocation.as_deref(), None, "api").await?;
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(json!({"id": id, "seq": seq, "action": action})),
-    )
-        .into_response())
+    match app
+        .write_expecting(event, allocation.as_deref(), None, "api", Some(decided_at))
+        .await
+    {
+        Ok(seq) => Ok(Some(
+            (
+                StatusCode::ACCEPTED,
+                Json(json!({"id": id, "seq": seq, "action": action})),
+            )
+                .into_response(),
+        )),
+        Err(None) => {
+            // Let the projection catch up with whatever moved the log, then decide again.
+            let last = app
+                .inner
+                .log
+                .last_seq()
+                .await
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
+            app.folded(last).await;
+            Ok(None)
+        }
+        Err(Some(problem)) => Err(problem),
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]

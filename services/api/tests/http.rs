@@ -765,3 +765,48 @@ async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     let n0 = cluster.node(cluster.get("n0").unwrap());
     assert_eq!(n0.healthy & (1 << 3), 0, "GPU 3 of n0 is out");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_racing_start_never_contradicts_the_ledger() {
+    let f = fixture(true).await;
+    let mut outcomes = std::collections::BTreeMap::new();
+    for i in 0..12 {
+        let (status, _, submitted) = call(
+            &f,
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+            &[],
+        )
+        .await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{submitted}");
+        let id = submitted["id"].as_str().unwrap().to_owned();
+        if i % 2 == 1 {
+            // Give the scheduler a head start now and then.
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        }
+        let (status, _, c) = call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{c}");
+        outcomes.insert(id, c["action"].as_str().unwrap().to_owned());
+    }
+    // With a head start the scheduler places first; without, the cancel usually lands first.
+    let stops = outcomes.values().filter(|a| *a == "stop_requested").count();
+    eprintln!(
+        "{stops} of {} cancels met a running workload",
+        outcomes.len()
+    );
+    assert!(stops > 0, "the scheduler never won the race: {outcomes:?}");
+    let p = f.projection.read().await;
+    assert_eq!(p.stats().rejected, 0, "{:?}", p.rejected());
+    for (id, action) in &outcomes {
+        let row = p.workload(id.parse().unwrap()).unwrap().unwrap();
+        match action.as_str() {
+            "cancelled" => assert_eq!(row.phase, "cancelled", "{id}"),
+            "stop_requested" => {
+                assert_eq!(row.phase, "running", "{id}");
+                assert!(row.preempting, "{id}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+}
