@@ -471,6 +471,21 @@ async fn submit(
         .into_response())
 }
 
+/// The live workload `id`; a 409 if it has ended, a 404 if it never existed.
+fn live(state: &ledger::State, id: Uuid) -> Result<&ledger::Workload, Problem> {
+    state
+        .workloads
+        .get(&id)
+        .ok_or_else(|| match state.ended.get(&id) {
+            Some(phase) => Problem::new(
+                StatusCode::CONFLICT,
+                "already-ended",
+                format!("workload {id} is already {}", phase.name()),
+            ),
+            None => Problem::not_found(format!("no workload {id}")),
+        })
+}
+
 fn parse_id(id: &str) -> Result<Uuid, Problem> {
     Uuid::parse_str(id)
         .map_err(|_| Problem::invalid("id", format!("{id:?} is not a workload id (a UUID)")))
@@ -509,16 +524,7 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
     let (event, allocation, action, decided_at) = {
         let p = app.inner.projection.read().await;
         let state = p.state();
-        let Some(w) = state.workloads.get(&id) else {
-            return Err(match state.ended.get(&id) {
-                Some(phase) => Problem::new(
-                    StatusCode::CONFLICT,
-                    "already-ended",
-                    format!("workload {id} is already {}", phase.name()),
-                ),
-                None => Problem::not_found(format!("no workload {id}")),
-            });
-        };
+        let w = live(state, id)?;
         let allocation = w.allocation.map(|a| state.allocations.node(a).path.clone());
         match w.phase {
             Phase::Running if w.preempting.is_some() => {
@@ -620,16 +626,7 @@ async fn explain(State(app): State<App>, Path(id): Path<String>) -> Result<Respo
     let id = parse_id(&id)?;
     let p = app.inner.projection.read().await;
     let state = p.state();
-    let Some(w) = state.workloads.get(&id) else {
-        return Err(match state.ended.get(&id) {
-            Some(phase) => Problem::new(
-                StatusCode::CONFLICT,
-                "already-ended",
-                format!("workload {id} is {}; nothing to explain", phase.name()),
-            ),
-            None => Problem::not_found(format!("no workload {id}")),
-        });
-    };
+    let w = live(state, id)?;
     if w.phase == Phase::Running {
         return Ok(Json(json!({
             "id": id,
