@@ -194,6 +194,20 @@ pub fn router(app: App) -> Router {
         .with_state(app)
 }
 
+/// Only `/healthz`, `/readyz` and `/metrics`: what a scheduler-only process serves.
+pub fn health_router(app: App) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            Problem::not_found(
+                "this process runs the scheduler only; send API calls to an api process",
+            )
+        })
+        .with_state(app)
+}
+
 /// A body that did not parse, as a problem naming the field where serde says which.
 fn bad_body(rejection: JsonRejection) -> Problem {
     match rejection {

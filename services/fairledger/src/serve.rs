@@ -25,6 +25,12 @@ pub struct ServeArgs {
     /// Do not create the demo cluster in an empty embedded log.
     #[arg(long)]
     pub no_demo: bool,
+    /// What this process runs: all (API, projector, scheduler), api (API and projector; several
+    /// may share one NATS), or scheduler (projector and scheduler; its HTTP listener answers
+    /// health, readiness and metrics). Schedulers fence every decision by the sequence it was
+    /// made on, so even two of them never place from stale state.
+    #[arg(long, env = "FAIRLEDGER_ROLE", default_value = "all", value_parser = ["all", "api", "scheduler"])]
+    pub role: String,
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
@@ -88,6 +94,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 projector::follow(&log, &projection, &applied_tx, stop).await
             })
         };
+        let run_scheduler = args.role != "api";
         let scheduler_task = {
             let log = log.clone();
             let projection = projection.clone();
@@ -99,10 +106,18 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             };
             let stop = stopped(stop_rx.clone());
             tokio::spawn(async move {
-                scheduler::run(&log, &projection, applied, &config, stop).await;
+                if run_scheduler {
+                    scheduler::run(&log, &projection, applied, &config, stop).await;
+                }
             })
         };
-        let server = axum::serve(listener, api::router(app))
+        let router = if args.role == "scheduler" {
+            api::health_router(app)
+        } else {
+            api::router(app)
+        };
+        eprintln!("role: {}", args.role);
+        let server = axum::serve(listener, router)
             .with_graceful_shutdown(async move {
                 shutdown_signal().await;
                 eprintln!("shutting down");

@@ -414,3 +414,96 @@ fn a_downstream_subscriber_sees_exactly_one_teams_events() {
     }
     assert!(server.stop().success());
 }
+
+/// One API process and two scheduler processes share a nats-server: work is placed, nothing is
+/// placed twice, and no decision is ever rejected, because every decision is fenced by the
+/// sequence it was made on.
+#[test]
+fn an_api_and_two_schedulers_share_one_nats() {
+    let nats = NatsServer::start();
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let start = |role: &str, dir: &tempfile::TempDir| {
+        Server::start(&[
+            "--nats",
+            &nats.url(),
+            "--role",
+            role,
+            "--data",
+            dir.path().to_str().unwrap(),
+        ])
+    };
+    let api = start("api", &dirs[0]);
+    let schedulers = [start("scheduler", &dirs[1]), start("scheduler", &dirs[2])];
+    let (status, refusal) = schedulers[0].call("GET", "/v1/queue", None);
+    assert_eq!(status, 404);
+    assert!(refusal["detail"]
+        .as_str()
+        .unwrap()
+        .contains("scheduler only"));
+    assert_eq!(
+        api.call("PUT", "/v1/allocations/team", Some(r#"{"weight":1}"#))
+            .0,
+        200
+    );
+    assert_eq!(
+        api.call(
+            "POST",
+            "/v1/nodes",
+            Some(r#"{"node":"g","gpus":8,"model":"H100"}"#)
+        )
+        .0,
+        201
+    );
+    for _ in 0..12 {
+        let (status, v) = api.call(
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"team","gpus_per_node":1}"#),
+        );
+        assert_eq!(status, 202, "{v}");
+    }
+    // Eight fit; four wait.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, queue) = api.call("GET", "/v1/queue", None);
+        if queue["pending"].as_array().unwrap().len() == 4 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never settled: {queue}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, queue) = api.call("GET", "/v1/queue", None);
+    assert_eq!(queue["pending"].as_array().unwrap().len(), 4, "{queue}");
+    let metrics = |s: &Server| {
+        let mut stream = TcpStream::connect(&s.addr).unwrap();
+        write!(
+            stream,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text
+    };
+    for s in [&api, &schedulers[0], &schedulers[1]] {
+        // Each process's projection catches up to the same ledger.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let text = loop {
+            let text = metrics(s);
+            if text.contains("fairledger_gpus{state=\"allocated\"} 8") {
+                break text;
+            }
+            assert!(Instant::now() < deadline, "{text}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            text.contains("fairledger_projection_events_total{outcome=\"rejected\"} 0"),
+            "{text}"
+        );
+    }
+    for s in schedulers {
+        assert!(s.stop().success());
+    }
+    assert!(api.stop().success());
+}
