@@ -189,7 +189,8 @@ pub fn router(app: App) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .fallback(|| async { Problem::not_found("no such route; see /v1/…") })
+        .route("/openapi.json", get(|| async { Json(openapi()) }))
+        .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(app)
 }
@@ -206,6 +207,39 @@ pub fn health_router(app: App) -> Router {
             )
         })
         .with_state(app)
+}
+
+/// The OpenAPI 3.1 document of the API, generated from the handlers' annotations.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "fairledger",
+        description = "The scheduling ledger's HTTP API, v1."
+    ),
+    paths(
+        submit,
+        workload,
+        cancel,
+        explain,
+        queue,
+        allocations,
+        set_allocation,
+        remove_allocation,
+        register_node,
+        heartbeat,
+        audit_ledger,
+        events,
+        event_stream,
+        readyz,
+        metrics
+    ),
+    components(schemas(SubmitRequest, AllocationBody, NodeBody, HeartbeatBody, Problem))
+)]
+struct ApiDoc;
+
+/// The OpenAPI document (checked in as `schemas/openapi.json`).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    <ApiDoc as utoipa::OpenApi>::openapi()
 }
 
 /// A body that did not parse, as a problem naming the field where serde says which.
@@ -238,7 +272,7 @@ fn bad_body(rejection: JsonRejection) -> Problem {
 }
 
 /// A submission.
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitRequest {
     /// Leaf allocation path; absent for unallocated (opportunistic) work.
@@ -275,10 +309,13 @@ pub struct SubmitRequest {
     pub env: std::collections::BTreeMap<String, String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct SubmitQuery {
+    /// `placed`: answer once the workload has been placed (or the timeout passes).
     wait: Option<String>,
+    /// How long `wait=placed` waits, in seconds (default 30, at most 300).
     timeout_s: Option<u64>,
 }
 
@@ -380,6 +417,17 @@ fn check_submission(
     Ok(())
 }
 
+#[utoipa::path(post, path = "/v1/workloads", tag = "workloads",
+    params(SubmitQuery, ("Idempotency-Key" = Option<String>, Header, description = "a retry with the same key returns the same workload")),
+    request_body = SubmitRequest,
+    responses(
+        (status = 202, description = "durable and folded; pending", body = serde_json::Value),
+        (status = 200, description = "placed (wait=placed), or the workload an idempotency key already made", body = serde_json::Value),
+        (status = 400, description = "malformed JSON or query", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "body over 64 KiB", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a field is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "the event log is unavailable", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn submit(
     State(app): State<App>,
     headers: HeaderMap,
@@ -505,6 +553,13 @@ fn parse_id(id: &str) -> Result<Uuid, Problem> {
         .map_err(|_| Problem::invalid("id", format!("{id:?} is not a workload id (a UUID)")))
 }
 
+#[utoipa::path(get, path = "/v1/workloads/{id}", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 200, description = "phase, placement, protected_until_ms", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "not a UUID", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
     let row = app
@@ -518,6 +573,13 @@ async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Resp
     Ok(Json(row).into_response())
 }
 
+#[utoipa::path(delete, path = "/v1/workloads/{id}", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 202, description = "cancelled, or asked to stop (`action`)", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "already ended or already stopping", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
     // Decided on the state as read, fenced by its sequence: if the scheduler started the
@@ -596,9 +658,11 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct QueueQuery {
+    /// Only workloads of this allocation and below.
     allocation: Option<String>,
 }
 
@@ -636,6 +700,13 @@ fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Pl
     decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config)
 }
 
+#[utoipa::path(get, path = "/v1/workloads/{id}/explain", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 200, description = "position, reason, who is ahead, estimated start", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "it has ended", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn explain(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
     let p = app.inner.projection.read().await;
@@ -706,6 +777,8 @@ async fn explain(State(app): State<App>, Path(id): Path<String>) -> Result<Respo
     .into_response())
 }
 
+#[utoipa::path(get, path = "/v1/queue", tag = "workloads", params(QueueQuery),
+    responses((status = 200, description = "pending workloads in policy order with reasons", body = serde_json::Value)))]
 async fn queue(
     State(app): State<App>,
     query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
@@ -743,6 +816,8 @@ async fn queue(
     Ok(Json(json!({"as_of_seq": state.last_seq, "pending": rows})).into_response())
 }
 
+#[utoipa::path(get, path = "/v1/allocations", tag = "allocations",
+    responses((status = 200, description = "the tree with weights, owed and delivered", body = serde_json::Value)))]
 async fn allocations(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let state = p.state();
@@ -775,7 +850,7 @@ async fn allocations(State(app): State<App>) -> Response {
 }
 
 /// The body of `PUT /v1/allocations/{path}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AllocationBody {
     weight: u32,
@@ -783,6 +858,14 @@ struct AllocationBody {
     max_gpus: Option<u32>,
 }
 
+#[utoipa::path(put, path = "/v1/allocations/{path}", tag = "allocations",
+    params(("path" = String, Path, description = "allocation path, e.g. ai2/olmo/pretrain")),
+    request_body = AllocationBody,
+    responses(
+        (status = 200, description = "set", body = serde_json::Value),
+        (status = 409, description = "the ledger refused it", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a field is invalid", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn set_allocation(
     State(app): State<App>,
     Path(path): Path<String>,
@@ -802,6 +885,13 @@ async fn set_allocation(
     Ok(Json(json!({"path": path, "seq": seq})).into_response())
 }
 
+#[utoipa::path(delete, path = "/v1/allocations/{path}", tag = "allocations",
+    params(("path" = String, Path, description = "allocation path")),
+    responses(
+        (status = 200, description = "removed", body = serde_json::Value),
+        (status = 404, description = "no such allocation", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "it has children or live workloads", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn remove_allocation(
     State(app): State<App>,
     Path(path): Path<String>,
@@ -839,7 +929,7 @@ async fn remove_allocation(
 }
 
 /// The body of `POST /v1/nodes`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct NodeBody {
     node: String,
@@ -849,6 +939,12 @@ struct NodeBody {
     labels: std::collections::BTreeMap<String, String>,
 }
 
+#[utoipa::path(post, path = "/v1/nodes", tag = "nodes", request_body = NodeBody,
+    responses(
+        (status = 201, description = "registered", body = serde_json::Value),
+        (status = 409, description = "registered before with another shape", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a field is invalid", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn register_node(
     State(app): State<App>,
     body: Result<Json<NodeBody>, JsonRejection>,
@@ -888,12 +984,23 @@ async fn register_node(
 }
 
 /// The body of `POST /v1/nodes/{node}/heartbeat`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct HeartbeatBody {
+    /// One reading per GPU: `gpu`, `utilization_pct`, `memory_used_mib`, `memory_total_mib`,
+    /// `temperature_c`, `power_w`, `ecc_errors_uncorrected` (schemas/events/gpu_heartbeat.json).
+    #[schema(value_type = Vec<Object>)]
     readings: Vec<GpuReading>,
 }
 
+#[utoipa::path(post, path = "/v1/nodes/{node}/heartbeat", tag = "nodes",
+    params(("node" = String, Path, description = "node name")),
+    request_body = HeartbeatBody,
+    responses(
+        (status = 202, description = "recorded", body = serde_json::Value),
+        (status = 404, description = "node not registered", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a reading is invalid", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn heartbeat(
     State(app): State<App>,
     Path(node): Path<String>,
@@ -954,18 +1061,28 @@ async fn heartbeat(
         .into_response())
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct AuditQuery {
+    /// Only leaves at or below this allocation.
     allocation: Option<String>,
+    /// Start, in milliseconds since the epoch (default a week before `to`).
     from: Option<u64>,
+    /// End, in milliseconds since the epoch (default, and at most, now).
     to: Option<u64>,
+    /// `hour`, `day` (default) or `week`.
     granularity: Option<String>,
 }
 
 /// The most periods one audit request may ask for.
 const AUDIT_PERIODS_MAX: u64 = 10_000;
 
+#[utoipa::path(get, path = "/v1/audit/ledger", tag = "audit", params(AuditQuery),
+    responses(
+        (status = 200, description = "rows per leaf and period (JSON, or CSV with Accept: text/csv)", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 async fn audit_ledger(
     State(app): State<App>,
     headers: HeaderMap,
@@ -1074,13 +1191,18 @@ async fn audit_ledger(
     .into_response())
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct EventsQuery {
+    /// Events after this sequence (default 0).
     after: Option<u64>,
+    /// At most this many, 1 to 1000 (default 100).
     limit: Option<usize>,
 }
 
+#[utoipa::path(get, path = "/v1/events", tag = "events", params(EventsQuery),
+    responses((status = 200, description = "a page of the ledger", body = serde_json::Value)))]
 async fn events(
     State(app): State<App>,
     query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
@@ -1109,16 +1231,23 @@ async fn events(
     Ok(Json(json!({"events": rows, "next_after": next})).into_response())
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct StreamQuery {
+    /// Start after this sequence (`Last-Event-ID` wins when both are given).
     after: Option<u64>,
+    /// Only events of this kind, e.g. `workload_started`.
     kind: Option<String>,
+    /// Only events of this allocation and below.
     allocation: Option<String>,
 }
 
 /// The ledger as Server-Sent Events, one per event, `id` = its sequence and `event` = its
 /// kind, from after `Last-Event-ID` (or `?after=`), then live.
+#[utoipa::path(get, path = "/v1/events/stream", tag = "events",
+    params(StreamQuery, ("Last-Event-ID" = Option<u64>, Header, description = "resume after this sequence")),
+    responses((status = 200, description = "Server-Sent Events: id = sequence, event = kind, data = the envelope", content_type = "text/event-stream")))]
 async fn event_stream(
     State(app): State<App>,
     headers: HeaderMap,
@@ -1188,6 +1317,8 @@ async fn event_stream(
         .into_response())
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up", body = problem::Problem, content_type = "application/problem+json")))]
 async fn readyz(State(app): State<App>) -> Response {
     if app.inner.ready.load(Ordering::Acquire) {
         (StatusCode::OK, "ready\n").into_response()
@@ -1201,6 +1332,8 @@ async fn readyz(State(app): State<App>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text", content_type = "text/plain")))]
 async fn metrics(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let s = p.stats();

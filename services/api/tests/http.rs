@@ -630,6 +630,9 @@ async fn health_readiness_and_metrics() {
         text.contains("fairledger_projection_events_total{outcome=\"applied\"} 4"),
         "{text}"
     );
+    let (status, _, doc) = call(&f, "GET", "/openapi.json", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(doc, serde_json::to_value(api::openapi()).unwrap());
 }
 
 /// Reads Server-Sent Events from `body` until `n` have come; returns their (id, event) pairs.
