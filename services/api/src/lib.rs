@@ -16,6 +16,8 @@
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
 //! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
+//! | `GET /v1/audit/workloads/{id}` | every event of one workload |
+//! | `GET /v1/metrics/cluster?from=&to=` | availability, occupancy, impact, utilization, fragmentation |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -90,6 +92,39 @@ impl App {
     /// The heartbeats the API has received, for the scheduler to turn into health changes.
     pub fn health(&self) -> Arc<std::sync::Mutex<scheduler::HealthMonitor>> {
         self.inner.health.clone()
+    }
+
+    /// Reads the ledger from the start, in order, handing every event that decodes (and, with
+    /// `until_ms`, happened before it) to `f`. Returns the last sequence read.
+    async fn scan(
+        &self,
+        until_ms: Option<u64>,
+        mut f: impl FnMut(u64, &Envelope),
+    ) -> Result<u64, Problem> {
+        let unavailable = |e: eventlog::LogError| Problem::unavailable(e.to_string());
+        let last = self.inner.log.last_seq().await.map_err(unavailable)?;
+        let mut next = 1;
+        while next <= last {
+            let chunk = self
+                .inner
+                .log
+                .read(next, 10_000)
+                .await
+                .map_err(unavailable)?;
+            let Some(end) = chunk.last().map(|e| e.seq) else {
+                break;
+            };
+            for e in chunk.iter().filter(|e| e.seq <= last) {
+                if let Ok(env) = projector::decode(&e.payload) {
+                    if until_ms.is_some_and(|u| env.occurred_at_ms >= u) {
+                        return Ok(last);
+                    }
+                    f(e.seq, &env);
+                }
+            }
+            next = end + 1;
+        }
+        Ok(last)
     }
 
     /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).
@@ -186,6 +221,8 @@ pub fn router(app: App) -> Router {
         .route("/v1/nodes", post(register_node))
         .route("/v1/nodes/{node}/heartbeat", post(heartbeat))
         .route("/v1/audit/ledger", get(audit_ledger))
+        .route("/v1/audit/workloads/{id}", get(audit_workload))
+        .route("/v1/metrics/cluster", get(cluster_metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -228,6 +265,8 @@ pub fn health_router(app: App) -> Router {
         register_node,
         heartbeat,
         audit_ledger,
+        audit_workload,
+        cluster_metrics,
         events,
         event_stream,
         readyz,
@@ -1130,34 +1169,7 @@ async fn audit_ledger(
     }
     let config = *app.inner.projection.read().await.state().config();
     let mut audit = ledger::audit::Audit::new(config, from, to, step_ms, q.allocation.as_deref());
-    let last = app
-        .inner
-        .log
-        .last_seq()
-        .await
-        .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let mut next = 1;
-    while next <= last {
-        let chunk = app
-            .inner
-            .log
-            .read(next, 10_000)
-            .await
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
-        let Some(end) = chunk.last().map(|e| e.seq) else {
-            break;
-        };
-        for e in chunk.iter().filter(|e| e.seq <= last) {
-            if let Ok(env) = projector::decode(&e.payload) {
-                if env.occurred_at_ms >= to {
-                    next = last + 1;
-                    break;
-                }
-                audit.apply(e.seq, &env);
-            }
-        }
-        next = next.max(end + 1);
-    }
+    let last = app.scan(Some(to), |seq, env| audit.apply(seq, env)).await?;
     let rows = audit.finish();
     let csv = headers
         .get(axum::http::header::ACCEPT)
@@ -1188,6 +1200,103 @@ async fn audit_ledger(
     Ok(Json(
         json!({"from_ms": from, "to_ms": to, "step_ms": step_ms, "last_seq": last, "rows": rows}),
     )
+    .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/audit/workloads/{id}", tag = "audit",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 200, description = "every event about the workload, in ledger order, each with its sequence", body = serde_json::Value),
+        (status = 404, description = "no event names this workload", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+async fn audit_workload(
+    State(app): State<App>,
+    Path(id): Path<String>,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let mut history = Vec::new();
+    app.scan(None, |seq, env| {
+        if projector::workload_of(&env.event) == Some(id) {
+            history.push(json!({"seq": seq, "event": env}));
+        }
+    })
+    .await?;
+    if history.is_empty() {
+        return Err(Problem::not_found(format!("no event names workload {id}")));
+    }
+    let rejected: Vec<u64> = {
+        let p = app.inner.projection.read().await;
+        history
+            .iter()
+            .filter_map(|h| h["seq"].as_u64())
+            .filter(|&seq| p.rejection(seq).ok().flatten().is_some())
+            .collect()
+    };
+    Ok(Json(json!({"id": id, "events": history, "rejected_seqs": rejected})).into_response())
+}
+
+/// The period of `GET /v1/metrics/cluster`.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+struct PeriodQuery {
+    /// Start, in milliseconds since the epoch (default a day before `to`).
+    from: Option<u64>,
+    /// End, in milliseconds since the epoch (default, and at most, now).
+    to: Option<u64>,
+}
+
+#[utoipa::path(get, path = "/v1/metrics/cluster", tag = "audit", params(PeriodQuery),
+    responses(
+        (status = 200, description = "availability, occupancy, impact, utilization, stranded GPU-hours, median largest startable gang, preemptions, contract violations", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+async fn cluster_metrics(
+    State(app): State<App>,
+    query: Result<Query<PeriodQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(q) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let now = scheduler::wall_clock_ms();
+    let to = q.to.unwrap_or(now).min(now);
+    let from = q.from.unwrap_or(to.saturating_sub(86_400_000));
+    if from >= to {
+        return Err(Problem::invalid(
+            "to",
+            format!("the period must end after it starts (from={from}, to={to}, in ms)"),
+        ));
+    }
+    let config = *app.inner.projection.read().await.state().config();
+    let mut state = ledger::State::new(config);
+    let mut at_start = None;
+    let last = app
+        .scan(Some(to), |seq, env| {
+            if at_start.is_none() && env.occurred_at_ms >= from {
+                state.advance_to(from);
+                at_start = Some(state.counters.clone());
+            }
+            state.apply(seq, env);
+        })
+        .await?;
+    let start = at_start.unwrap_or_else(|| {
+        state.advance_to(from);
+        state.counters.clone()
+    });
+    state.advance_to(to);
+    let m = ledger::metrics::Metrics::between(&start, &state.counters);
+    Ok(Json(json!({
+        "from_ms": from,
+        "to_ms": to,
+        "last_seq": last,
+        "availability": m.availability,
+        "occupancy": m.occupancy,
+        "impact": m.impact,
+        "utilization": m.utilization,
+        "stranded_gpu_hours": m.stranded_gpu_hours,
+        "largest_startable_gang_p50": m.largest_startable_gang_p50,
+        "preemptions": m.preemptions,
+        "contract_violations": m.contract_violations,
+    }))
     .into_response())
 }
 

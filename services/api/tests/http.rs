@@ -604,6 +604,43 @@ async fn the_audit_answers_in_json_and_csv() {
         String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[0].starts_with("allocation,from_ms,to_ms,entitlement_gpu_hours"));
+    // One workload's history, and the cluster's figures over the last minute.
+    let id = placed["id"].as_str().unwrap();
+    let (status, _, history) =
+        call(&f, "GET", &format!("/v1/audit/workloads/{id}"), None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{history}");
+    let kinds: Vec<&str> = history["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"]["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, vec!["workload_submitted", "workload_started"]);
+    let (status, _, _) = call(
+        &f,
+        "GET",
+        "/v1/audit/workloads/0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11",
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let now = scheduler::wall_clock_ms();
+    let (status, _, m) = call(
+        &f,
+        "GET",
+        &format!("/v1/metrics/cluster?from={}&to={now}", now - 60_000),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{m}");
+    assert_eq!(m["availability"].as_f64(), Some(1.0), "{m}");
+    let occupancy = m["occupancy"].as_f64().unwrap();
+    assert!(occupancy > 0.0 && occupancy <= 2.0 / 16.0 + 1e-9, "{m}");
+    let (status, _, problem) = call(&f, "GET", "/v1/metrics/cluster?from=10&to=5", None, &[]).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem["field"], "to");
     assert_eq!(lines.len(), 3);
 }
 

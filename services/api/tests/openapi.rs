@@ -35,6 +35,8 @@ fn the_checked_in_openapi_document_matches_the_handlers() {
         "/v1/nodes",
         "/v1/nodes/{node}/heartbeat",
         "/v1/audit/ledger",
+        "/v1/audit/workloads/{id}",
+        "/v1/metrics/cluster",
         "/v1/events",
         "/v1/events/stream",
         "/readyz",
