@@ -281,6 +281,11 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     <ApiDoc as utoipa::OpenApi>::openapi()
 }
 
+/// A query string that did not parse.
+fn bad_query(e: axum::extract::rejection::QueryRejection) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text())
+}
+
 /// A body that did not parse, as a problem naming the field where serde says which.
 fn bad_body(rejection: JsonRejection) -> Problem {
     match rejection {
@@ -473,8 +478,7 @@ async fn submit(
     query: Result<Query<SubmitQuery>, axum::extract::rejection::QueryRejection>,
     body: Result<Json<SubmitRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    let Query(query) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(query) = query.map_err(bad_query)?;
     let Json(request) = body.map_err(bad_body)?;
     let wait_placed = match query.wait.as_deref() {
         None => false,
@@ -822,8 +826,7 @@ async fn queue(
     State(app): State<App>,
     query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
-    let Query(query) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(query) = query.map_err(bad_query)?;
     let p = app.inner.projection.read().await;
     let state = p.state();
     let plan = explained(state, &app.inner.policy);
@@ -1127,8 +1130,7 @@ async fn audit_ledger(
     headers: HeaderMap,
     query: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
-    let Query(q) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(q) = query.map_err(bad_query)?;
     let step_ms: u64 = match q.granularity.as_deref().unwrap_or("day") {
         "hour" => 3_600_000,
         "day" => 86_400_000,
@@ -1255,8 +1257,7 @@ async fn cluster_metrics(
     State(app): State<App>,
     query: Result<Query<PeriodQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
-    let Query(q) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(q) = query.map_err(bad_query)?;
     let now = scheduler::wall_clock_ms();
     let to = q.to.unwrap_or(now).min(now);
     let from = q.from.unwrap_or(to.saturating_sub(86_400_000));
@@ -1316,8 +1317,7 @@ async fn events(
     State(app): State<App>,
     query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
-    let Query(query) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(query) = query.map_err(bad_query)?;
     let limit = query.limit.unwrap_or(100);
     if limit == 0 || limit > 1000 {
         return Err(Problem::invalid("limit", "1 to 1000"));
@@ -1364,8 +1364,7 @@ async fn event_stream(
 ) -> Result<Response, Problem> {
     use axum::response::sse::{Event as Sse, KeepAlive};
     use futures::StreamExt;
-    let Query(q) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Query(q) = query.map_err(bad_query)?;
     let resume = match headers.get("last-event-id") {
         None => None,
         Some(v) => Some(
