@@ -19,10 +19,16 @@ pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free one; the address is printed).
     #[arg(long, env = "FAIRLEDGER_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: String,
-    /// Scheduling policy: fairshare, fairtree, fifo or priority.
-    #[arg(long, env = "FAIRLEDGER_POLICY", default_value = "fairshare")]
-    pub policy: String,
-    /// Do not create the demo cluster in an empty embedded log.
+    /// Scheduling policy: fairshare, fairtree, fifo or priority (default: the config's, else
+    /// fairshare).
+    #[arg(long, env = "FAIRLEDGER_POLICY")]
+    pub policy: Option<String>,
+    /// The cluster: a scenario file as `fairledger sim` reads it ([policy] settings, [[nodes]],
+    /// [[allocations]]; see ops/cluster.toml). Its nodes and allocations are written to an empty
+    /// log instead of the demo cluster.
+    #[arg(long, env = "FAIRLEDGER_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+    /// Do not write the demo cluster (or the config's nodes and allocations) to an empty log.
     #[arg(long)]
     pub no_demo: bool,
     /// What this process runs: all (API, projector, scheduler), api (API and projector; several
@@ -34,26 +40,40 @@ pub struct ServeArgs {
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
-    let name = policy::POLICY_NAMES
-        .iter()
-        .find(|p| **p == args.policy)
-        .ok_or_else(|| {
-            format!(
-                "unknown policy {:?}; use one of {}",
-                args.policy,
-                policy::POLICY_NAMES.join(", ")
-            )
-        })?;
-    let policy = PolicyConfig {
-        policy: name,
-        ..PolicyConfig::default()
+    // The cluster's settings and set-up events: from --config, else the demo's.
+    let (state_config, policy, setup) = match &args.config {
+        Some(path) => {
+            let scenario = sim::scenario::Scenario::load(path).map_err(|e| e.to_string())?;
+            let prepared = scenario
+                .prepare(args.policy.as_deref())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            (prepared.state_config, prepared.policy, prepared.setup)
+        }
+        None => {
+            let name = args.policy.as_deref().unwrap_or("fairshare");
+            let name = policy::POLICY_NAMES
+                .iter()
+                .find(|p| **p == name)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown policy {name:?}; use one of {}",
+                        policy::POLICY_NAMES.join(", ")
+                    )
+                })?;
+            let policy = PolicyConfig {
+                policy: name,
+                ..PolicyConfig::default()
+            };
+            (StateConfig::default(), policy, crate::demo::cluster())
+        }
     };
     let embedded = args.log.nats.is_none();
     runtime()?.block_on(async move {
         let log = args.log.open().await?;
-        if embedded && !args.no_demo && log.last_seq().await.map_err(|e| e.to_string())? == 0 {
+        let write_setup = !args.no_demo && (embedded || args.config.is_some());
+        if write_setup && log.last_seq().await.map_err(|e| e.to_string())? == 0 {
             let now = scheduler::wall_clock_ms();
-            let appends: Vec<Append> = crate::demo::cluster()
+            let appends: Vec<Append> = setup
                 .into_iter()
                 .map(|e| {
                     Append::event(
@@ -64,10 +84,13 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 })
                 .collect();
             log.append_batch(appends).await.map_err(|e| e.to_string())?;
-            eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp");
+            match &args.config {
+                Some(path) => eprintln!("created the cluster of {}", path.display()),
+                None => eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp"),
+            }
         }
         let dir = args.log.data.join("projection");
-        let mut projection = Projector::open_or_rebuild(&dir, StateConfig::default(), &log)
+        let mut projection = Projector::open_or_rebuild(&dir, state_config, &log)
             .await
             .map_err(|e| e.to_string())?;
         projection.catch_up(&log).await.map_err(|e| e.to_string())?;

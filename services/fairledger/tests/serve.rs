@@ -507,3 +507,84 @@ fn an_api_and_two_schedulers_share_one_nats() {
     }
     assert!(api.stop().success());
 }
+
+#[test]
+fn a_config_file_sets_the_cluster_and_the_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "[policy]\nname = \"fifo\"\nmin_runtime_s = 60\nmax_min_runtime_s = 120\ngrace_s = 5\n\
+         [[nodes]]\ncount = 2\ngpus = 4\nmodel = \"A100\"\n\
+         [[allocations]]\npath = \"lab/x\"\nweight = 1\n",
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    let (_, allocations) = server.call("GET", "/v1/allocations", None);
+    let paths: Vec<&str> = allocations["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(paths, vec!["lab", "lab/x"]);
+    let (status, placed) = server.call(
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=20",
+        Some(r#"{"allocation":"lab/x","gpus_per_node":4,"model":"A100"}"#),
+    );
+    assert_eq!(status, 200, "{placed}");
+    let w = &placed["workload"];
+    let contract = w["protected_until_ms"].as_u64().unwrap() - w["started_at_ms"].as_u64().unwrap();
+    assert_eq!(contract, 60_000, "the config's min_runtime_s");
+    // The cap on asked-for protection is the config's too.
+    let (status, problem) = server.call(
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"lab/x","gpus_per_node":1,"min_runtime_s":121}"#),
+    );
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (422, Some("min_runtime_s"))
+    );
+    assert!(server.stop().success());
+
+    // A bad config: one line naming the file, nothing started.
+    std::fs::write(
+        &config,
+        "[policy]\nname = \"nope\"\n[[nodes]]\ncount=1\ngpus=8\nmodel=\"H\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--data")
+        .arg(dir.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("cluster.toml") && err.contains("nope"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn the_shipped_example_cluster_loads() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/cluster.toml");
+    let prepared = sim::scenario::Scenario::load(&path)
+        .unwrap()
+        .prepare(None)
+        .unwrap();
+    assert_eq!(prepared.nodes.len(), 8);
+    assert_eq!(prepared.policy.min_runtime_ms, 7_200_000);
+    assert!(prepared.weights.contains_key("uw/nlp"));
+}
