@@ -82,7 +82,7 @@ async fn fixture(scheduler_on: bool) -> Fixture {
                 tick: std::time::Duration::from_millis(50),
                 ..Default::default()
             };
-            scheduler::run(&log, &projection, applied, &config, async move {
+            scheduler::run(&log, &projection, applied, &config, None, async move {
                 let _ = rx.wait_for(|s| *s).await;
             })
             .await;

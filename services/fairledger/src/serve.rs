@@ -127,10 +127,22 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 health: Some(app.health()),
                 ..Default::default()
             };
+            let lease = match (&log, run_scheduler) {
+                (eventlog::AnyLog::JetStream(js), true) => Some(
+                    scheduler::lease::Lease::open(
+                        js.context(),
+                        &format!("{}:{}", std::process::id(), uuid::Uuid::now_v7()),
+                        std::time::Duration::from_secs(10),
+                        args.log.replicas,
+                    )
+                    .await?,
+                ),
+                _ => None,
+            };
             let stop = stopped(stop_rx.clone());
             tokio::spawn(async move {
                 if run_scheduler {
-                    scheduler::run(&log, &projection, applied, &config, stop).await;
+                    scheduler::run(&log, &projection, applied, &config, lease, stop).await;
                 }
             })
         };

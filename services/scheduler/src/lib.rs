@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 pub mod fake;
 pub mod health;
+pub mod lease;
 
 pub use health::HealthMonitor;
 
@@ -149,10 +150,12 @@ pub async fn run<L: EventLog>(
     projection: &RwLock<Projector>,
     mut applied: watch::Receiver<u64>,
     config: &SchedulerConfig,
+    mut lease: Option<lease::Lease>,
     stop: impl std::future::Future<Output = ()>,
 ) {
     let mut stop = std::pin::pin!(stop);
     let mut wait_for = 0u64;
+    let mut leading = lease.is_none();
     loop {
         tokio::select! {
             _ = &mut stop => return,
@@ -161,6 +164,23 @@ pub async fn run<L: EventLog>(
         }
         // Debounce: let a burst of events land before deciding.
         tokio::time::sleep(Duration::from_millis(5)).await;
+        if let Some(lease) = lease.as_mut() {
+            let holds = lease.hold().await;
+            if holds != leading {
+                tracing::info!(
+                    "{}",
+                    if holds {
+                        "holding the scheduler lease: deciding"
+                    } else {
+                        "lost the scheduler lease: standing by"
+                    }
+                );
+                leading = holds;
+            }
+            if !holds {
+                continue;
+            }
+        }
         if *applied.borrow() < wait_for {
             continue;
         }

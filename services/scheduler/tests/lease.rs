@@ -1,0 +1,35 @@
+//! The scheduler lease on a real nats-server: one holder at a time, renewals keep it, a holder
+//! that stops renewing loses it to another after the time to live, and cannot then renew.
+
+use std::time::Duration;
+
+use eventlog::testing::NatsServer;
+use scheduler::lease::Lease;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_holder_at_a_time_and_a_silent_one_is_replaced() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let ttl = Duration::from_secs(1);
+    let mut a = Lease::open(&js, "a", ttl, 1).await.unwrap();
+    let mut b = Lease::open(&js, "b", ttl, 1).await.unwrap();
+    assert!(a.hold().await, "the first claim takes the free lease");
+    assert!(!b.hold().await, "a held lease is not taken");
+    // Renewals within the time to live keep it, for longer than the time to live.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(a.hold().await);
+        assert!(!b.hold().await);
+    }
+    assert_eq!(a.holder().await.as_deref(), Some("a"));
+    // a falls silent: once its entry ages out, b takes over.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !b.hold().await {
+        assert!(tokio::time::Instant::now() < deadline, "b never took over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(b.holder().await.as_deref(), Some("b"));
+    assert!(!a.hold().await, "a stale holder cannot renew");
+    assert!(b.hold().await);
+}
