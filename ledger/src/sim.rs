@@ -284,40 +284,8 @@ impl Engine {
                 if !self.running_run(id, starts) {
                     return;
                 }
-                let w = &self.state.workloads[&id];
-                let hardware = w
-                    .placement
-                    .iter()
-                    .any(|p| p.gpus & !self.state.cluster.node(p.node).healthy != 0);
-                let reason = match w.preempting.map(|p| p.reason) {
-                    Some(PreemptionReason::UserCancelled) => StopReason::Cancelled,
-                    Some(PreemptionReason::HardwareFailure) if hardware => {
-                        StopReason::HardwareFailure
-                    }
-                    _ => StopReason::Preempted,
-                };
-                let ran = t - w.started_at_ms;
-                let lost_s = w
-                    .checkpoint_ms
-                    .filter(|&c| c > 0)
-                    .map_or(0, |c| (ran % c) / 1000);
-                self.write(
-                    t,
-                    Event::WorkloadStopped(WorkloadStopped {
-                        workload: id,
-                        reason,
-                    }),
-                    observe,
-                );
-                if reason != StopReason::Cancelled {
-                    self.write(
-                        t,
-                        Event::WorkloadRequeued(WorkloadRequeued {
-                            workload: id,
-                            work_lost_s: lost_s,
-                        }),
-                        observe,
-                    );
+                for event in self.state.grace_end_reports(id, t) {
+                    self.write(t, event, observe);
                 }
             }
             Timer::Wake => {}

@@ -346,6 +346,45 @@ impl State {
         self.now_ms = t_ms;
     }
 
+    /// What a node agent reports when the grace period of running workload `id` ends at
+    /// `now_ms`: `WorkloadStopped` (cancelled by its owner, a hardware failure if its GPUs really
+    /// failed, preempted otherwise), then, unless cancelled, `WorkloadRequeued` with the work
+    /// since its last checkpoint lost. Empty when `id` is not running.
+    pub fn grace_end_reports(&self, id: WorkloadId, now_ms: u64) -> Vec<Event> {
+        let Some(w) = self
+            .workloads
+            .get(&id)
+            .filter(|w| w.phase == Phase::Running)
+        else {
+            return Vec::new();
+        };
+        let hardware = w
+            .placement
+            .iter()
+            .any(|p| p.gpus & !self.cluster.node(p.node).healthy != 0);
+        let reason = match w.preempting.map(|p| p.reason) {
+            Some(PreemptionReason::UserCancelled) => StopReason::Cancelled,
+            Some(PreemptionReason::HardwareFailure) if hardware => StopReason::HardwareFailure,
+            _ => StopReason::Preempted,
+        };
+        let mut out = vec![Event::WorkloadStopped(WorkloadStopped {
+            workload: id,
+            reason,
+        })];
+        if reason != StopReason::Cancelled {
+            let ran = now_ms.saturating_sub(w.started_at_ms);
+            let lost_s = w
+                .checkpoint_ms
+                .filter(|&c| c > 0)
+                .map_or(0, |c| (ran % c) / 1000);
+            out.push(Event::WorkloadRequeued(WorkloadRequeued {
+                workload: id,
+                work_lost_s: lost_s,
+            }));
+        }
+        out
+    }
+
     /// Owed GPUs of every allocation now, indexed by allocation id, even when events since the
     /// last change of time have not yet been folded into the stored split.
     pub fn owed_now(&self) -> Vec<f64> {

@@ -1,10 +1,9 @@
 //! What node agents would report, for fake GPUs: a run ends when its duration estimate is done
-//! (exit 0), and a run asked to stop ends when its grace period is over (stopped, then requeued
-//! unless its owner cancelled it). Real agents report real process ends instead.
+//! (exit 0), and a run asked to stop ends when its grace period is over, reported as the
+//! simulator reports it ([`ledger::State::grace_end_reports`]). Real agents report real process
+//! ends instead.
 
-use ledger::event::{
-    Event, PreemptionReason, StopReason, WorkloadFinished, WorkloadRequeued, WorkloadStopped,
-};
+use ledger::event::{Event, WorkloadFinished};
 use ledger::{Phase, State};
 
 /// The reports due at `now_ms`.
@@ -18,26 +17,7 @@ pub fn reports(state: &State, now_ms: u64) -> Vec<Event> {
     for w in running {
         if let Some(p) = w.preempting {
             if p.grace_until_ms <= now_ms {
-                let reason = match p.reason {
-                    PreemptionReason::UserCancelled => StopReason::Cancelled,
-                    PreemptionReason::HardwareFailure => StopReason::HardwareFailure,
-                    _ => StopReason::Preempted,
-                };
-                out.push(Event::WorkloadStopped(WorkloadStopped {
-                    workload: w.id,
-                    reason,
-                }));
-                if reason != StopReason::Cancelled {
-                    let ran_ms = now_ms.saturating_sub(w.started_at_ms);
-                    let lost_s = w
-                        .checkpoint_ms
-                        .filter(|&c| c > 0)
-                        .map_or(0, |c| (ran_ms % c) / 1000);
-                    out.push(Event::WorkloadRequeued(WorkloadRequeued {
-                        workload: w.id,
-                        work_lost_s: lost_s,
-                    }));
-                }
+                out.extend(state.grace_end_reports(w.id, now_ms));
                 continue;
             }
         }
