@@ -346,6 +346,11 @@ impl State {
         self.now_ms = t_ms;
     }
 
+    /// The path of the allocation workload `w` is charged to; `None` for unallocated work.
+    pub fn allocation_path(&self, w: &Workload) -> Option<&str> {
+        w.allocation.map(|a| self.allocations.node(a).path.as_str())
+    }
+
     /// What a node agent reports when the grace period of running workload `id` ends at
     /// `now_ms`: `WorkloadStopped` (cancelled by its owner, a hardware failure if its GPUs really
     /// failed, preempted otherwise), then, unless cancelled, `WorkloadRequeued` with the work

@@ -644,7 +644,7 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
         let p = app.inner.projection.read().await;
         let state = p.state();
         let w = live(state, id)?;
-        let allocation = w.allocation.map(|a| state.allocations.node(a).path.clone());
+        let allocation = state.allocation_path(w).map(str::to_owned);
         match w.phase {
             Phase::Running if w.preempting.is_some() => {
                 return Err(Problem::new(
@@ -784,7 +784,7 @@ async fn explain(State(app): State<App>, Path(id): Path<String>) -> Result<Respo
         .map(|a| {
             json!({
                 "id": a.id,
-                "allocation": a.allocation.map(|x| state.allocations.node(x).path.clone()),
+                "allocation": state.allocation_path(a),
                 "gpus": a.gpus(),
             })
         })
@@ -835,11 +835,9 @@ async fn queue(
         let Some(w) = state.workloads.get(&pending.workload) else {
             continue;
         };
-        let path = w.allocation.map(|a| state.allocations.node(a).path.clone());
+        let path = state.allocation_path(w);
         if let Some(filter) = &query.allocation {
-            let under = path
-                .as_deref()
-                .is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/")));
+            let under = path.is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/")));
             if !under {
                 continue;
             }

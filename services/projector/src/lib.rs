@@ -684,9 +684,7 @@ impl Projector {
         let running = w.phase == Phase::Running;
         Some(WorkloadRow {
             id,
-            allocation: w
-                .allocation
-                .map(|a| self.state.allocations.node(a).path.clone()),
+            allocation: self.state.allocation_path(w).map(str::to_owned),
             phase: w.phase.name().to_owned(),
             gpus_per_node: w.gpus_per_node,
             nodes: w.nodes,

@@ -73,7 +73,7 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
 pub fn allocation_of(state: &State, event: &Event) -> Option<String> {
     let id = projector::workload_of(event)?;
     let w = state.workloads.get(&id)?;
-    w.allocation.map(|a| state.allocations.node(a).path.clone())
+    state.allocation_path(w).map(str::to_owned)
 }
 
 /// The appends of one pass, the first fenced by the state's sequence.
