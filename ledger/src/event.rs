@@ -104,6 +104,24 @@ impl Event {
             Event::WorkloadRequeued(_) => "workload_requeued",
         }
     }
+
+    /// The workload this event is about, if it is about one.
+    pub fn workload(&self) -> Option<WorkloadId> {
+        match self {
+            Event::WorkloadSubmitted(e) => Some(e.workload),
+            Event::WorkloadCancelled(e) => Some(e.workload),
+            Event::WorkloadStarted(e) => Some(e.workload),
+            Event::PreemptionRequested(e) => Some(e.workload),
+            Event::WorkloadStopped(e) => Some(e.workload),
+            Event::WorkloadFinished(e) => Some(e.workload),
+            Event::WorkloadRequeued(e) => Some(e.workload),
+            Event::AllocationSet(_)
+            | Event::AllocationRemoved(_)
+            | Event::NodeRegistered(_)
+            | Event::GpuHeartbeat(_)
+            | Event::GpuHealthChanged(_) => None,
+        }
+    }
 }
 
 /// An allocation (a share of the cluster) was created or changed. Missing parents of the path are

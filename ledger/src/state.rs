@@ -351,6 +351,13 @@ impl State {
         w.allocation.map(|a| self.allocations.node(a).path.as_str())
     }
 
+    /// The allocation path of the workload `event` is about, for its subject; `None` for
+    /// unallocated work, unknown workloads and events about no workload.
+    pub fn allocation_of(&self, event: &Event) -> Option<&str> {
+        let w = self.workloads.get(&event.workload()?)?;
+        self.allocation_path(w)
+    }
+
     /// What a node agent reports when the grace period of running workload `id` ends at
     /// `now_ms`: `WorkloadStopped` (cancelled by its owner, a hardware failure if its GPUs really
     /// failed, preempted otherwise), then, unless cancelled, `WorkloadRequeued` with the work

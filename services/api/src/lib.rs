@@ -1216,7 +1216,7 @@ async fn audit_workload(
     let id = parse_id(&id)?;
     let mut history = Vec::new();
     app.scan(None, |seq, env| {
-        if projector::workload_of(&env.event) == Some(id) {
+        if env.event.workload() == Some(id) {
             history.push(json!({"seq": seq, "event": env}));
         }
     })

@@ -18,6 +18,7 @@ use futures::stream::BoxStream;
 
 pub mod embedded;
 pub mod jetstream;
+pub mod lease;
 pub mod subject;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -129,8 +129,10 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             };
             let lease = match (&log, run_scheduler) {
                 (eventlog::AnyLog::JetStream(js), true) => Some(
-                    scheduler::lease::Lease::open(
+                    eventlog::lease::Lease::open(
                         js.context(),
+                        scheduler::LEASE_BUCKET,
+                        scheduler::LEASE_KEY,
                         &format!("{}:{}", std::process::id(), uuid::Uuid::now_v7()),
                         std::time::Duration::from_secs(10),
                         args.log.replicas,

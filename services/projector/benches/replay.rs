@@ -42,7 +42,7 @@ fn tiled(base: &[Envelope], n: usize) -> Vec<Envelope> {
     let mut out: Vec<Envelope> = base.to_vec();
     let workload_events: Vec<&Envelope> = base
         .iter()
-        .filter(|e| projector::workload_of(&e.event).is_some())
+        .filter(|e| e.event.workload().is_some())
         .collect();
     let mut copy = 1u128;
     while out.len() < n {

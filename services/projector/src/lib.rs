@@ -511,7 +511,7 @@ impl Projector {
                 }
                 Ok(env) => {
                     let env = &**env;
-                    let about = workload_of(&env.event);
+                    let about = env.event.workload();
                     // An ending removes the workload from the state: keep its row as it was.
                     let ending = matches!(
                         env.event,
@@ -838,24 +838,6 @@ pub fn decode(payload: &[u8]) -> Result<Envelope, String> {
         ));
     }
     Ok(env)
-}
-
-/// The workload an event is about, if any.
-pub fn workload_of(event: &Event) -> Option<WorkloadId> {
-    match event {
-        Event::WorkloadSubmitted(e) => Some(e.workload),
-        Event::WorkloadCancelled(e) => Some(e.workload),
-        Event::WorkloadStarted(e) => Some(e.workload),
-        Event::PreemptionRequested(e) => Some(e.workload),
-        Event::WorkloadStopped(e) => Some(e.workload),
-        Event::WorkloadFinished(e) => Some(e.workload),
-        Event::WorkloadRequeued(e) => Some(e.workload),
-        Event::AllocationSet(_)
-        | Event::AllocationRemoved(_)
-        | Event::NodeRegistered(_)
-        | Event::GpuHeartbeat(_)
-        | Event::GpuHealthChanged(_) => None,
-    }
 }
 
 fn json<T: Serialize>(value: &T) -> Vec<u8> {

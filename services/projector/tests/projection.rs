@@ -97,7 +97,7 @@ async fn rows_answer_for_workloads_and_allocations() {
     assert!(row.starts >= 1 && row.placement.is_empty());
     let last_about = events
         .iter()
-        .rposition(|e| projector::workload_of(&e.event) == Some(finished))
+        .rposition(|e| e.event.workload() == Some(finished))
         .unwrap();
     assert_eq!(row.last_seq, last_about as u64 + 1);
     assert_eq!(row.ended_at_ms, Some(events[last_about].occurred_at_ms));

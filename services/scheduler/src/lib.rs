@@ -18,9 +18,13 @@ use uuid::Uuid;
 
 pub mod fake;
 pub mod health;
-pub mod lease;
 
 pub use health::HealthMonitor;
+
+/// The key-value bucket of the scheduler's lease (see [`eventlog::lease`]), and its key.
+pub const LEASE_BUCKET: &str = "fairledger_scheduler";
+/// The key of the scheduler's lease.
+pub const LEASE_KEY: &str = "leader";
 
 /// Settings of the loop.
 #[derive(Clone, Debug)]
@@ -69,18 +73,11 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     events
 }
 
-/// The allocation path of the workload an event is about, for its subject.
-pub fn allocation_of(state: &State, event: &Event) -> Option<String> {
-    let id = projector::workload_of(event)?;
-    let w = state.workloads.get(&id)?;
-    state.allocation_path(w).map(str::to_owned)
-}
-
 /// The appends of one pass, the first fenced by the state's sequence.
 pub fn appends(state: &State, events: Vec<Event>, now_ms: u64, actor: &str) -> Vec<Append> {
     let mut out = Vec::with_capacity(events.len());
     for (i, event) in events.into_iter().enumerate() {
-        let allocation = allocation_of(state, &event);
+        let allocation = state.allocation_of(&event).map(str::to_owned);
         let env = Envelope::new(Uuid::now_v7(), now_ms, actor, event);
         let mut append = Append::event(&env, allocation.as_deref(), None);
         if i == 0 {
@@ -150,7 +147,7 @@ pub async fn run<L: EventLog>(
     projection: &RwLock<Projector>,
     mut applied: watch::Receiver<u64>,
     config: &SchedulerConfig,
-    mut lease: Option<lease::Lease>,
+    mut lease: Option<eventlog::lease::Lease>,
     stop: impl std::future::Future<Output = ()>,
 ) {
     let mut stop = std::pin::pin!(stop);

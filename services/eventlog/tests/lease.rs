@@ -1,10 +1,10 @@
-//! The scheduler lease on a real nats-server: one holder at a time, renewals keep it, a holder
+//! Leases on a real nats-server: one holder at a time, renewals keep it, a holder
 //! that stops renewing loses it to another after the time to live, and cannot then renew.
 
 use std::time::Duration;
 
+use eventlog::lease::Lease;
 use eventlog::testing::NatsServer;
-use scheduler::lease::Lease;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_holder_at_a_time_and_a_silent_one_is_replaced() {
@@ -12,8 +12,12 @@ async fn one_holder_at_a_time_and_a_silent_one_is_replaced() {
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let ttl = Duration::from_secs(1);
-    let mut a = Lease::open(&js, "a", ttl, 1).await.unwrap();
-    let mut b = Lease::open(&js, "b", ttl, 1).await.unwrap();
+    let mut a = Lease::open(&js, "test", "leader", "a", ttl, 1)
+        .await
+        .unwrap();
+    let mut b = Lease::open(&js, "test", "leader", "b", ttl, 1)
+        .await
+        .unwrap();
     assert!(a.hold().await, "the first claim takes the free lease");
     assert!(!b.hold().await, "a held lease is not taken");
     // Renewals within the time to live keep it, for longer than the time to live.
@@ -32,4 +36,14 @@ async fn one_holder_at_a_time_and_a_silent_one_is_replaced() {
     assert_eq!(b.holder().await.as_deref(), Some("b"));
     assert!(!a.hold().await, "a stale holder cannot renew");
     assert!(b.hold().await);
+    // Other keys of the bucket are leased independently; bad keys are refused with the reason.
+    let mut c = Lease::open(&js, "test", "node-1", "c", ttl, 1)
+        .await
+        .unwrap();
+    assert!(c.hold().await);
+    let bad = Lease::open(&js, "test", "node 1", "d", ttl, 1)
+        .await
+        .err()
+        .unwrap();
+    assert!(bad.contains("cannot name a lease"), "{bad}");
 }

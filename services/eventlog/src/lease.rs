@@ -1,0 +1,96 @@
+//! Leases in a JetStream key-value bucket: one holder per key at a time. The bucket's entries age
+//! out after the lease's time to live, so a holder that stops renewing (crashed, partitioned)
+//! loses it and another process takes over; a renewal is a compare-and-set on the revision the
+//! holder last wrote, so two processes never both believe they hold it for long. The scheduler
+//! holds one (only the holder decides; every decision is fenced by its sequence all the same),
+//! and each node agent holds its node's name (two agents never drive one node).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+
+/// One process's claim on the scheduler lease.
+pub struct Lease {
+    kv: kv::Store,
+    key: String,
+    holder: Bytes,
+    revision: Option<u64>,
+}
+
+impl Lease {
+    /// Opens (creating if needed) `bucket`, whose entries live `ttl`, for `holder` to claim
+    /// `key`.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        key: &str,
+        holder: &str,
+        ttl: Duration,
+        replicas: usize,
+    ) -> Result<Self, String> {
+        let valid = !key.is_empty()
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_=./".contains(c))
+            && !key.starts_with('.')
+            && !key.ends_with('.');
+        if !valid {
+            return Err(format!(
+                "{key:?} cannot name a lease: use letters, digits and - _ = . /"
+            ));
+        }
+        let kv = match js.get_key_value(bucket).await {
+            Ok(kv) => kv,
+            Err(_) => js
+                .create_key_value(kv::Config {
+                    bucket: bucket.into(),
+                    description: "fairledger: leases".into(),
+                    history: 1,
+                    max_age: ttl,
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| format!("cannot create the lease bucket {bucket}: {e}"))?,
+        };
+        Ok(Lease {
+            kv,
+            key: key.to_owned(),
+            holder: Bytes::from(holder.to_owned()),
+            revision: None,
+        })
+    }
+
+    /// Renews the lease if this process holds it, or takes it if nobody does. True while this
+    /// process holds it; call it more often than the time to live.
+    pub async fn hold(&mut self) -> bool {
+        if let Some(revision) = self.revision {
+            match self
+                .kv
+                .update(&self.key, self.holder.clone(), revision)
+                .await
+            {
+                Ok(next) => {
+                    self.revision = Some(next);
+                    return true;
+                }
+                Err(_) => self.revision = None,
+            }
+        }
+        match self.kv.create(&self.key, self.holder.clone()).await {
+            Ok(revision) => {
+                self.revision = Some(revision);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Who holds the lease now, if anyone.
+    pub async fn holder(&self) -> Option<String> {
+        let entry = self.kv.entry(&self.key).await.ok().flatten()?;
+        matches!(entry.operation, kv::Operation::Put)
+            .then(|| String::from_utf8_lossy(&entry.value).into_owned())
+    }
+}
