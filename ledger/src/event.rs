@@ -163,7 +163,7 @@ pub struct NodeRegistered {
 }
 
 /// One GPU's readings in a heartbeat.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GpuReading {
     /// GPU index on the node.
@@ -188,6 +188,10 @@ pub struct GpuReading {
     /// Uncorrected ECC errors since boot.
     #[serde(default)]
     pub ecc_errors_uncorrected: u64,
+    /// A fault the GPU itself reports (pending page retirement, a critical XID error), which
+    /// makes it unhealthy until a heartbeat without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<String>,
 }
 
 /// Periodic readings of a node's GPUs. Lives on the telemetry stream; the fold uses it only for the

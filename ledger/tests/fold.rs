@@ -396,6 +396,7 @@ fn utilization_is_the_mean_reported_utilization_of_allocated_gpus() {
         temperature_c: 0,
         power_w: 0,
         ecc_errors_uncorrected: 0,
+        fault: None,
     };
     l.ok(
         0,

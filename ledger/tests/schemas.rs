@@ -62,6 +62,7 @@ fn samples() -> Vec<Event> {
                 temperature_c: 64,
                 power_w: 650,
                 ecc_errors_uncorrected: 0,
+                fault: None,
             }],
         }),
         Event::GpuHealthChanged(GpuHealthChanged {

@@ -63,6 +63,7 @@ fn event() -> impl Strategy<Value = Event> {
                         temperature_c: 0,
                         power_w: 0,
                         ecc_errors_uncorrected: 0,
+                        fault: None,
                     })
                     .collect(),
             })

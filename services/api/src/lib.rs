@@ -1031,6 +1031,9 @@ struct HeartbeatBody {
     /// `temperature_c`, `power_w`, `ecc_errors_uncorrected` (schemas/events/gpu_heartbeat.json).
     #[schema(value_type = Vec<Object>)]
     readings: Vec<GpuReading>,
+    /// The agent's clock when it took the readings (milliseconds since the epoch), to detect
+    /// clock skew; the answer's `at_ms` is the server's.
+    sent_at_ms: Option<u64>,
 }
 
 #[utoipa::path(post, path = "/v1/nodes/{node}/heartbeat", tag = "nodes",
@@ -1047,9 +1050,9 @@ async fn heartbeat(
     body: Result<Json<HeartbeatBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(body) = body.map_err(bad_body)?;
+    let projection = app.inner.projection.read().await;
     let gpus = {
-        let p = app.inner.projection.read().await;
-        let cluster = &p.state().cluster;
+        let cluster = &projection.state().cluster;
         let idx = cluster.get(&node).ok_or_else(|| {
             Problem::not_found(format!(
                 "node {node:?} is not registered; POST /v1/nodes first"
@@ -1076,6 +1079,13 @@ async fn heartbeat(
         readings: body.readings,
     };
     let now = scheduler::wall_clock_ms();
+    let problems = app
+        .inner
+        .health
+        .lock()
+        .expect("the health monitor is never poisoned")
+        .heartbeat(projection.state(), &hb, body.sent_at_ms.unwrap_or(now), now);
+    drop(projection);
     if let AnyLog::JetStream(js) = &app.inner.log {
         let env = Envelope::new(
             Uuid::now_v7(),
@@ -1089,14 +1099,13 @@ async fn heartbeat(
             .await
             .map_err(|e| Problem::unavailable(e.to_string()))?;
     }
-    app.inner
-        .health
-        .lock()
-        .expect("the health monitor is never poisoned")
-        .heartbeat(&hb, now);
+    let warnings: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
     Ok((
         StatusCode::ACCEPTED,
-        Json(json!({"node": node, "at_ms": now})),
+        Json(json!({"node": node, "at_ms": now, "warnings": warnings})),
     )
         .into_response())
 }

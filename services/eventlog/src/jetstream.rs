@@ -249,6 +249,47 @@ impl JetStreamLog {
         Ok(ack.sequence)
     }
 
+    /// When the server stored telemetry message `seq`, in milliseconds since the epoch: the
+    /// server's clock, against which an agent measures its own.
+    pub async fn telemetry_stored_at_ms(&self, seq: u64) -> Result<u64, LogError> {
+        let unavailable = |e: &dyn std::fmt::Display| LogError::Unavailable(e.to_string());
+        let stream = self
+            .js
+            .get_stream_no_info(TELEMETRY_STREAM)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let message = stream.direct_get(seq).await.map_err(|e| unavailable(&e))?;
+        Ok(u64::try_from(message.time.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
+    }
+
+    /// Heartbeats as they are published (a plain subscription: nothing from before it), each
+    /// with its envelope. Messages that are not heartbeats are logged and skipped.
+    pub async fn heartbeats(&self) -> Result<BoxStream<'static, ledger::Envelope>, LogError> {
+        let subscriber = self
+            .client
+            .subscribe(format!(
+                "{}.gpu.heartbeat.>",
+                crate::subject::TELEMETRY_PREFIX
+            ))
+            .await
+            .map_err(|e| LogError::Unavailable(e.to_string()))?;
+        Ok(subscriber
+            .filter_map(|m| async move {
+                match serde_json::from_slice::<ledger::Envelope>(&m.payload) {
+                    Ok(env) if matches!(env.event, ledger::Event::GpuHeartbeat(_)) => Some(env),
+                    Ok(env) => {
+                        tracing::warn!(subject = %m.subject, kind = env.event.kind(), "not a heartbeat on a heartbeat subject: skipped");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(subject = %m.subject, error = %e, "malformed heartbeat: skipped");
+                        None
+                    }
+                }
+            })
+            .boxed())
+    }
+
     /// The underlying client, for telemetry and key-value use by other roles.
     pub fn client(&self) -> &async_nats::Client {
         &self.client

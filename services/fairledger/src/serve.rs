@@ -148,6 +148,20 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 }
             })
         };
+        // Heartbeats published on NATS (by agents, or by API replicas) reach the scheduler's
+        // health monitor through the telemetry stream.
+        let heartbeat_task = match (&log, run_scheduler) {
+            (eventlog::AnyLog::JetStream(js), true) => {
+                let heartbeats = js.heartbeats().await.map_err(|e| e.to_string())?;
+                let projection = projection.clone();
+                let monitor = app.health();
+                let stop = stopped(stop_rx.clone());
+                Some(tokio::spawn(async move {
+                    scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await
+                }))
+            }
+            _ => None,
+        };
         let router = if args.role == "scheduler" {
             api::health_router(app)
         } else {
@@ -162,6 +176,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         let served = server.await.map_err(|e| format!("the HTTP server failed: {e}"));
         let _ = stop_tx.send(true);
         let _ = scheduler_task.await;
+        if let Some(task) = heartbeat_task {
+            let _ = task.await;
+        }
         let projected = projector_task
             .await
             .map_err(|e| e.to_string())?

@@ -1,18 +1,65 @@
 //! GPU health from heartbeats: a node that has reported at least once is watched; a GPU whose
-//! node has not reported within the timeout, or that reports uncorrected ECC errors, becomes
-//! unhealthy, and healthy again when good reports resume. The changes are ledger events
-//! (`GpuHealthChanged`), so availability is auditable without keeping every heartbeat.
+//! node has not reported within the timeout, or that reports uncorrected ECC errors or a fault of
+//! its own, becomes unhealthy, and healthy again when good reports resume. The changes are ledger
+//! events (`GpuHealthChanged`), so availability is auditable without keeping every heartbeat.
+//!
+//! The monitor also samples utilization into the ledger (a node's heartbeat is recorded when a
+//! GPU's utilization moved by [`UTILIZATION_STEP_PCT`] points, at most once per
+//! [`SAMPLE_INTERVAL_MS`]), so the utilization metric is auditable too, and it ends the runs of a
+//! silent node whose grace period is over: with no agent to report, the scheduler reports them
+//! as the node's agent would have.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use ledger::event::{Event, GpuHealthChanged, GpuHeartbeat};
-use ledger::State;
+use ledger::{Phase, State};
+
+/// Utilization moves smaller than this are not sampled into the ledger.
+pub const UTILIZATION_STEP_PCT: u8 = 10;
+/// A node's utilization is sampled into the ledger at most this often.
+pub const SAMPLE_INTERVAL_MS: u64 = 60_000;
 
 /// What the monitor knows of one node.
 #[derive(Clone, Debug, Default)]
 struct Seen {
     at_ms: u64,
-    ecc: BTreeSet<u32>,
+    /// GPUs reporting a reason to be unhealthy, with the reason.
+    bad: BTreeMap<u32, String>,
+    /// Utilization as last reported.
+    utilization: BTreeMap<u32, u8>,
+    /// When utilization was last sampled into the ledger.
+    sampled_at_ms: Option<u64>,
+}
+
+/// Why a heartbeat was not taken whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HeartbeatProblem {
+    /// The node is not registered: the heartbeat was ignored.
+    UnknownNode(String),
+    /// Readings for GPUs the node does not have were ignored.
+    UnknownGpus { node: String, gpus: Vec<u32> },
+    /// The sender's clock is off from the receiver's by this much (positive: ahead).
+    ClockSkew { node: String, skew_ms: i64 },
+}
+
+impl std::fmt::Display for HeartbeatProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeartbeatProblem::UnknownNode(node) => write!(
+                f,
+                "heartbeat from node {node:?}, which is not registered: ignored; start its agent, which registers it"
+            ),
+            HeartbeatProblem::UnknownGpus { node, gpus } => write!(
+                f,
+                "node {node:?} reported GPUs {gpus:?} it was not registered with: those readings were ignored; re-register the node under a new name if its GPUs changed"
+            ),
+            HeartbeatProblem::ClockSkew { node, skew_ms } => write!(
+                f,
+                "the clock of node {node:?} is off by {:.1} s from this server's; fix its time synchronisation (NTP)",
+                *skew_ms as f64 / 1000.0
+            ),
+        }
+    }
 }
 
 /// Heartbeats received, and the health they imply.
@@ -21,6 +68,9 @@ pub struct HealthMonitor {
     timeout_ms: u64,
     nodes: BTreeMap<String, Seen>,
 }
+
+/// A heartbeat's clock may differ from the receiver's by this much before it is reported.
+pub const CLOCK_SKEW_WARN_MS: u64 = 2_000;
 
 impl HealthMonitor {
     /// A monitor that marks a node's GPUs unhealthy after `timeout_ms` without a heartbeat.
@@ -31,16 +81,59 @@ impl HealthMonitor {
         }
     }
 
-    /// Records a heartbeat received at `at_ms`.
-    pub fn heartbeat(&mut self, hb: &GpuHeartbeat, at_ms: u64) {
-        let seen = self.nodes.entry(hb.node.clone()).or_default();
-        seen.at_ms = seen.at_ms.max(at_ms);
-        seen.ecc = hb
+    /// Records a heartbeat received at `at_ms`, checked against the ledger's cluster, and says
+    /// what was wrong with it. `sent_at_ms` is the sender's clock, for the skew check.
+    pub fn heartbeat(
+        &mut self,
+        state: &State,
+        hb: &GpuHeartbeat,
+        sent_at_ms: u64,
+        at_ms: u64,
+    ) -> Vec<HeartbeatProblem> {
+        let mut problems = Vec::new();
+        let Some(idx) = state.cluster.get(&hb.node) else {
+            problems.push(HeartbeatProblem::UnknownNode(hb.node.clone()));
+            return problems;
+        };
+        let gpus = state.cluster.node(idx).gpu_count;
+        let unknown: Vec<u32> = hb
             .readings
             .iter()
-            .filter(|r| r.ecc_errors_uncorrected > 0)
             .map(|r| r.gpu)
+            .filter(|&g| g >= gpus)
             .collect();
+        if !unknown.is_empty() {
+            problems.push(HeartbeatProblem::UnknownGpus {
+                node: hb.node.clone(),
+                gpus: unknown,
+            });
+        }
+        let skew_ms = sent_at_ms as i64 - at_ms as i64;
+        if skew_ms.unsigned_abs() > CLOCK_SKEW_WARN_MS {
+            problems.push(HeartbeatProblem::ClockSkew {
+                node: hb.node.clone(),
+                skew_ms,
+            });
+        }
+        let seen = self.nodes.entry(hb.node.clone()).or_default();
+        seen.at_ms = seen.at_ms.max(at_ms);
+        seen.bad.clear();
+        for r in hb.readings.iter().filter(|r| r.gpu < gpus) {
+            seen.utilization.insert(r.gpu, r.utilization_pct.min(100));
+            if let Some(fault) = &r.fault {
+                seen.bad.insert(r.gpu, fault.clone());
+            } else if r.ecc_errors_uncorrected > 0 {
+                seen.bad.insert(r.gpu, "uncorrected ECC errors".to_owned());
+            }
+        }
+        problems
+    }
+
+    /// Whether `node` has reported and then fallen silent past the timeout at `now_ms`.
+    pub fn silent(&self, node: &str, now_ms: u64) -> bool {
+        self.nodes
+            .get(node)
+            .is_some_and(|s| now_ms.saturating_sub(s.at_ms) > self.timeout_ms)
     }
 
     /// The health changes due at `now_ms`, against what the ledger holds.
@@ -62,8 +155,8 @@ impl HealthMonitor {
                             now_ms.saturating_sub(seen.at_ms) / 1000
                         ),
                     )
-                } else if seen.ecc.contains(&gpu) {
-                    (false, "uncorrected ECC errors".to_owned())
+                } else if let Some(reason) = seen.bad.get(&gpu) {
+                    (false, reason.clone())
                 } else {
                     (true, "heartbeat healthy".to_owned())
                 };
@@ -76,6 +169,70 @@ impl HealthMonitor {
                     }));
                 }
             }
+        }
+        out
+    }
+
+    /// Heartbeats worth recording in the ledger for the utilization metric at `now_ms`: a node's
+    /// latest readings when a GPU moved by [`UTILIZATION_STEP_PCT`] points from what the ledger
+    /// holds, at most once per [`SAMPLE_INTERVAL_MS`]. Marks them sampled.
+    pub fn utilization_samples(&mut self, state: &State, now_ms: u64) -> Vec<Event> {
+        let mut out = Vec::new();
+        for (name, seen) in &mut self.nodes {
+            let Some(idx) = state.cluster.get(name) else {
+                continue;
+            };
+            if seen
+                .sampled_at_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) < SAMPLE_INTERVAL_MS)
+            {
+                continue;
+            }
+            let node = state.cluster.node(idx);
+            let moved = seen.utilization.iter().any(|(&gpu, &pct)| {
+                node.utilization_pct
+                    .get(gpu as usize)
+                    .is_some_and(|&have| have.abs_diff(pct) >= UTILIZATION_STEP_PCT)
+            });
+            if moved {
+                seen.sampled_at_ms = Some(now_ms);
+                out.push(Event::GpuHeartbeat(GpuHeartbeat {
+                    node: name.clone(),
+                    readings: seen
+                        .utilization
+                        .iter()
+                        .map(|(&gpu, &utilization_pct)| ledger::event::GpuReading {
+                            gpu,
+                            utilization_pct,
+                            ..Default::default()
+                        })
+                        .collect(),
+                }));
+            }
+        }
+        out
+    }
+
+    /// For runs asked to stop whose grace period ended at least a timeout ago on a node that has
+    /// fallen silent, what its agent would have reported: nobody else will.
+    pub fn lost_run_reports(&self, state: &State, now_ms: u64) -> Vec<Event> {
+        let mut out = Vec::new();
+        let mut ids: BTreeSet<_> = BTreeSet::new();
+        for w in state.running_workloads() {
+            let Some(p) = w.preempting else { continue };
+            if w.phase != Phase::Running || p.grace_until_ms + self.timeout_ms > now_ms {
+                continue;
+            }
+            let first = w
+                .placement
+                .first()
+                .map(|p| &state.cluster.node(p.node).name);
+            if first.is_some_and(|n| self.silent(n, now_ms)) {
+                ids.insert(w.id);
+            }
+        }
+        for id in ids {
+            out.extend(state.grace_end_reports(id, now_ms));
         }
         out
     }
@@ -98,6 +255,7 @@ mod tests {
             temperature_c: 60,
             power_w: 300,
             ecc_errors_uncorrected: ecc,
+            fault: None,
         }
     }
 
@@ -127,7 +285,7 @@ mod tests {
                 .map(|g| reading(g, u64::from(Some(g) == ecc_on)))
                 .collect(),
         };
-        m.heartbeat(&hb(Some(2)), 1_000);
+        assert!(m.heartbeat(&state, &hb(Some(2)), 1_000, 1_000).is_empty());
         let changes = m.changes(&state, 2_000);
         assert_eq!(changes.len(), 1);
         let Event::GpuHealthChanged(c) = &changes[0] else {
@@ -145,7 +303,7 @@ mod tests {
         apply(&mut state, silent, 32_001);
         assert_eq!(state.cluster.healthy_gpus, 0);
         // Good reports again: all four come back.
-        m.heartbeat(&hb(None), 40_000);
+        m.heartbeat(&state, &hb(None), 40_000, 40_000);
         let healed = m.changes(&state, 40_000);
         assert_eq!(healed.len(), 4);
         apply(&mut state, healed, 40_000);
@@ -153,6 +311,102 @@ mod tests {
         assert!(
             m.changes(&state, 40_000).is_empty(),
             "nothing more to change"
+        );
+    }
+
+    #[test]
+    fn faults_unknown_gpus_unknown_nodes_and_skew_are_told_apart() {
+        let mut state = State::new(StateConfig::default());
+        let node = NodeRegistered {
+            node: "n".into(),
+            gpus: 2,
+            model: "H100".into(),
+            labels: Default::default(),
+        };
+        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let mut m = HealthMonitor::new(30_000);
+        let stranger = GpuHeartbeat {
+            node: "elsewhere".into(),
+            readings: vec![reading(0, 0)],
+        };
+        assert_eq!(
+            m.heartbeat(&state, &stranger, 1_000, 1_000),
+            vec![HeartbeatProblem::UnknownNode("elsewhere".into())]
+        );
+        assert!(
+            m.changes(&state, 1_000).is_empty(),
+            "an unknown node is not watched"
+        );
+        let mut faulty = reading(1, 0);
+        faulty.fault = Some("pending page retirement".into());
+        let hb = GpuHeartbeat {
+            node: "n".into(),
+            readings: vec![reading(0, 0), faulty, reading(7, 0)],
+        };
+        let problems = m.heartbeat(&state, &hb, 9_000, 1_000);
+        assert_eq!(
+            problems,
+            vec![
+                HeartbeatProblem::UnknownGpus {
+                    node: "n".into(),
+                    gpus: vec![7]
+                },
+                HeartbeatProblem::ClockSkew {
+                    node: "n".into(),
+                    skew_ms: 8_000
+                }
+            ]
+        );
+        assert!(problems[1].to_string().contains("off by 8.0 s"));
+        let changes = m.changes(&state, 1_000);
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let Event::GpuHealthChanged(c) = &changes[0] else {
+            panic!()
+        };
+        assert_eq!(
+            (c.gpu, c.healthy, c.reason.as_str()),
+            (1, false, "pending page retirement")
+        );
+    }
+
+    #[test]
+    fn utilization_is_sampled_when_it_moves_and_not_more_often_than_the_interval() {
+        let mut state = State::new(StateConfig::default());
+        let node = NodeRegistered {
+            node: "n".into(),
+            gpus: 1,
+            model: "H100".into(),
+            labels: Default::default(),
+        };
+        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let mut m = HealthMonitor::new(30_000);
+        let hb = |pct| GpuHeartbeat {
+            node: "n".into(),
+            readings: vec![GpuReading {
+                gpu: 0,
+                utilization_pct: pct,
+                ..Default::default()
+            }],
+        };
+        m.heartbeat(&state, &hb(5), 1_000, 1_000);
+        assert!(
+            m.utilization_samples(&state, 1_000).is_empty(),
+            "5 points is noise"
+        );
+        m.heartbeat(&state, &hb(80), 2_000, 2_000);
+        let samples = m.utilization_samples(&state, 2_000);
+        assert_eq!(samples.len(), 1);
+        apply(&mut state, samples, 2_000);
+        assert_eq!(state.cluster.node(0).utilization_pct[0], 80);
+        m.heartbeat(&state, &hb(10), 3_000, 3_000);
+        assert!(
+            m.utilization_samples(&state, 3_000).is_empty(),
+            "not twice within the interval"
+        );
+        assert_eq!(
+            m.utilization_samples(&state, 2_000 + SAMPLE_INTERVAL_MS)
+                .len(),
+            1
         );
     }
 }

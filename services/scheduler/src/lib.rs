@@ -51,21 +51,25 @@ impl Default for SchedulerConfig {
 }
 
 /// The events one pass wants appended: GPU health changes alone if there are any (decisions
-/// wait for the ledger to hold them), else the policy's decisions, then what fake agents
-/// report.
+/// wait for the ledger to hold them), else the ends of runs on silent nodes alone, else the
+/// policy's decisions, then utilization samples and what fake agents report.
 pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
+    let mut samples = Vec::new();
     if let Some(health) = &config.health {
-        let mut changes = health
-            .lock()
-            .expect("the health monitor is never poisoned")
-            .changes(state, now_ms);
+        let mut monitor = health.lock().expect("the health monitor is never poisoned");
+        let mut changes = monitor.changes(state, now_ms);
+        if changes.is_empty() {
+            changes = monitor.lost_run_reports(state, now_ms);
+        }
         if !changes.is_empty() {
             changes.truncate(eventlog::MAX_BATCH);
             return changes;
         }
+        samples = monitor.utilization_samples(state, now_ms);
     }
     let plan = decide(state, now_ms, &config.policy);
     let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
+    events.extend(samples);
     if config.fake_agents {
         events.extend(fake::reports(state, now_ms));
     }
@@ -195,5 +199,55 @@ pub async fn run<L: EventLog>(
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
+    }
+}
+
+/// Feeds heartbeats (from the telemetry stream) into `monitor`, each checked against the
+/// projection's cluster, until `stop` resolves or the stream ends. A problem with a node's
+/// heartbeats (unknown node or GPUs, clock skew) is logged when it first appears, not with every
+/// heartbeat.
+pub async fn watch_heartbeats(
+    heartbeats: impl futures::Stream<Item = Envelope>,
+    projection: &RwLock<Projector>,
+    monitor: &std::sync::Mutex<HealthMonitor>,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    use futures::StreamExt;
+    let mut heartbeats = std::pin::pin!(heartbeats);
+    let mut stop = std::pin::pin!(stop);
+    let mut told: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    loop {
+        let env = tokio::select! {
+            _ = &mut stop => return,
+            env = heartbeats.next() => match env {
+                Some(env) => env,
+                None => return,
+            },
+        };
+        let Event::GpuHeartbeat(hb) = &env.event else {
+            continue;
+        };
+        let problems: Vec<String> = {
+            let p = projection.read().await;
+            monitor
+                .lock()
+                .expect("the health monitor is never poisoned")
+                .heartbeat(p.state(), hb, env.occurred_at_ms, wall_clock_ms())
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        let before = told.entry(hb.node.clone()).or_default();
+        for problem in &problems {
+            // Skew is measured anew each time: compare problems by their kind of message.
+            let kind = problem.split(" off by ").next().unwrap_or(problem);
+            if !before
+                .iter()
+                .any(|b| b.split(" off by ").next() == Some(kind))
+            {
+                tracing::warn!("{problem}");
+            }
+        }
+        *before = problems;
     }
 }
