@@ -515,7 +515,12 @@ impl Projector {
                     // An ending removes the workload from the state: keep its row as it was.
                     let ending = matches!(
                         env.event,
-                        Event::WorkloadFinished(_) | Event::WorkloadCancelled(_)
+                        Event::WorkloadFinished(_)
+                            | Event::WorkloadCancelled(_)
+                            | Event::WorkloadStopped(ledger::event::WorkloadStopped {
+                                reason: ledger::event::StopReason::Cancelled,
+                                ..
+                            })
                     );
                     let before = about
                         .filter(|_| ending)

@@ -266,3 +266,66 @@ async fn a_hole_in_the_log_stops_the_projector_before_it() {
     assert_eq!(p.apply(&stored[4..]).unwrap(), 6);
     assert_eq!(p.last_seq(), 10);
 }
+
+#[tokio::test]
+async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() {
+    use ledger::event::*;
+    use ledger::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let id = uuid::Uuid::from_u128(42);
+    let events = [
+        Event::AllocationSet(AllocationSet {
+            path: "lab".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        Event::NodeRegistered(NodeRegistered {
+            node: "n".into(),
+            gpus: 2,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("lab".into()), 2, 1)),
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: id,
+            placement: vec![PlacedNode {
+                node: "n".into(),
+                gpus: vec![0, 1],
+            }],
+            protected_until_ms: 10_000,
+        }),
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: id,
+            reason: PreemptionReason::UserCancelled,
+            beneficiary: None,
+            grace_s: 2,
+        }),
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: id,
+            reason: StopReason::Cancelled,
+        }),
+    ];
+    let envelopes: Vec<Envelope> = events
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            Envelope::new(
+                uuid::Uuid::from_u128(i as u128 + 1),
+                1_000 * i as u64,
+                "t",
+                e,
+            )
+        })
+        .collect();
+    write_all(&log, &envelopes).await;
+    let mut p = Projector::open(&dir.path().join("p"), config(), &log)
+        .await
+        .unwrap();
+    p.catch_up(&log).await.unwrap();
+    assert_eq!(p.last_seq(), 6);
+    let row = p.workload(id).unwrap().unwrap();
+    assert_eq!(row.phase, "cancelled");
+    assert_eq!(row.ended_at_ms, Some(5_000));
+    assert!(row.placement.is_empty());
+}
