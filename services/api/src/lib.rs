@@ -14,6 +14,7 @@
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
+//! | `GET /v1/nodes` | every node: GPUs, health, holders, utilization |
 //! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
 //! | `GET /v1/audit/workloads/{id}` | every event of one workload |
@@ -218,7 +219,7 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/events", get(events))
         .route("/v1/events/stream", get(event_stream))
-        .route("/v1/nodes", post(register_node))
+        .route("/v1/nodes", get(nodes).post(register_node))
         .route("/v1/nodes/{node}/heartbeat", post(heartbeat))
         .route("/v1/audit/ledger", get(audit_ledger))
         .route("/v1/audit/workloads/{id}", get(audit_workload))
@@ -264,6 +265,7 @@ pub fn health_router(app: App) -> Router {
         remove_allocation,
         register_node,
         heartbeat,
+        nodes,
         audit_ledger,
         audit_workload,
         cluster_metrics,
@@ -979,6 +981,39 @@ struct NodeBody {
     labels: std::collections::BTreeMap<String, String>,
 }
 
+#[utoipa::path(get, path = "/v1/nodes", tag = "nodes",
+    responses((status = 200, description = "every node: GPUs, model, labels, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
+async fn nodes(State(app): State<App>) -> Response {
+    let p = app.inner.projection.read().await;
+    let cluster = &p.state().cluster;
+    let rows: Vec<_> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            let gpus: Vec<_> = (0..n.gpu_count)
+                .map(|g| {
+                    json!({
+                        "gpu": g,
+                        "healthy": n.healthy & (1u64 << g) != 0,
+                        "workload": n.holders[g as usize],
+                        "utilization_pct": n.utilization_pct[g as usize],
+                    })
+                })
+                .collect();
+            json!({
+                "node": n.name,
+                "model": n.model,
+                "labels": n.labels,
+                "gpus": n.gpu_count,
+                "healthy_gpus": (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones(),
+                "free_gpus": n.free_count(),
+                "gpu": gpus,
+            })
+        })
+        .collect();
+    Json(json!({"as_of_seq": p.state().last_seq, "nodes": rows})).into_response()
+}
+
 #[utoipa::path(post, path = "/v1/nodes", tag = "nodes", request_body = NodeBody,
     responses(
         (status = 201, description = "registered", body = serde_json::Value),
@@ -1093,7 +1128,7 @@ async fn heartbeat(
             format!("agent:{node}"),
             Event::GpuHeartbeat(hb.clone()),
         );
-        let subject = eventlog::subject::for_event(&env.event, None);
+        let subject = eventlog::subject::for_telemetry(&hb);
         let payload = serde_json::to_vec(&env).expect("serializes");
         js.publish_telemetry(subject, payload.into())
             .await

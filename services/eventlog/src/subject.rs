@@ -5,11 +5,14 @@
 //! fairledger.ledger.allocation.removed.<path>        allocation_removed
 //! fairledger.ledger.node.registered.<node>           node_registered
 //! fairledger.ledger.gpu.health_changed.<node>        gpu_health_changed
+//! fairledger.ledger.gpu.utilization.<node>           gpu_heartbeat sampled into the ledger for
+//!                                                    the utilization metric
 //! fairledger.ledger.workload.<verb>.<path>           workload_submitted, _cancelled, _started,
 //!                                                    _stopped, _finished, _requeued and
 //!                                                    preemption_requested (verb
 //!                                                    "preemption_requested")
-//! fairledger.telemetry.gpu.heartbeat.<node>          gpu_heartbeat (the TELEMETRY stream)
+//! fairledger.telemetry.gpu.heartbeat.<node>          gpu_heartbeat, every one (the TELEMETRY
+//!                                                    stream; see [`for_telemetry`])
 //! ```
 //!
 //! `<path>` is the allocation path with `/` turned into `.` (`ai2/olmo/pretrain` becomes
@@ -29,16 +32,23 @@ pub const TELEMETRY_PREFIX: &str = "fairledger.telemetry";
 /// The token standing for "no allocation".
 pub const UNALLOCATED: &str = "_unallocated";
 
-/// The subject of `event`; `allocation` is the path of the workload's allocation, which only a
+/// The telemetry subject of a heartbeat: every heartbeat goes there (the `TELEMETRY` stream);
+/// the few sampled into the ledger go to [`for_event`]'s subject.
+pub fn for_telemetry(heartbeat: &ledger::event::GpuHeartbeat) -> String {
+    format!(
+        "{TELEMETRY_PREFIX}.gpu.heartbeat.{}",
+        token(&heartbeat.node)
+    )
+}
+
+/// The ledger subject of `event`; `allocation` is the path of the workload's allocation, which only a
 /// submission carries itself, so writers of later workload events pass it in.
 pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
     let (category, verb, scope): (&str, &str, String) = match event {
         Event::AllocationSet(e) => ("allocation", "set", path_tokens(Some(&e.path))),
         Event::AllocationRemoved(e) => ("allocation", "removed", path_tokens(Some(&e.path))),
         Event::NodeRegistered(e) => ("node", "registered", token(&e.node)),
-        Event::GpuHeartbeat(e) => {
-            return format!("{TELEMETRY_PREFIX}.gpu.heartbeat.{}", token(&e.node));
-        }
+        Event::GpuHeartbeat(e) => ("gpu", "utilization", token(&e.node)),
         Event::GpuHealthChanged(e) => ("gpu", "health_changed", token(&e.node)),
         Event::WorkloadSubmitted(e) => (
             "workload",
@@ -109,7 +119,8 @@ fn path_tokens(path: Option<&str>) -> String {
     }
 }
 
-fn token(s: &str) -> String {
+/// `s` as one subject token: characters other than letters, digits, `_` and `-` become `_`.
+pub fn token(s: &str) -> String {
     if s.is_empty() {
         return "_".to_owned();
     }

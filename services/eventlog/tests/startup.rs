@@ -193,12 +193,17 @@ fn the_shipped_server_configs_are_valid() {
 async fn heartbeats_go_to_telemetry_not_to_the_ledger() {
     let server = NatsServer::start();
     let log = JetStreamLog::connect(&server.url(), quick()).await.unwrap();
-    let heartbeat = ledger::Event::GpuHeartbeat(ledger::event::GpuHeartbeat {
+    let heartbeat = ledger::event::GpuHeartbeat {
         node: "h100-0".into(),
         readings: Vec::new(),
-    });
-    let subject = eventlog::subject::for_event(&heartbeat, None);
+    };
+    let subject = eventlog::subject::for_telemetry(&heartbeat);
     assert_eq!(subject, "fairledger.telemetry.gpu.heartbeat.h100-0");
+    assert_eq!(
+        eventlog::subject::for_event(&ledger::Event::GpuHeartbeat(heartbeat), None),
+        "fairledger.ledger.gpu.utilization.h100-0",
+        "a heartbeat sampled into the ledger has a ledger subject"
+    );
     let seq = log
         .publish_telemetry(subject.clone(), "{}".into())
         .await

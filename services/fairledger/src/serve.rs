@@ -45,9 +45,15 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         Some(path) => {
             let scenario = sim::scenario::Scenario::load(path).map_err(|e| e.to_string())?;
             let prepared = scenario
-                .prepare(args.policy.as_deref())
+                .prepare_cluster(args.policy.as_deref(), false)
                 .map_err(|e| format!("{}: {e}", path.display()))?;
-            (prepared.state_config, prepared.policy, prepared.setup)
+            // A live cluster's writers have clocks of their own: tolerate their skew as the
+            // default does (a simulation's events are exact).
+            let state_config = StateConfig {
+                clock_skew_tolerance_ms: StateConfig::default().clock_skew_tolerance_ms,
+                ..prepared.state_config
+            };
+            (state_config, prepared.policy, prepared.setup)
         }
         None => {
             let name = args.policy.as_deref().unwrap_or("fairshare");

@@ -195,6 +195,16 @@ impl Scenario {
 
     /// Checks the scenario and builds the setup events. `policy` overrides `[policy].name`.
     pub fn prepare(&self, policy_override: Option<&str>) -> Result<Prepared, SimError> {
+        self.prepare_cluster(policy_override, true)
+    }
+
+    /// As [`Scenario::prepare`]; with `nodes_required` false a scenario may list no nodes (a
+    /// live cluster whose node agents register them).
+    pub fn prepare_cluster(
+        &self,
+        policy_override: Option<&str>,
+        nodes_required: bool,
+    ) -> Result<Prepared, SimError> {
         let bad = |message: String| SimError::Invalid(message);
         let name = policy_override.unwrap_or(&self.policy.name);
         let policy_name = policy::POLICY_NAMES
@@ -255,7 +265,7 @@ impl Scenario {
                 }));
             }
         }
-        if nodes.is_empty() {
+        if nodes.is_empty() && nodes_required {
             return Err(bad(
                 "the scenario has no nodes; add a [[nodes]] group or nodes_file".into(),
             ));
