@@ -9,10 +9,10 @@
 //! - `project` keeps the sled projection of an event log up to date;
 //! - `log import` appends a ledger written as JSON lines to an event log.
 //!
-//! - `serve` runs the API, the projector and the scheduler in one process.
-//!
-//! `agent` joins as its crate lands.
+//! - `serve` runs the API, the projector and the scheduler in one process;
+//! - `agent` runs a GPU node's agent: heartbeats, and the node's workloads as processes.
 
+mod agentcmd;
 mod client;
 mod demo;
 mod logcmd;
@@ -42,6 +42,18 @@ enum Command {
     /// Run the scheduling ledger: HTTP API, projector and scheduler in one process. Without
     /// --nats, on the embedded log in --data with a demo cluster of fake GPUs.
     Serve(serve::ServeArgs),
+    /// Run a GPU node's agent: register the node, publish GPU readings, launch the workloads
+    /// placed on it and stop the ones preempted (NVML, or --fake-gpus N).
+    Agent(agentcmd::AgentArgs),
+    /// Run one workload for the agent and record how it ended (used by the agent).
+    #[command(hide = true)]
+    AgentShim {
+        /// The run's directory.
+        dir: PathBuf,
+        /// The command.
+        #[arg(last = true, required = true)]
+        command: Vec<std::ffi::OsString>,
+    },
     /// Run the demo cluster (4 nodes x 8 GPUs, three teams) through the scheduler on a virtual
     /// clock and print owed versus delivered GPU-hours.
     Demo {
@@ -295,6 +307,10 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Sim(args) => simulate(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Agent(args) => agentcmd::agent(args),
+        Command::AgentShim { dir, command } => {
+            std::process::exit(agent::run::shim_main(&dir, &command))
+        }
         Command::Submit { client, submit } => client::submit(&client, submit),
         Command::Status { client, id } => client::status(&client, &id),
         Command::Cancel { client, id } => client::cancel(&client, &id),

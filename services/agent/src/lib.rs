@@ -1,0 +1,810 @@
+//! The node agent: makes a node's GPUs part of the cluster and makes placements real.
+//!
+//! - It registers the node (GPU count, model, topology labels) in the ledger, holding the node's
+//!   name in a lease on NATS so that two agents never drive one node.
+//! - Every heartbeat interval it publishes every GPU's readings (utilization, memory,
+//!   temperature, power, ECC errors, faults) on the telemetry stream; the scheduler turns silence
+//!   and bad readings into `GpuHealthChanged` ledger events.
+//! - It folds the ledger with the same [`ledger::State`] as every other role and keeps the
+//!   node's processes in line with it: a `WorkloadStarted` placing work here launches the
+//!   workload's command ([`run`]) with `CUDA_VISIBLE_DEVICES` set to exactly its GPUs; a
+//!   `PreemptionRequested` sends SIGTERM to its process group and SIGKILL when the grace period
+//!   is over; a run the ledger no longer places here is stopped.
+//! - When a process ends it reports `WorkloadFinished` (exit code or signal) or, if it was asked
+//!   to stop, `WorkloadStopped` and `WorkloadRequeued`, timestamped when the process really
+//!   ended, so delivered GPU-hours end then. Only the agent of a gang's first node reports.
+//! - A restarted agent finds its runs in their directories: it re-adopts those still running,
+//!   reports those that ended meanwhile, reports as lost those that vanished, and never launches
+//!   a start twice.
+//! - Its clock is measured against the NATS server's at every heartbeat; events are timestamped
+//!   with the server's time, and a skew is logged.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eventlog::{Append, AppendError, EventLog};
+use futures::StreamExt;
+use ledger::event::{
+    Event, GpuHeartbeat, NodeRegistered, StopReason, WorkloadFinished, WorkloadRequeued,
+    WorkloadStopped,
+};
+use ledger::{Envelope, Phase, State, StateConfig, WorkloadId};
+use nix::sys::signal::Signal;
+use uuid::Uuid;
+
+pub mod gpu;
+pub mod run;
+
+pub use gpu::{FakeGpus, Fault, GpuSource, Nvml};
+
+/// Settings of an agent.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// The node's name in the cluster.
+    pub node: String,
+    /// Topology labels, e.g. `rack=r1`.
+    pub labels: BTreeMap<String, String>,
+    /// The model to register, instead of the one derived from the GPUs' names.
+    pub model: Option<String>,
+    /// How often to publish readings.
+    pub heartbeat: Duration,
+    /// Where runs keep their directories (`<work_dir>/runs/…`).
+    pub work_dir: PathBuf,
+    /// The shim program and its leading arguments (the run directory, `--` and the command
+    /// follow); see [`run::shim_main`].
+    pub shim: Vec<OsString>,
+    /// Added to this machine's clock: stands in for a skewed clock in tests.
+    pub clock_skew_ms: i64,
+    /// How long a run the ledger no longer places here gets between SIGTERM and SIGKILL.
+    pub orphan_grace: Duration,
+}
+
+impl AgentConfig {
+    /// Defaults for `node`, keeping runs under `work_dir` and launching through `shim`.
+    pub fn new(node: &str, work_dir: PathBuf, shim: Vec<OsString>) -> Self {
+        AgentConfig {
+            node: node.to_owned(),
+            labels: BTreeMap::new(),
+            model: None,
+            heartbeat: Duration::from_secs(5),
+            work_dir,
+            shim,
+            clock_skew_ms: 0,
+            orphan_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Where heartbeats go.
+#[derive(Clone)]
+pub enum Telemetry {
+    /// The `TELEMETRY` stream, whose timestamps also set the agent's clock.
+    JetStream(Box<eventlog::jetstream::JetStreamLog>),
+    /// A function in the same process (an embedded server's health monitor).
+    Local(Arc<dyn Fn(&Envelope) + Send + Sync>),
+}
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The GPUs could not be read.
+    #[error(transparent)]
+    Gpu(#[from] gpu::GpuError),
+    /// The node's name belongs to something else.
+    #[error("{0}")]
+    Node(String),
+    /// The ledger could not be reached.
+    #[error("{0}")]
+    Log(String),
+    /// The run directory could not be used.
+    #[error("{0}")]
+    Io(String),
+}
+
+/// The time used for events: this machine's clock, corrected by the server's where measured.
+#[derive(Clone, Copy, Debug, Default)]
+struct Clock {
+    /// Added to this machine's clock (a test's pretend skew).
+    skew_ms: i64,
+    /// Server time minus this machine's (skewed) time, last measured.
+    correction_ms: i64,
+    warned: bool,
+}
+
+impl Clock {
+    fn local_ms(&self) -> u64 {
+        (wall_clock_ms() as i64 + self.skew_ms).max(0) as u64
+    }
+
+    fn now_ms(&self) -> u64 {
+        (self.local_ms() as i64 + self.correction_ms).max(0) as u64
+    }
+
+    /// Converts a time taken by this machine's clock into server time.
+    fn server_time(&self, local_ms: u64) -> u64 {
+        (local_ms as i64 + self.skew_ms + self.correction_ms).max(0) as u64
+    }
+
+    /// Takes a measurement: the server stamped `server_ms` between `sent_ms` and `acked_ms`
+    /// (this machine's skewed clock).
+    fn measured(&mut self, node: &str, sent_ms: u64, acked_ms: u64, server_ms: u64) {
+        let mid = (sent_ms + acked_ms) / 2;
+        let correction = server_ms as i64 - mid as i64;
+        // Within the round trip the measurement cannot tell: keep the clock as it is.
+        let uncertainty = (acked_ms - sent_ms) as i64 / 2 + 50;
+        self.correction_ms = if correction.abs() > uncertainty {
+            correction
+        } else {
+            0
+        };
+        let off = correction.unsigned_abs() > 1_000;
+        if off && !self.warned {
+            tracing::warn!(
+                "the clock of node {node:?} is off by {:.1} s from the NATS server's: events are stamped with the server's time; fix this machine's time synchronisation (NTP)",
+                -correction as f64 / 1000.0
+            );
+        }
+        self.warned = off;
+    }
+}
+
+/// Milliseconds since the Unix epoch by this machine's clock.
+pub fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What the agent keeps of one run.
+struct Run {
+    dir: PathBuf,
+    /// The shim, when this agent launched it (so it can be reaped).
+    shim: Option<tokio::process::Child>,
+    /// SIGTERM was sent; SIGKILL is due then.
+    kill_at: Option<Instant>,
+    killed: bool,
+    /// The end was reported to the ledger.
+    reported: bool,
+}
+
+/// A run's end is reported with its real time if the ledger's clock is at most this far past
+/// it; later, with the ledger's clock less this (a ledger refuses events much older than its
+/// clock).
+pub const REPORT_LATE_MAX_MS: u64 = 1_000;
+
+/// The least time between SIGTERM and SIGKILL.
+pub const MIN_GRACE: Duration = Duration::from_secs(2);
+
+/// The node agent's loop.
+pub struct Agent<L> {
+    log: L,
+    telemetry: Telemetry,
+    source: Box<dyn GpuSource>,
+    config: AgentConfig,
+    state: State,
+    clock: Clock,
+    started: Instant,
+    runs: BTreeMap<(WorkloadId, u64), Run>,
+    /// Command and environment of each live workload, from its submission.
+    specs: BTreeMap<WorkloadId, (Vec<String>, BTreeMap<String, String>)>,
+    /// Runs found in the run directory that the ledger does not place here.
+    orphans: BTreeMap<PathBuf, Run>,
+    runs_dir: PathBuf,
+}
+
+impl<L: EventLog> Agent<L> {
+    /// An agent for the node described by `config`, with GPUs from `source`.
+    pub fn new(
+        log: L,
+        telemetry: Telemetry,
+        source: Box<dyn GpuSource>,
+        config: AgentConfig,
+    ) -> Self {
+        let runs_dir = config.work_dir.join("runs");
+        Agent {
+            log,
+            telemetry,
+            source,
+            clock: Clock {
+                skew_ms: config.clock_skew_ms,
+                ..Clock::default()
+            },
+            config,
+            state: State::new(StateConfig::default()),
+            started: Instant::now(),
+            runs: BTreeMap::new(),
+            specs: BTreeMap::new(),
+            orphans: BTreeMap::new(),
+            runs_dir,
+        }
+    }
+
+    /// Registers the node and runs until `stop` resolves. Stopping leaves the workloads
+    /// running: the next agent on this node re-adopts them.
+    pub async fn run(
+        mut self,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<(), AgentError> {
+        std::fs::create_dir_all(&self.runs_dir).map_err(|e| {
+            AgentError::Io(format!(
+                "cannot create the run directory {}: {e}; pass another --work-dir",
+                self.runs_dir.display()
+            ))
+        })?;
+        self.measure_clock().await;
+        let mut events = self
+            .log
+            .subscribe(1)
+            .await
+            .map_err(|e| AgentError::Log(e.to_string()))?;
+        // Fold the whole ledger first: a restarted agent reports what ended while it was down
+        // before anything newer is stamped, and registers only a node the ledger lacks.
+        let end = self
+            .log
+            .last_seq()
+            .await
+            .map_err(|e| AgentError::Log(e.to_string()))?;
+        self.fold_until(&mut events, end).await?;
+        if !self.check_registration(false)? {
+            let registered_at = self.register().await?;
+            self.fold_until(&mut events, registered_at).await?;
+            self.check_registration(true)?;
+        }
+        self.find_orphans();
+        tracing::info!(
+            node = %self.config.node,
+            gpus = self.source.gpus().len(),
+            source = %self.source.describe(),
+            "agent registered"
+        );
+        let mut stop = std::pin::pin!(stop);
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_heartbeat = Instant::now();
+        loop {
+            tokio::select! {
+                _ = &mut stop => return Ok(()),
+                item = events.next() => match item {
+                    Some(Ok(stored)) => self.apply(&stored),
+                    other => {
+                        if let Some(Err(e)) = other {
+                            tracing::warn!(error = %e, "the ledger subscription failed; resubscribing");
+                        }
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        match self.log.subscribe(self.state.last_seq + 1).await {
+                            Ok(s) => events = s,
+                            Err(e) => tracing::warn!(error = %e, "cannot resubscribe to the ledger; retrying"),
+                        }
+                        continue;
+                    }
+                },
+                _ = tick.tick() => {}
+            }
+            self.reconcile().await;
+            if Instant::now() >= next_heartbeat {
+                next_heartbeat = Instant::now() + self.config.heartbeat;
+                self.heartbeat().await;
+            }
+        }
+    }
+
+    /// Applies events from `events` until the state reaches `seq`.
+    async fn fold_until(
+        &mut self,
+        events: &mut futures::stream::BoxStream<
+            'static,
+            Result<eventlog::Stored, eventlog::LogError>,
+        >,
+        seq: u64,
+    ) -> Result<(), AgentError> {
+        while self.state.last_seq < seq {
+            match events.next().await {
+                Some(Ok(stored)) => self.apply(&stored),
+                Some(Err(e)) => return Err(AgentError::Log(e.to_string())),
+                None => return Err(AgentError::Log("the ledger subscription ended".into())),
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, stored: &eventlog::Stored) {
+        match serde_json::from_slice::<Envelope>(&stored.payload) {
+            Ok(env) => {
+                let applied = self.state.apply(stored.seq, &env) == ledger::Outcome::Applied;
+                match &env.event {
+                    Event::WorkloadSubmitted(s) if applied => {
+                        self.specs
+                            .insert(s.workload, (s.command.clone(), s.env.clone()));
+                    }
+                    Event::WorkloadFinished(_)
+                    | Event::WorkloadCancelled(_)
+                    | Event::WorkloadStopped(_)
+                        if applied =>
+                    {
+                        let id = env.event.workload().expect("about a workload");
+                        if self
+                            .state
+                            .workloads
+                            .get(&id)
+                            .is_none_or(|w| matches!(w.phase, Phase::Finished | Phase::Cancelled))
+                        {
+                            self.specs.remove(&id);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Err(e) => {
+                // The projector records these; the agent only needs to move past them.
+                tracing::debug!(seq = stored.seq, error = %e, "undecodable ledger event skipped");
+                self.state.last_seq = stored.seq;
+            }
+        }
+    }
+
+    /// Probes the server's clock before anything is stamped.
+    async fn measure_clock(&mut self) {
+        let Telemetry::JetStream(js) = &self.telemetry else {
+            return;
+        };
+        let subject = format!(
+            "{}.agent.clock.{}",
+            eventlog::subject::TELEMETRY_PREFIX,
+            eventlog::subject::token(&self.config.node)
+        );
+        let sent = self.clock.local_ms();
+        let Ok(seq) = js.publish_telemetry(subject, "{}".into()).await else {
+            return;
+        };
+        let acked = self.clock.local_ms();
+        if let Ok(server) = js.telemetry_stored_at_ms(seq).await {
+            self.clock.measured(&self.config.node, sent, acked, server);
+        }
+    }
+
+    fn envelope(&self, event: Event) -> Envelope {
+        Envelope::new(
+            Uuid::now_v7(),
+            self.clock.now_ms(),
+            format!("agent:{}", self.config.node),
+            event,
+        )
+    }
+
+    async fn register(&mut self) -> Result<u64, AgentError> {
+        let gpus = self.source.gpus();
+        let model = self
+            .config
+            .model
+            .clone()
+            .unwrap_or_else(|| gpu::short_model(&gpus[0].name));
+        if gpus
+            .iter()
+            .any(|g| gpu::short_model(&g.name) != gpu::short_model(&gpus[0].name))
+        {
+            tracing::warn!("this node mixes GPU models; it is registered as {model}");
+        }
+        let event = Event::NodeRegistered(NodeRegistered {
+            node: self.config.node.clone(),
+            gpus: gpus.len() as u32,
+            model,
+            labels: self.config.labels.clone(),
+        });
+        let env = self.envelope(event);
+        let append = Append::event(&env, None, None);
+        loop {
+            match self.log.append(append.clone()).await {
+                Ok(a) => return Ok(a.seq),
+                Err(AppendError::Unacknowledged(e)) => {
+                    tracing::warn!(error = %e, "registration not acknowledged; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(AgentError::Log(format!("cannot register the node: {e}"))),
+            }
+        }
+    }
+
+    /// Whether the ledger holds this node as this machine is; an error if it holds it with
+    /// another shape, or (`must`) does not hold it at all.
+    fn check_registration(&self, must: bool) -> Result<bool, AgentError> {
+        let gpus = self.source.gpus().len() as u32;
+        let Some(idx) = self.state.cluster.get(&self.config.node) else {
+            if !must {
+                return Ok(false);
+            }
+            return Err(AgentError::Node(format!(
+                "the ledger refused to register node {:?} (see `fairledger events --kind node_registered`); check --node and this machine's clock",
+                self.config.node
+            )));
+        };
+        let n = self.state.cluster.node(idx);
+        let model = self
+            .config
+            .model
+            .clone()
+            .unwrap_or_else(|| gpu::short_model(&self.source.gpus()[0].name));
+        if n.gpu_count != gpus || n.model != model {
+            return Err(AgentError::Node(format!(
+                "node {:?} is already registered with {} {} GPUs, and this machine has {gpus} {model}: pass another --node",
+                self.config.node, n.gpu_count, n.model
+            )));
+        }
+        Ok(true)
+    }
+
+    /// Publishes the readings, unless a scripted fault silenced them.
+    async fn heartbeat(&mut self) {
+        let elapsed = self.started.elapsed();
+        if self.source.silent(elapsed) {
+            return;
+        }
+        let busy = self.busy_gpus();
+        let readings = match self.source.read(elapsed, &busy) {
+            Ok(r) => r,
+            Err(e) => {
+                // No heartbeat: the scheduler marks the GPUs unhealthy after its timeout.
+                tracing::warn!(error = %e, "cannot read the GPUs; no heartbeat this time");
+                return;
+            }
+        };
+        let hb = GpuHeartbeat {
+            node: self.config.node.clone(),
+            readings,
+        };
+        let subject = eventlog::subject::for_telemetry(&hb);
+        let env = self.envelope(Event::GpuHeartbeat(hb));
+        match &self.telemetry {
+            Telemetry::Local(f) => f(&env),
+            Telemetry::JetStream(js) => {
+                let payload = serde_json::to_vec(&env).expect("envelopes serialize");
+                let sent = self.clock.local_ms();
+                match js.publish_telemetry(subject, payload.into()).await {
+                    Ok(seq) => {
+                        let acked = self.clock.local_ms();
+                        if let Ok(server) = js.telemetry_stored_at_ms(seq).await {
+                            let node = self.config.node.clone();
+                            self.clock.measured(&node, sent, acked, server);
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "heartbeat not published"),
+                }
+            }
+        }
+    }
+
+    /// GPUs of this node held by running workloads.
+    fn busy_gpus(&self) -> Vec<u32> {
+        let Some(idx) = self.state.cluster.get(&self.config.node) else {
+            return Vec::new();
+        };
+        let node = self.state.cluster.node(idx);
+        (0..node.gpu_count)
+            .filter(|g| node.holders[*g as usize].is_some())
+            .collect()
+    }
+
+    /// Runs the ledger places on this node: (workload, start) → the GPUs here.
+    fn placed_here(&self) -> BTreeMap<(WorkloadId, u64), Vec<u32>> {
+        let mut out = BTreeMap::new();
+        let Some(me) = self.state.cluster.get(&self.config.node) else {
+            return out;
+        };
+        for w in self.state.running_workloads() {
+            if w.phase != Phase::Running {
+                continue;
+            }
+            if let Some(p) = w.placement.iter().find(|p| p.node == me) {
+                let gpus = (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect();
+                out.insert((w.id, w.started_at_ms), gpus);
+            }
+        }
+        out
+    }
+
+    /// Runs in the run directory that are alive but not placed here: stopped once found.
+    fn find_orphans(&mut self) {
+        let placed = self.placed_here();
+        let Ok(entries) = std::fs::read_dir(&self.runs_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            let ours = placed
+                .keys()
+                .any(|(id, at)| run::dir(&self.runs_dir, *id, *at) == dir);
+            if !ours && run::status(&dir) == run::Status::Running {
+                tracing::warn!(dir = %dir.display(), "a run the ledger no longer places here is still alive: stopping it");
+                self.orphans.insert(
+                    dir.clone(),
+                    Run {
+                        dir,
+                        shim: None,
+                        kill_at: None,
+                        killed: false,
+                        reported: true,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Brings the node's processes in line with the ledger.
+    async fn reconcile(&mut self) {
+        let placed = self.placed_here();
+        // Launch or adopt what is placed here.
+        for (key, gpus) in &placed {
+            if !self.runs.contains_key(key) {
+                let run = self.start(*key, gpus);
+                self.runs.insert(*key, run);
+            }
+        }
+        // Runs the ledger no longer places here (finished, reported lost, cancelled before the
+        // agent saw the start): stop them without reporting.
+        let gone: Vec<_> = self
+            .runs
+            .keys()
+            .filter(|k| !placed.contains_key(k))
+            .copied()
+            .collect();
+        for key in gone {
+            let mut run = self.runs.remove(&key).expect("listed");
+            if status_of(&mut run) == run::Status::Running {
+                self.orphans.insert(run.dir.clone(), run);
+            }
+        }
+        // Preemptions: SIGTERM now, SIGKILL when the grace period is over.
+        let now = Instant::now();
+        let server_now = self.clock.now_ms();
+        for (key, run) in &mut self.runs {
+            let Some(p) = self.state.workloads.get(&key.0).and_then(|w| w.preempting) else {
+                continue;
+            };
+            if run.kill_at.is_none() && run::signal_group(&run.dir, Signal::SIGTERM) {
+                // Even without a grace period (a failed GPU) the process gets a moment to
+                // flush its logs: its GPUs are not handed on before its end is reported.
+                let grace = Duration::from_millis(p.grace_until_ms.saturating_sub(server_now))
+                    .max(MIN_GRACE);
+                run.kill_at = Some(now + grace);
+            }
+        }
+        for run in self.orphans.values_mut() {
+            if run.kill_at.is_none() && run::signal_group(&run.dir, Signal::SIGTERM) {
+                run.kill_at = Some(now + self.config.orphan_grace);
+            }
+        }
+        for run in self.runs.values_mut().chain(self.orphans.values_mut()) {
+            if let Some(at) = run.kill_at {
+                if now >= at && !run.killed {
+                    run.killed = run::signal_group(&run.dir, Signal::SIGKILL);
+                }
+            }
+        }
+        self.orphans
+            .retain(|_, run| status_of(run) == run::Status::Running);
+        // Ends: report them.
+        let mut ended = Vec::new();
+        for (key, run) in &mut self.runs {
+            if run.reported {
+                continue;
+            }
+            let status = status_of(run);
+            if status == run::Status::Running {
+                continue;
+            }
+            run.reported = true;
+            ended.push((*key, status));
+        }
+        let me = self.state.cluster.get(&self.config.node);
+        let mut reports = Vec::new();
+        for (key, status) in ended {
+            let Some(w) = self.state.workloads.get(&key.0) else {
+                continue;
+            };
+            if w.placement.first().map(|p| p.node) != me {
+                continue; // the gang's first node reports
+            }
+            reports.push((key, self.end_reports(key.0, status)));
+        }
+        for (key, (at_ms, events)) in reports {
+            self.report(key, at_ms, events).await;
+        }
+    }
+
+    /// Launches a new start, or adopts one launched before (by this agent or an earlier one).
+    fn start(&mut self, key: (WorkloadId, u64), gpus: &[u32]) -> Run {
+        let dir = run::dir(&self.runs_dir, key.0, key.1);
+        let mut new = Run {
+            dir: dir.clone(),
+            shim: None,
+            kill_at: None,
+            killed: false,
+            reported: false,
+        };
+        match run::claim(&dir) {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(workload = %key.0, dir = %dir.display(), "re-adopting a run launched before");
+                return new;
+            }
+            Err(e) => {
+                tracing::warn!(workload = %key.0, error = %e, "cannot create the run directory: the run is lost");
+                return new;
+            }
+        }
+        let spec = self.spec(key.0, gpus, &dir);
+        match run::launch(&dir, &spec, &self.config.shim) {
+            Ok(child) => {
+                tracing::info!(workload = %key.0, gpus = ?gpus, "launched");
+                new.shim = Some(child);
+            }
+            Err(e) => {
+                tracing::warn!(workload = %key.0, error = %e, "cannot launch the shim: the run is lost");
+            }
+        }
+        new
+    }
+
+    /// The command and environment of a workload's run here.
+    fn spec(&self, id: WorkloadId, gpus: &[u32], dir: &std::path::Path) -> run::Spec {
+        let w = &self.state.workloads[&id];
+        let (command, mut env) = self.specs.get(&id).cloned().unwrap_or_default();
+        let info = self.source.gpus();
+        let by_uuid: Option<Vec<String>> = gpus
+            .iter()
+            .map(|g| info.get(*g as usize).and_then(|i| i.uuid.clone()))
+            .collect();
+        let indices: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        env.insert(
+            "CUDA_VISIBLE_DEVICES".into(),
+            by_uuid.unwrap_or_else(|| indices.clone()).join(","),
+        );
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert("FAIRLEDGER_GPUS".into(), indices.join(","));
+        env.insert("FAIRLEDGER_WORKLOAD_ID".into(), id.to_string());
+        env.insert(
+            "FAIRLEDGER_ALLOCATION".into(),
+            self.state.allocation_path(w).unwrap_or("").to_owned(),
+        );
+        env.insert("FAIRLEDGER_NODE".into(), self.config.node.clone());
+        let nodes: Vec<&str> = w
+            .placement
+            .iter()
+            .map(|p| self.state.cluster.node(p.node).name.as_str())
+            .collect();
+        let rank = nodes
+            .iter()
+            .position(|n| *n == self.config.node)
+            .unwrap_or(0);
+        env.insert("FAIRLEDGER_NODES".into(), nodes.join(","));
+        env.insert("FAIRLEDGER_NODE_RANK".into(), rank.to_string());
+        env.insert("FAIRLEDGER_RUN_DIR".into(), dir.display().to_string());
+        let command = if command.is_empty() {
+            // Nothing to run: hold the GPUs for the estimate, as a placeholder would.
+            let secs = w
+                .remaining_estimate_ms(w.started_at_ms)
+                .map_or("infinity".to_owned(), |ms| {
+                    format!("{:.3}", ms as f64 / 1000.0)
+                });
+            vec!["sleep".to_owned(), secs]
+        } else {
+            command
+        };
+        run::Spec { command, env }
+    }
+
+    /// What to report for a run that ended (or vanished), and when it ended (server time).
+    fn end_reports(&self, id: WorkloadId, status: run::Status) -> (u64, Vec<Event>) {
+        let w = &self.state.workloads[&id];
+        match status {
+            run::Status::Ended(exit) => {
+                let at = self.clock.server_time(exit.ended_at_ms);
+                if w.preempting.is_some() {
+                    (at, self.state.grace_end_reports(id, at))
+                } else {
+                    if let Some(e) = &exit.error {
+                        tracing::warn!(workload = %id, "{e}");
+                    }
+                    let finished = Event::WorkloadFinished(WorkloadFinished {
+                        workload: id,
+                        exit_code: exit.exit_code,
+                        signal: exit.signal,
+                    });
+                    (at, vec![finished])
+                }
+            }
+            run::Status::Lost | run::Status::Running => {
+                let at = self.clock.now_ms();
+                tracing::warn!(workload = %id, "the run vanished without a record of its end: reported lost and requeued");
+                let events = vec![
+                    Event::WorkloadStopped(WorkloadStopped {
+                        workload: id,
+                        reason: StopReason::Lost,
+                    }),
+                    Event::WorkloadRequeued(WorkloadRequeued {
+                        workload: id,
+                        work_lost_s: 0,
+                    }),
+                ];
+                (at, events)
+            }
+        }
+    }
+
+    /// Appends the reports of one run's end, stamped `at_ms` (no earlier than the ledger's
+    /// clock allows), once: a retry carries the same idempotency keys.
+    async fn report(&mut self, key: (WorkloadId, u64), at_ms: u64, events: Vec<Event>) {
+        let floor = self.state.now_ms.saturating_sub(REPORT_LATE_MAX_MS);
+        if at_ms < floor {
+            tracing::warn!(workload = %key.0, "the run ended {} s before the ledger's clock allows; reported as ending then", (floor - at_ms) / 1000);
+        }
+        let at_ms = at_ms.max(floor);
+        let allocation = self.state.allocation_of(&events[0]).map(str::to_owned);
+        let appends: Vec<Append> = events
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let env = Envelope::new(
+                    Uuid::now_v7(),
+                    at_ms,
+                    format!("agent:{}", self.config.node),
+                    e,
+                );
+                let id = format!("agent-end:{}:{}:{i}", key.0, key.1);
+                Append::event(&env, allocation.as_deref(), Some(&id))
+            })
+            .collect();
+        for attempt in 0.. {
+            match self.log.append_batch(appends.clone()).await {
+                Ok(_) | Err(AppendError::DuplicateBatch(_)) => return,
+                Err(AppendError::Unacknowledged(e)) | Err(AppendError::Unavailable(e))
+                    if attempt < 20 =>
+                {
+                    tracing::warn!(workload = %key.0, error = %e, "report not acknowledged; retrying");
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(e) => {
+                    tracing::error!(workload = %key.0, error = %e, "cannot report the end of a run; will retry");
+                    if let Some(run) = self.runs.get_mut(&key) {
+                        run.reported = false;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Reaps the shim if this agent launched it and it has exited.
+fn reap(run: &mut Run) {
+    if let Some(child) = &mut run.shim {
+        if let Ok(Some(_)) = child.try_wait() {
+            run.shim = None;
+        }
+    }
+}
+
+/// Where `run` stands: as its directory says, except that a shim this agent launched and that
+/// is still alive has not lost its run (it may not have written its files yet).
+fn status_of(run: &mut Run) -> run::Status {
+    reap(run);
+    match run::status(&run.dir) {
+        run::Status::Lost if run.shim.is_some() => run::Status::Running,
+        status => status,
+    }
+}
+
+/// Which workloads an agent's node holds, for tests and `status`: workload ids whose run is
+/// placed on `node` in `state`.
+pub fn placed_on(state: &State, node: &str) -> BTreeSet<WorkloadId> {
+    let Some(me) = state.cluster.get(node) else {
+        return BTreeSet::new();
+    };
+    state
+        .running_workloads()
+        .filter(|w| w.placement.iter().any(|p| p.node == me))
+        .map(|w| w.id)
+        .collect()
+}

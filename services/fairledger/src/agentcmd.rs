@@ -1,0 +1,206 @@
+//! `fairledger agent`: the node agent of one GPU node, on NVML or fake GPUs, against a NATS
+//! JetStream ledger; `fairledger agent --discover` lists the GPUs and their readings.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agent::{AgentConfig, FakeGpus, Fault, GpuSource, Nvml, Telemetry};
+use eventlog::jetstream::{JetStreamLog, JetStreamOptions};
+use eventlog::AnyLog;
+
+use crate::logcmd::{runtime, shutdown_signal};
+
+/// The key-value bucket in which each agent holds its node's name.
+pub const LEASE_BUCKET: &str = "fairledger_agents";
+
+/// Settings of `agent`.
+#[derive(clap::Args, Debug)]
+pub struct AgentArgs {
+    /// NATS server with JetStream, as the servers use (required unless --discover).
+    #[arg(long, env = "FAIRLEDGER_NATS")]
+    pub nats: Option<String>,
+    /// The node's name in the cluster (default: this machine's host name).
+    #[arg(long, env = "FAIRLEDGER_NODE")]
+    pub node: Option<String>,
+    /// Use N fake GPUs instead of NVML (tests, demos, machines without a driver).
+    #[arg(long, value_name = "N")]
+    pub fake_gpus: Option<u32>,
+    /// Model name of the fake GPUs.
+    #[arg(long, default_value = "H100")]
+    pub fake_model: String,
+    /// A scripted fault of the fake GPUs: GPU@SECONDS (that GPU goes unhealthy) or
+    /// silent@SECONDS (heartbeats stop). Repeat for more.
+    #[arg(long, value_name = "SPEC")]
+    pub fake_fault: Vec<Fault>,
+    /// Register this model instead of the one derived from the GPUs' names (e.g. H100).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A topology label, KEY=VALUE (e.g. rack=r1). Repeat for more.
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_label)]
+    pub label: Vec<(String, String)>,
+    /// Seconds between heartbeats.
+    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_S", default_value_t = 5.0)]
+    pub heartbeat_s: f64,
+    /// Where runs keep their directories and output logs.
+    #[arg(long, env = "FAIRLEDGER_WORK_DIR", default_value = "fairledger-agent")]
+    pub work_dir: PathBuf,
+    /// Replicas of the JetStream streams and the lease bucket: 1, or 3 in a cluster.
+    #[arg(long, env = "FAIRLEDGER_REPLICAS", default_value_t = 1)]
+    pub replicas: usize,
+    /// List the GPUs with their readings and exit.
+    #[arg(long)]
+    pub discover: bool,
+    /// Pretend this machine's clock is off by this many milliseconds (for testing skew).
+    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+    pub clock_skew_ms: i64,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("label {s:?}: write KEY=VALUE, e.g. rack=r1")),
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "node".to_owned())
+}
+
+fn source(args: &AgentArgs) -> Result<Box<dyn GpuSource>, String> {
+    match args.fake_gpus {
+        Some(n) => Ok(Box::new(FakeGpus::new(
+            n,
+            &args.fake_model,
+            args.fake_fault.clone(),
+        )?)),
+        None if !args.fake_fault.is_empty() => {
+            Err("--fake-fault needs --fake-gpus: real GPUs fail on their own".into())
+        }
+        None => Nvml::open()
+            .map(|n| Box::new(n) as _)
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// `fairledger agent --discover`: every GPU with its readings.
+fn discover(args: &AgentArgs) -> Result<(), String> {
+    let mut source = source(args)?;
+    let readings = source
+        .read(Duration::ZERO, &[])
+        .map_err(|e| e.to_string())?;
+    println!("{}", source.describe());
+    println!(
+        "{:>3}  {:<42} {:<24} {:>5} {:>14} {:>6} {:>6} {:>5}  HEALTH",
+        "GPU", "UUID", "NAME", "UTIL", "MEMORY MiB", "TEMP", "POWER", "ECC"
+    );
+    for (g, r) in source.gpus().iter().zip(&readings) {
+        let health = match (&r.fault, r.ecc_errors_uncorrected) {
+            (Some(f), _) => f.clone(),
+            (None, n) if n > 0 => "uncorrected ECC errors".into(),
+            _ => "ok".into(),
+        };
+        println!(
+            "{:>3}  {:<42} {:<24} {:>4}% {:>14} {:>5}C {:>5}W {:>5}  {health}",
+            g.index,
+            g.uuid.as_deref().unwrap_or("-"),
+            g.name,
+            r.utilization_pct,
+            format!("{}/{}", r.memory_used_mib, r.memory_total_mib),
+            r.temperature_c,
+            r.power_w,
+            r.ecc_errors_uncorrected,
+        );
+    }
+    Ok(())
+}
+
+pub fn agent(args: AgentArgs) -> Result<(), String> {
+    if args.discover {
+        return discover(&args);
+    }
+    let Some(url) = args.nats.clone() else {
+        return Err("the agent needs --nats URL (the NATS server the scheduler uses); an embedded `fairledger serve` runs its demo cluster's fake agents itself".into());
+    };
+    if !(args.heartbeat_s.is_finite() && args.heartbeat_s > 0.0) {
+        return Err("--heartbeat-s must be a positive number of seconds".into());
+    }
+    let source = source(&args)?;
+    let node = args.node.clone().unwrap_or_else(host_name);
+    let shim = vec![
+        std::env::current_exe()
+            .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?
+            .into_os_string(),
+        OsString::from("agent-shim"),
+    ];
+    let mut config = AgentConfig::new(&node, args.work_dir.clone(), shim);
+    config.labels = args.label.iter().cloned().collect::<BTreeMap<_, _>>();
+    config.model = args.model.clone();
+    config.heartbeat = Duration::from_secs_f64(args.heartbeat_s);
+    config.clock_skew_ms = args.clock_skew_ms;
+    runtime()?.block_on(async move {
+        let options = JetStreamOptions {
+            replicas: args.replicas,
+            ..Default::default()
+        };
+        let js = JetStreamLog::connect(&url, options)
+            .await
+            .map_err(|e| e.to_string())?;
+        // The node's name is this agent's while it renews the lease: a second agent for the
+        // same node is refused until this one has been silent for the lease's lifetime.
+        let ttl = (config.heartbeat * 3).max(Duration::from_secs(3));
+        let holder = format!("{}:{}:{}", host_name(), std::process::id(), uuid::Uuid::now_v7());
+        let mut lease = eventlog::lease::Lease::open(
+            js.context(),
+            LEASE_BUCKET,
+            &eventlog::subject::token(&node),
+            &holder,
+            ttl,
+            args.replicas,
+        )
+        .await?;
+        // A holder that crashed (this node's previous agent, say) loses the lease within its
+        // lifetime: wait that long before refusing.
+        let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(1);
+        while !lease.hold().await {
+            if tokio::time::Instant::now() >= deadline {
+                let other = lease.holder().await.unwrap_or_else(|| "another agent".into());
+                return Err(format!(
+                    "node {node:?} is driven by another agent ({other}); stop it, or pass another --node"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let lost = async move {
+            loop {
+                tokio::time::sleep(ttl / 3).await;
+                if !lease.hold().await {
+                    return format!("lost the lease on node {node:?} to another agent: stopping");
+                }
+            }
+        };
+        let telemetry = Telemetry::JetStream(Box::new(js.clone()));
+        let agent = agent::Agent::new(AnyLog::JetStream(Box::new(js)), telemetry, source, config);
+        let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+        let stop = async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                why = lost => { let _ = tx.send(why); }
+            }
+        };
+        agent.run(stop).await.map_err(|e| e.to_string())?;
+        match rx.await {
+            Ok(why) => Err(why),
+            Err(_) => {
+                eprintln!("agent stopped; its workloads keep running and the next agent on this node re-adopts them");
+                Ok(())
+            }
+        }
+    })
+}

@@ -1,0 +1,449 @@
+//! `fairledger agent` as a process with fake GPUs, against `fairledger serve` on a real
+//! nats-server: workloads really run as processes with the GPUs they were placed on, are
+//! preempted with SIGTERM after their contract, requeued and resumed; a failed GPU stops its
+//! workload without a contract violation; an agent killed and restarted re-adopts its runs and
+//! never launches one twice; the audit's delivered GPU-hours are the processes' real run times.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Server, BIN};
+use eventlog::testing::NatsServer;
+use serde_json::{json, Value};
+
+/// A contract of 2 s and a grace of 2 s, two teams of equal weight, no nodes but the agents'.
+fn cluster(dir: &Path, min_runtime_s: u64) -> PathBuf {
+    let path = dir.join("cluster.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[policy]\nmin_runtime_s = {min_runtime_s}\ngrace_s = 2\n\n\
+             [[allocations]]\npath = \"lab/a\"\nweight = 1\n\n\
+             [[allocations]]\npath = \"lab/b\"\nweight = 1\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A workload script: appends `start <ms> <CUDA_VISIBLE_DEVICES> <workload> <allocation>` to
+/// `log`, then sleeps `secs`; on SIGTERM appends `term <ms>` and exits 143; otherwise `done
+/// <ms>`.
+fn script(dir: &Path, log: &Path) -> PathBuf {
+    let path = dir.join("job.sh");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\n\
+             log={}\n\
+             echo \"start $(date +%s%3N) $CUDA_VISIBLE_DEVICES $FAIRLEDGER_WORKLOAD_ID $FAIRLEDGER_ALLOCATION\" >> $log\n\
+             trap 'echo \"term $(date +%s%3N) $FAIRLEDGER_WORKLOAD_ID\" >> $log; exit 143' TERM\n\
+             sleep \"$1\" & wait\n\
+             echo \"done $(date +%s%3N) $FAIRLEDGER_WORKLOAD_ID\" >> $log\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    let mut perms = std::fs::metadata(&path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&path, perms).unwrap();
+    path
+}
+
+struct Agent {
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Agent {
+    fn start(nats: &str, node: &str, work: &Path, extra: &[&str]) -> Agent {
+        let stderr = work.with_extension(format!("{}.log", std::process::id()));
+        let child = Command::new(BIN)
+            .args([
+                "agent",
+                "--nats",
+                nats,
+                "--node",
+                node,
+                "--heartbeat-s",
+                "0.5",
+            ])
+            .arg("--work-dir")
+            .arg(work)
+            .args(extra)
+            .env("FAIRLEDGER_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        Agent { child, stderr }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent log ---\n{}", self.log());
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits for workload `id` to reach `phase`; on a timeout, prints the ledger before failing.
+fn wait_for(server: &Server, id: &str, phase: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, row) = server.call("GET", &format!("/v1/workloads/{id}"), None);
+        assert_eq!(status, 200, "{row}");
+        if row["phase"] == phase {
+            return row;
+        }
+        if Instant::now() > deadline {
+            let (_, events) = server.call("GET", "/v1/events?limit=1000", None);
+            for e in events["events"].as_array().into_iter().flatten() {
+                eprintln!("{e}");
+            }
+            let (_, audit) = server.call("GET", &format!("/v1/audit/workloads/{id}"), None);
+            eprintln!("rejected: {}", audit["rejected_seqs"]);
+            let (_, metrics) = server.call("GET", "/metrics", None);
+            eprintln!("{metrics}");
+            panic!("{id} never became {phase}: {row}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn submit(server: &Server, body: Value) -> String {
+    let (status, answer) = server.call("POST", "/v1/workloads", Some(&body.to_string()));
+    assert_eq!(status, 202, "{answer}");
+    answer["id"].as_str().unwrap().to_owned()
+}
+
+fn wait_until(what: &str, secs: u64, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn wait_for_node(server: &Server, node: &str) {
+    wait_until(&format!("node {node} to register"), 30, || {
+        let (_, nodes) = server.call("GET", "/v1/nodes", None);
+        nodes["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().any(|n| n["node"] == node))
+    });
+}
+
+/// The lines of the jobs' log, split into words.
+fn lines(log: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+/// Real run time of workload `id` from the jobs' log: each `start` to the following `term` or
+/// `done`, in milliseconds.
+fn ran_ms(log: &Path, id: &str) -> u64 {
+    let mut total = 0;
+    let mut since = None;
+    for l in lines(log) {
+        let mine = l.iter().any(|w| w == id);
+        match l[0].as_str() {
+            "start" if mine => since = Some(l[1].parse::<u64>().unwrap()),
+            "term" | "done" if mine => {
+                total += l[1].parse::<u64>().unwrap() - since.take().expect("a start first");
+            }
+            _ => {}
+        }
+    }
+    assert!(since.is_none(), "{id} still running");
+    total
+}
+
+fn delivered_gpu_hours(server: &Server, path: &str) -> f64 {
+    let (_, allocations) = server.call("GET", "/v1/allocations", None);
+    allocations["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == path)
+        .unwrap()["delivered_gpu_hours"]
+        .as_f64()
+        .unwrap()
+}
+
+fn history(server: &Server, id: &str) -> Vec<Value> {
+    let (status, h) = server.call("GET", &format!("/v1/audit/workloads/{id}"), None);
+    assert_eq!(status, 200, "{h}");
+    h["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"].clone())
+        .collect()
+}
+
+fn kinds(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn a_preempted_process_gets_sigterm_is_requeued_resumes_and_the_audit_matches_its_run_time() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 2);
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    // This machine's clock is a minute behind the server's: the agent must notice and stamp its
+    // reports with the server's time, or the ledger would refuse them as too old.
+    let agent = Agent::start(
+        &nats.url(),
+        "gpu-1",
+        &tmp.path().join("agent"),
+        &["--fake-gpus", "2", "--clock-skew-ms", "-60000"],
+    );
+    wait_for_node(&server, "gpu-1");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let job = job.to_str().unwrap();
+    // Team a takes the whole node with a long job.
+    let a = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job, "600"]}),
+    );
+    wait_for(&server, &a, "running");
+    wait_until("a's process to start", 20, || !lines(&jobs).is_empty());
+    let first = &lines(&jobs)[0];
+    assert_eq!(
+        (
+            first[0].as_str(),
+            first[2].as_str(),
+            first[3].as_str(),
+            first[4].as_str()
+        ),
+        ("start", "0,1", a.as_str(), "lab/a"),
+        "the process sees exactly its GPUs, its id and its allocation"
+    );
+    // After a's contract, team b (owed half, holding nothing) arrives: a is preempted.
+    std::thread::sleep(Duration::from_millis(2500));
+    let b = submit(
+        &server,
+        json!({"allocation": "lab/b", "gpus_per_node": 2, "command": [job, "1"]}),
+    );
+    wait_for(&server, &b, "finished");
+    let row = wait_for(&server, &a, "running");
+    assert_eq!(row["starts"], 2, "a resumed after b: {row}");
+    wait_until("a's second process", 20, || {
+        lines(&jobs)
+            .iter()
+            .filter(|l| l[0] == "start" && l[3] == a)
+            .count()
+            == 2
+    });
+    // a's history: started, preempted (fair share, for b), stopped as preempted, requeued,
+    // started again.
+    let h = history(&server, &a);
+    assert_eq!(
+        kinds(&h),
+        [
+            "workload_submitted",
+            "workload_started",
+            "preemption_requested",
+            "workload_stopped",
+            "workload_requeued",
+            "workload_started"
+        ]
+    );
+    assert_eq!(h[2]["payload"]["reason"], "fair_share");
+    assert_eq!(h[2]["payload"]["beneficiary"], b.as_str());
+    assert_eq!(h[3]["payload"]["reason"], "preempted");
+    let jobs_lines = lines(&jobs);
+    assert!(
+        jobs_lines.iter().any(|l| l[0] == "term" && l[2] == a),
+        "a got SIGTERM: {jobs_lines:?}"
+    );
+    // Cancel a while it runs: SIGTERM again, and it ends as cancelled.
+    let (status, _) = server.call("DELETE", &format!("/v1/workloads/{a}"), None);
+    assert_eq!(status, 202);
+    wait_for(&server, &a, "cancelled");
+    // Delivered GPU-hours are the processes' real run times (2 GPUs each), within a second.
+    for (path, id) in [("lab/a", &a), ("lab/b", &b)] {
+        let real = 2.0 * ran_ms(&jobs, id) as f64 / 3.6e6;
+        let delivered = delivered_gpu_hours(&server, path);
+        assert!(
+            (delivered - real).abs() < 2.0 / 3600.0,
+            "{path}: delivered {delivered} GPU-hours, its processes ran {real}"
+        );
+    }
+    let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
+    assert_eq!(metrics["contract_violations"], 0, "{metrics}");
+    assert!(metrics["preemptions"].as_u64().unwrap() >= 1, "{metrics}");
+    let log = agent.log();
+    assert!(log.contains("is off by"), "the skew was reported: {log}");
+}
+
+#[test]
+fn a_failed_gpu_stops_its_workload_without_a_contract_violation() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    // A long contract: only a hardware failure may stop the workload.
+    let config = cluster(tmp.path(), 3600);
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    // GPU 1 fails 8 s after the agent starts.
+    let _agent = Agent::start(
+        &nats.url(),
+        "gpu-1",
+        &tmp.path().join("agent"),
+        &["--fake-gpus", "2", "--fake-fault", "1@8"],
+    );
+    wait_for_node(&server, "gpu-1");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job.to_str().unwrap(), "600"]}),
+    );
+    wait_for(&server, &id, "running");
+    // The failure: the workload is stopped and requeued, and cannot start again on one GPU.
+    wait_until("the workload to be requeued", 40, || {
+        kinds(&history(&server, &id)).contains(&"workload_requeued".to_owned())
+    });
+    let h = history(&server, &id);
+    let reasons: Vec<&Value> = h.iter().map(|e| &e["payload"]["reason"]).collect();
+    assert!(reasons.contains(&&json!("hardware_failure")), "{h:?}");
+    let stopped = h.iter().find(|e| e["type"] == "workload_stopped").unwrap();
+    assert_eq!(stopped["payload"]["reason"], "hardware_failure");
+    assert!(
+        lines(&jobs).iter().any(|l| l[0] == "term"),
+        "the process got SIGTERM"
+    );
+    let (_, row) = server.call("GET", &format!("/v1/workloads/{id}"), None);
+    assert_eq!(row["phase"], "pending", "{row}");
+    let (_, nodes) = server.call("GET", "/v1/nodes", None);
+    assert_eq!(nodes["nodes"][0]["healthy_gpus"], 1, "{nodes}");
+    let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
+    assert_eq!(metrics["contract_violations"], 0, "{metrics}");
+    assert!(
+        metrics["availability"].as_f64().unwrap() < 1.0,
+        "the failed GPU left availability: {metrics}"
+    );
+}
+
+#[test]
+fn a_restarted_agent_re_adopts_its_runs_and_never_launches_one_twice() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let work = tmp.path().join("agent");
+    let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
+    wait_for_node(&server, "gpu-1");
+    // A second agent for the same node is refused with the reason.
+    let out = Command::new(BIN)
+        .args([
+            "agent",
+            "--nats",
+            &nats.url(),
+            "--node",
+            "gpu-1",
+            "--fake-gpus",
+            "2",
+        ])
+        .arg("--work-dir")
+        .arg(tmp.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("driven by another agent"), "{err}");
+
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let job = job.to_str().unwrap();
+    let long = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": [job, "600"]}),
+    );
+    let short = submit(
+        &server,
+        json!({"allocation": "lab/b", "gpus_per_node": 1, "command": [job, "3"]}),
+    );
+    wait_until("both processes", 20, || lines(&jobs).len() >= 2);
+    // The agent dies; its workloads do not. The short one ends while it is down.
+    agent.kill9();
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(lines(&jobs).iter().any(|l| l[0] == "done" && l[2] == short));
+    let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
+    // The end that happened while it was down is reported, with its real time.
+    let row = wait_for(&server, &short, "finished");
+    let h = history(&server, &short);
+    assert_eq!(h.last().unwrap()["payload"]["exit_code"], 0);
+    let real = ran_ms(&jobs, &short) as f64 / 3.6e6;
+    let delivered = delivered_gpu_hours(&server, "lab/b");
+    assert!(
+        (delivered - real).abs() < 1.0 / 3600.0,
+        "delivered {delivered} GPU-hours for a process that ran {real}: {row}"
+    );
+    // The long one was re-adopted, not launched again; cancelling it stops the adopted process.
+    let (status, _) = server.call("DELETE", &format!("/v1/workloads/{long}"), None);
+    assert_eq!(status, 202);
+    wait_for(&server, &long, "cancelled");
+    let starts = lines(&jobs).iter().filter(|l| l[0] == "start").count();
+    assert_eq!(starts, 2, "each workload launched once: {:?}", lines(&jobs));
+    assert!(lines(&jobs).iter().any(|l| l[0] == "term" && l[2] == long));
+    // A command that does not exist: the workload finishes with 127, and the agent goes on.
+    let missing = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["/no/such/program"]}),
+    );
+    wait_for(&server, &missing, "finished");
+    let h = history(&server, &missing);
+    assert_eq!(h.last().unwrap()["payload"]["exit_code"], 127);
+    let after = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": [job, "0"]}),
+    );
+    wait_for(&server, &after, "finished");
+    let log = agent.log();
+    assert!(log.contains("re-adopting"), "{log}");
+}
