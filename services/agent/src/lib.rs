@@ -60,6 +60,9 @@ pub struct AgentConfig {
     pub clock_skew_ms: i64,
     /// How long a run the ledger no longer places here gets between SIGTERM and SIGKILL.
     pub orphan_grace: Duration,
+    /// Stop the runs when the agent stops, reporting them lost (they are requeued), instead of
+    /// leaving them for the next agent to re-adopt: for agents that live inside a server.
+    pub stop_runs_on_exit: bool,
 }
 
 impl AgentConfig {
@@ -74,6 +77,7 @@ impl AgentConfig {
             shim,
             clock_skew_ms: 0,
             orphan_grace: Duration::from_secs(10),
+            stop_runs_on_exit: false,
         }
     }
 }
@@ -266,7 +270,12 @@ impl<L: EventLog> Agent<L> {
         let mut next_heartbeat = Instant::now();
         loop {
             tokio::select! {
-                _ = &mut stop => return Ok(()),
+                _ = &mut stop => {
+                    if self.config.stop_runs_on_exit {
+                        self.stop_all().await;
+                    }
+                    return Ok(());
+                }
                 item = events.next() => match item {
                     Some(Ok(stored)) => self.apply(&stored),
                     other => {
@@ -613,6 +622,54 @@ impl<L: EventLog> Agent<L> {
         }
     }
 
+    /// Stops every run (SIGTERM, SIGKILL after [`MIN_GRACE`]) and reports each lost, so it is
+    /// requeued.
+    async fn stop_all(&mut self) {
+        let deadline = Instant::now() + MIN_GRACE;
+        for run in self.runs.values_mut().filter(|r| !r.reported) {
+            run::signal_group(&run.dir, Signal::SIGTERM);
+        }
+        loop {
+            let mut alive = Vec::new();
+            for run in self.runs.values_mut() {
+                if !run.reported && status_of(run) == run::Status::Running {
+                    alive.push(run);
+                }
+            }
+            if alive.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for run in alive {
+                    run::signal_group(&run.dir, Signal::SIGKILL);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let me = self.state.cluster.get(&self.config.node);
+        let keys: Vec<_> = self
+            .runs
+            .iter()
+            .filter(|(_, r)| !r.reported)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            let first = self
+                .state
+                .workloads
+                .get(&key.0)
+                .and_then(|w| w.placement.first())
+                .map(|p| p.node);
+            if first.is_some() && first == me {
+                tracing::info!(workload = %key.0, "stopped with the agent: requeued");
+                let at = self.clock.now_ms();
+                self.report(key, at, lost(key.0)).await;
+            }
+        }
+    }
+
     /// Launches a new start, or adopts one launched before (by this agent or an earlier one).
     fn start(&mut self, key: (WorkloadId, u64), gpus: &[u32]) -> Run {
         let dir = run::dir(&self.runs_dir, key.0, key.1);
@@ -716,19 +773,8 @@ impl<L: EventLog> Agent<L> {
                 }
             }
             run::Status::Lost | run::Status::Running => {
-                let at = self.clock.now_ms();
                 tracing::warn!(workload = %id, "the run vanished without a record of its end: reported lost and requeued");
-                let events = vec![
-                    Event::WorkloadStopped(WorkloadStopped {
-                        workload: id,
-                        reason: StopReason::Lost,
-                    }),
-                    Event::WorkloadRequeued(WorkloadRequeued {
-                        workload: id,
-                        work_lost_s: 0,
-                    }),
-                ];
-                (at, events)
+                (self.clock.now_ms(), lost(id))
             }
         }
     }
@@ -775,6 +821,20 @@ impl<L: EventLog> Agent<L> {
             }
         }
     }
+}
+
+/// What is reported for a run that is gone without a record of how it ended.
+fn lost(id: WorkloadId) -> Vec<Event> {
+    vec![
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: id,
+            reason: StopReason::Lost,
+        }),
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: id,
+            work_lost_s: 0,
+        }),
+    ]
 }
 
 /// Reaps the shim if this agent launched it and it has exited.

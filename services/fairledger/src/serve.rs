@@ -74,6 +74,14 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         }
     };
     let embedded = args.log.nats.is_none();
+    // The nodes the embedded server drives itself, with fake GPUs: the demo's or the config's.
+    let fake_nodes: Vec<ledger::event::NodeRegistered> = setup
+        .iter()
+        .filter_map(|e| match e {
+            ledger::Event::NodeRegistered(n) => Some(n.clone()),
+            _ => None,
+        })
+        .collect();
     runtime()?.block_on(async move {
         let log = args.log.open().await?;
         let write_setup = !args.no_demo && (embedded || args.config.is_some());
@@ -129,7 +137,6 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             let projection = projection.clone();
             let config = SchedulerConfig {
                 policy,
-                fake_agents: embedded,
                 health: Some(app.health()),
                 ..Default::default()
             };
@@ -168,6 +175,47 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             }
             _ => None,
         };
+        // On the embedded log, the cluster's nodes are driven by agents inside this process,
+        // with fake GPUs: workloads run as real processes (`sleep` for the length of their
+        // estimate when they name no command), and stop when the server does.
+        let mut agent_tasks = Vec::new();
+        if embedded && run_scheduler && !args.no_demo {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Envelope>();
+            let heartbeats = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+            let projection = projection.clone();
+            let monitor = app.health();
+            let stop = stopped(stop_rx.clone());
+            agent_tasks.push(tokio::spawn(async move {
+                scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await;
+                Ok(())
+            }));
+            let shim = vec![
+                std::env::current_exe()
+                    .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?
+                    .into_os_string(),
+                std::ffi::OsString::from("agent-shim"),
+            ];
+            for node in &fake_nodes {
+                let gpus = agent::FakeGpus::new(node.gpus, &node.model, Vec::new())?;
+                let mut config = agent::AgentConfig::new(
+                    &node.node,
+                    args.log.data.join("agents").join(&node.node),
+                    shim.clone(),
+                );
+                config.model = Some(node.model.clone());
+                config.labels = node.labels.clone();
+                config.stop_runs_on_exit = true;
+                let tx = tx.clone();
+                let telemetry = agent::Telemetry::Local(std::sync::Arc::new(move |e: &Envelope| {
+                    let _ = tx.send(e.clone());
+                }));
+                let agent = agent::Agent::new(log.clone(), telemetry, Box::new(gpus), config);
+                let stop = stopped(stop_rx.clone());
+                agent_tasks.push(tokio::spawn(async move {
+                    agent.run(stop).await.map_err(|e| e.to_string())
+                }));
+            }
+        }
         let router = if args.role == "scheduler" {
             api::health_router(app)
         } else {
@@ -181,6 +229,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             });
         let served = server.await.map_err(|e| format!("the HTTP server failed: {e}"));
         let _ = stop_tx.send(true);
+        for task in agent_tasks {
+            if let Ok(Err(e)) = task.await {
+                eprintln!("a node agent failed: {e}");
+            }
+        }
         let _ = scheduler_task.await;
         if let Some(task) = heartbeat_task {
             let _ = task.await;

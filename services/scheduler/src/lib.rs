@@ -3,9 +3,6 @@
 //! atomic batch fenced by the sequence the state was folded to. If anything was appended in
 //! between, the log answers `Conflict`, and the scheduler waits for the projection to catch up
 //! and decides again — so two schedulers can never both place from stale state.
-//!
-//! [`fake`] stands in for node agents on fake GPUs (the embedded `serve`): it ends a run when its
-//! duration estimate is done and a preempted run when its grace period is over.
 
 use std::time::Duration;
 
@@ -16,7 +13,6 @@ use projector::Projector;
 use tokio::sync::{watch, RwLock};
 use uuid::Uuid;
 
-pub mod fake;
 pub mod health;
 
 pub use health::HealthMonitor;
@@ -33,8 +29,6 @@ pub struct SchedulerConfig {
     pub policy: PolicyConfig,
     /// Decide at least this often, even when no event arrives.
     pub tick: Duration,
-    /// Also write what fake node agents would report (embedded demo cluster).
-    pub fake_agents: bool,
     /// Heartbeats, turned into GPU health changes.
     pub health: Option<std::sync::Arc<std::sync::Mutex<HealthMonitor>>>,
 }
@@ -44,7 +38,6 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             policy: PolicyConfig::default(),
             tick: Duration::from_secs(1),
-            fake_agents: false,
             health: None,
         }
     }
@@ -52,7 +45,7 @@ impl Default for SchedulerConfig {
 
 /// The events one pass wants appended: GPU health changes alone if there are any (decisions
 /// wait for the ledger to hold them), else the ends of runs on silent nodes alone, else the
-/// policy's decisions, then utilization samples and what fake agents report.
+/// policy's decisions, then utilization samples.
 pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
     let mut samples = Vec::new();
     if let Some(health) = &config.health {
@@ -70,9 +63,6 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     let plan = decide(state, now_ms, &config.policy);
     let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
     events.extend(samples);
-    if config.fake_agents {
-        events.extend(fake::reports(state, now_ms));
-    }
     events.truncate(eventlog::MAX_BATCH);
     events
 }
