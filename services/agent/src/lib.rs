@@ -36,6 +36,7 @@ use nix::sys::signal::Signal;
 use uuid::Uuid;
 
 pub mod gpu;
+pub mod http;
 pub mod run;
 
 pub use gpu::{FakeGpus, Fault, GpuSource, Nvml};
@@ -89,6 +90,8 @@ pub enum Telemetry {
     JetStream(Box<eventlog::jetstream::JetStreamLog>),
     /// A function in the same process (an embedded server's health monitor).
     Local(Arc<dyn Fn(&Envelope) + Send + Sync>),
+    /// A server's HTTP API, whose answers also set the agent's clock.
+    Http(http::HttpLog),
 }
 
 /// Why the agent stopped.
@@ -147,7 +150,7 @@ impl Clock {
         let off = correction.unsigned_abs() > 1_000;
         if off && !self.warned {
             tracing::warn!(
-                "the clock of node {node:?} is off by {:.1} s from the NATS server's: events are stamped with the server's time; fix this machine's time synchronisation (NTP)",
+                "the clock of node {node:?} is off by {:.1} s from the server's: events are stamped with the server's time; fix this machine's time synchronisation (NTP)",
                 -correction as f64 / 1000.0
             );
         }
@@ -467,6 +470,20 @@ impl<L: EventLog> Agent<L> {
         let env = self.envelope(Event::GpuHeartbeat(hb));
         match &self.telemetry {
             Telemetry::Local(f) => f(&env),
+            Telemetry::Http(api) => {
+                let Event::GpuHeartbeat(hb) = &env.event else {
+                    unreachable!("a heartbeat")
+                };
+                let sent = self.clock.local_ms();
+                match api.heartbeat(&hb.readings, env.occurred_at_ms).await {
+                    Ok(server) => {
+                        let acked = self.clock.local_ms();
+                        let node = self.config.node.clone();
+                        self.clock.measured(&node, sent, acked, server);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "heartbeat not taken"),
+                }
+            }
             Telemetry::JetStream(js) => {
                 let payload = serde_json::to_vec(&env).expect("envelopes serialize");
                 let sent = self.clock.local_ms();

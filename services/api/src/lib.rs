@@ -15,6 +15,7 @@
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
 //! | `GET /v1/nodes` | every node: GPUs, health, holders, utilization |
+//! | `POST /v1/nodes/{node}/events` | an HTTP agent's reports: its registration, its runs' ends |
 //! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
 //! | `GET /v1/audit/workloads/{id}` | every event of one workload |
@@ -221,6 +222,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/events/stream", get(event_stream))
         .route("/v1/nodes", get(nodes).post(register_node))
         .route("/v1/nodes/{node}/heartbeat", post(heartbeat))
+        .route("/v1/nodes/{node}/events", post(node_events))
         .route("/v1/audit/ledger", get(audit_ledger))
         .route("/v1/audit/workloads/{id}", get(audit_workload))
         .route("/v1/metrics/cluster", get(cluster_metrics))
@@ -265,6 +267,7 @@ pub fn health_router(app: App) -> Router {
         remove_allocation,
         register_node,
         heartbeat,
+        node_events,
         nodes,
         audit_ledger,
         audit_workload,
@@ -1145,6 +1148,103 @@ async fn heartbeat(
         .into_response())
 }
 
+/// One report of `POST /v1/nodes/{node}/events`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NodeReport {
+    /// Makes a retry harmless: an event whose key was appended before is not appended again.
+    idempotency_key: String,
+    /// The event in its envelope (schemas/envelope.json), stamped by the agent.
+    #[schema(value_type = Object)]
+    envelope: Envelope,
+}
+
+/// The body of `POST /v1/nodes/{node}/events`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NodeEventsBody {
+    /// One to 16 reports, appended all or none.
+    events: Vec<NodeReport>,
+}
+
+/// The most reports one call may carry.
+const NODE_EVENTS_MAX: usize = 16;
+
+#[utoipa::path(post, path = "/v1/nodes/{node}/events", tag = "nodes",
+    params(("node" = String, Path, description = "node name")),
+    request_body = NodeEventsBody,
+    responses(
+        (status = 200, description = "appended (or appended before, when `duplicate`)", body = serde_json::Value),
+        (status = 422, description = "an event is not this node's to report", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+async fn node_events(
+    State(app): State<App>,
+    Path(node): Path<String>,
+    body: Result<Json<NodeEventsBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(body) = body.map_err(bad_body)?;
+    if body.events.is_empty() || body.events.len() > NODE_EVENTS_MAX {
+        return Err(Problem::invalid(
+            "events",
+            format!("1 to {NODE_EVENTS_MAX} reports"),
+        ));
+    }
+    let appends = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        let here = state.cluster.get(&node);
+        let mut appends = Vec::with_capacity(body.events.len());
+        for (i, report) in body.events.iter().enumerate() {
+            let field = format!("events[{i}].envelope");
+            let env = &report.envelope;
+            let ok = match &env.event {
+                Event::NodeRegistered(e) => e.node == node,
+                Event::WorkloadFinished(_)
+                | Event::WorkloadStopped(_)
+                | Event::WorkloadRequeued(_) => {
+                    let id = env.event.workload().expect("about a workload");
+                    state.workloads.get(&id).is_some_and(|w| {
+                        w.phase == Phase::Stopped
+                            || w.placement.iter().any(|p| Some(p.node) == here)
+                    })
+                }
+                _ => {
+                    return Err(Problem::invalid(
+                        &format!("{field}.type"),
+                        "an agent reports node_registered, workload_finished, workload_stopped and workload_requeued",
+                    ))
+                }
+            };
+            if !ok {
+                return Err(Problem::invalid(
+                    &field,
+                    format!(
+                        "this {} is not node {node:?}'s to report: it names another node, or a workload not running there",
+                        env.event.kind()
+                    ),
+                ));
+            }
+            let allocation = state.allocation_of(&env.event);
+            appends.push(Append::event(
+                env,
+                allocation,
+                Some(&report.idempotency_key),
+            ));
+        }
+        appends
+    };
+    match app.inner.log.append_batch(appends).await {
+        Ok(acks) => {
+            let seqs: Vec<u64> = acks.iter().map(|a| a.seq).collect();
+            Ok(Json(json!({"seqs": seqs, "duplicate": false})).into_response())
+        }
+        Err(eventlog::AppendError::DuplicateBatch(_)) => {
+            Ok(Json(json!({"seqs": [], "duplicate": true})).into_response())
+        }
+        Err(e) => Err(Problem::unavailable(e.to_string())),
+    }
+}
+
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
@@ -1379,7 +1479,13 @@ async fn events(
         })
         .collect();
     let next = stored.last().map(|e| e.seq);
-    Ok(Json(json!({"events": rows, "next_after": next})).into_response())
+    let last_seq = app
+        .inner
+        .log
+        .last_seq()
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    Ok(Json(json!({"events": rows, "next_after": next, "last_seq": last_seq})).into_response())
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]

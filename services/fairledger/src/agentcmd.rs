@@ -1,5 +1,6 @@
 //! `fairledger agent`: the node agent of one GPU node, on NVML or fake GPUs, against a NATS
-//! JetStream ledger; `fairledger agent --discover` lists the GPUs and their readings.
+//! JetStream ledger or a server's HTTP API; `fairledger agent --discover` lists the GPUs and
+//! their readings.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -18,9 +19,13 @@ pub const LEASE_BUCKET: &str = "fairledger_agents";
 /// Settings of `agent`.
 #[derive(clap::Args, Debug)]
 pub struct AgentArgs {
-    /// NATS server with JetStream, as the servers use (required unless --discover).
+    /// NATS server with JetStream, as the servers use.
     #[arg(long, env = "FAIRLEDGER_NATS")]
     pub nats: Option<String>,
+    /// Or a server's HTTP API, for nodes that cannot reach NATS (no lease on the node's name
+    /// then: run one agent per node).
+    #[arg(long, env = "FAIRLEDGER_API", conflicts_with = "nats")]
+    pub api: Option<String>,
     /// The node's name in the cluster (default: this machine's host name).
     #[arg(long, env = "FAIRLEDGER_NODE")]
     pub node: Option<String>,
@@ -125,9 +130,9 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     if args.discover {
         return discover(&args);
     }
-    let Some(url) = args.nats.clone() else {
-        return Err("the agent needs --nats URL (the NATS server the scheduler uses); an embedded `fairledger serve` runs its demo cluster's fake agents itself".into());
-    };
+    if args.nats.is_none() && args.api.is_none() {
+        return Err("the agent needs --nats URL (the NATS server the scheduler uses) or --api URL (a server's HTTP API); an embedded `fairledger serve` runs its demo cluster's agents itself".into());
+    }
     if !(args.heartbeat_s.is_finite() && args.heartbeat_s > 0.0) {
         return Err("--heartbeat-s must be a positive number of seconds".into());
     }
@@ -144,6 +149,20 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     config.model = args.model.clone();
     config.heartbeat = Duration::from_secs_f64(args.heartbeat_s);
     config.clock_skew_ms = args.clock_skew_ms;
+    if let Some(api) = args.api.clone() {
+        return runtime()?.block_on(async move {
+            let log = agent::http::HttpLog::new(&api, &node);
+            let telemetry = Telemetry::Http(log.clone());
+            let agent = agent::Agent::new(log, telemetry, source, config);
+            agent
+                .run(shutdown_signal())
+                .await
+                .map_err(|e| format!("{e} (API {api})"))?;
+            eprintln!("agent stopped; its workloads keep running and the next agent on this node re-adopts them");
+            Ok(())
+        });
+    }
+    let url = args.nats.clone().expect("checked");
     runtime()?.block_on(async move {
         let options = JetStreamOptions {
             replicas: args.replicas,

@@ -60,17 +60,15 @@ struct Agent {
 
 impl Agent {
     fn start(nats: &str, node: &str, work: &Path, extra: &[&str]) -> Agent {
+        Agent::start_with(&["--nats", nats], node, work, extra)
+    }
+
+    fn start_with(link: &[&str], node: &str, work: &Path, extra: &[&str]) -> Agent {
         let stderr = work.with_extension(format!("{}.log", std::process::id()));
         let child = Command::new(BIN)
-            .args([
-                "agent",
-                "--nats",
-                nats,
-                "--node",
-                node,
-                "--heartbeat-s",
-                "0.5",
-            ])
+            .arg("agent")
+            .args(link)
+            .args(["--node", node, "--heartbeat-s", "0.5"])
             .arg("--work-dir")
             .arg(work)
             .args(extra)
@@ -446,4 +444,68 @@ fn a_restarted_agent_re_adopts_its_runs_and_never_launches_one_twice() {
     wait_for(&server, &after, "finished");
     let log = agent.log();
     assert!(log.contains("re-adopting"), "{log}");
+}
+
+#[test]
+fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    // The embedded log this time: the agent reaches the server through its HTTP API only.
+    let server = Server::start(&[
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let api = format!("http://{}", server.addr);
+    let _agent = Agent::start_with(
+        &["--api", &api],
+        "gpu-h",
+        &tmp.path().join("agent"),
+        &["--fake-gpus", "2"],
+    );
+    wait_for_node(&server, "gpu-h");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job.to_str().unwrap(), "1"]}),
+    );
+    let row = wait_for(&server, &id, "finished");
+    let h = history(&server, &id);
+    assert_eq!(h.last().unwrap()["payload"]["exit_code"], 0, "{row}");
+    let first = &lines(&jobs)[0];
+    assert_eq!((first[2].as_str(), first[3].as_str()), ("0,1", id.as_str()));
+    let real = 2.0 * ran_ms(&jobs, &id) as f64 / 3.6e6;
+    let delivered = delivered_gpu_hours(&server, "lab/a");
+    assert!(
+        (delivered - real).abs() < 2.0 / 3600.0,
+        "delivered {delivered} GPU-hours, the process ran {real}"
+    );
+    // Heartbeats arrive over HTTP: the node is watched and healthy.
+    let (_, nodes) = server.call("GET", "/v1/nodes", None);
+    assert_eq!(nodes["nodes"][0]["healthy_gpus"], 2, "{nodes}");
+    // A node may report only its own runs: another node's (or a finished) workload is refused,
+    // and nothing is appended.
+    let (_, before) = server.call("GET", "/v1/events?limit=1", None);
+    let report = json!({"events": [{
+        "idempotency_key": "forged",
+        "envelope": {
+            "id": "01a23880-0000-7000-8000-000000000001",
+            "schema_version": 1,
+            "occurred_at_ms": 1,
+            "actor": "agent:gpu-h",
+            "type": "workload_finished",
+            "payload": {"workload": id, "exit_code": 0}
+        }
+    }]});
+    let (status, problem) =
+        server.call("POST", "/v1/nodes/gpu-h/events", Some(&report.to_string()));
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["field"], "events[0].envelope");
+    let (_, after) = server.call("GET", "/v1/events?limit=1", None);
+    assert_eq!(
+        before["last_seq"], after["last_seq"],
+        "the log did not move"
+    );
 }

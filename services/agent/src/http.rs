@@ -1,0 +1,195 @@
+//! For agents that speak HTTP to a `fairledger serve` rather than NATS: the ledger as the API
+//! shows it ([`HttpLog`]: `GET /v1/events` to read and follow, `POST /v1/nodes/{node}/events`
+//! for the node's own reports) and heartbeats through `POST /v1/nodes/{node}/heartbeat`.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use eventlog::{Append, AppendError, Appended, EventLog, LogError, Stored};
+use futures::stream::BoxStream;
+use serde_json::{json, Value};
+
+/// How often a follower asks for new events.
+const POLL: Duration = Duration::from_millis(250);
+
+/// The API of one server, for one node.
+#[derive(Clone)]
+pub struct HttpLog {
+    base: String,
+    node: String,
+    agent: ureq::Agent,
+}
+
+/// What a call answered: the status and the JSON body.
+type Answer = (u16, Value);
+
+impl HttpLog {
+    /// The API at `base` (e.g. `http://10.0.0.1:8080`), for node `node`.
+    pub fn new(base: &str, node: &str) -> Self {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        HttpLog {
+            base: base.trim_end_matches('/').to_owned(),
+            node: node.to_owned(),
+            agent,
+        }
+    }
+
+    /// GET `path`, or POST `body` to it, off the async threads.
+    async fn call(&self, path: String, body: Option<Value>) -> Result<Answer, String> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let url = format!("{}{path}", this.base);
+            let sent = match body {
+                None => this.agent.get(&url).call(),
+                Some(b) => this
+                    .agent
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .send(b.to_string()),
+            };
+            let mut response =
+                sent.map_err(|e| format!("cannot reach the API at {} ({e})", this.base))?;
+            let status = response.status().as_u16();
+            let text = response
+                .body_mut()
+                .read_to_string()
+                .map_err(|e| format!("reading the answer of {url}: {e}"))?;
+            Ok((
+                status,
+                serde_json::from_str(&text).unwrap_or(Value::String(text)),
+            ))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// Posts a heartbeat's readings; answers the server's clock when it took them.
+    pub async fn heartbeat(
+        &self,
+        readings: &[ledger::event::GpuReading],
+        sent_at_ms: u64,
+    ) -> Result<u64, String> {
+        let body = json!({"readings": readings, "sent_at_ms": sent_at_ms});
+        let path = format!("/v1/nodes/{}/heartbeat", self.node);
+        let (status, answer) = self.call(path, Some(body)).await?;
+        if status >= 400 {
+            return Err(problem(&answer));
+        }
+        for w in answer["warnings"].as_array().into_iter().flatten() {
+            tracing::warn!("the server says: {}", w.as_str().unwrap_or_default());
+        }
+        answer["at_ms"]
+            .as_u64()
+            .ok_or_else(|| format!("the heartbeat's answer has no at_ms: {answer}"))
+    }
+}
+
+fn problem(answer: &Value) -> String {
+    let detail = answer["detail"]
+        .as_str()
+        .unwrap_or("the API refused the request");
+    match answer["field"].as_str() {
+        Some(field) => format!("{detail} (field {field})"),
+        None => detail.to_owned(),
+    }
+}
+
+impl EventLog for HttpLog {
+    async fn append_batch(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
+        let mut reports = Vec::with_capacity(appends.len());
+        for a in &appends {
+            let envelope: Value = serde_json::from_slice(&a.payload)
+                .map_err(|e| AppendError::Refused(format!("not an event: {e}")))?;
+            let key = a.msg_id.clone().unwrap_or_default();
+            reports.push(json!({"idempotency_key": key, "envelope": envelope}));
+        }
+        let path = format!("/v1/nodes/{}/events", self.node);
+        let (status, answer) = self
+            .call(path, Some(json!({"events": reports})))
+            .await
+            .map_err(AppendError::Unacknowledged)?;
+        match status {
+            200 if answer["duplicate"] == true => Err(AppendError::DuplicateBatch(
+                appends[0].msg_id.clone().unwrap_or_default(),
+            )),
+            200 => Ok(answer["seqs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|s| Appended {
+                    seq: s.as_u64().unwrap_or(0),
+                    duplicate: false,
+                })
+                .collect()),
+            503 => Err(AppendError::Unavailable(problem(&answer))),
+            _ => Err(AppendError::Refused(problem(&answer))),
+        }
+    }
+
+    async fn last_seq(&self) -> Result<u64, LogError> {
+        let (status, answer) = self
+            .call("/v1/events?limit=1&after=0".into(), None)
+            .await
+            .map_err(LogError::Unavailable)?;
+        if status != 200 {
+            return Err(LogError::Unavailable(problem(&answer)));
+        }
+        answer["last_seq"].as_u64().ok_or_else(|| {
+            LogError::Unavailable("the server does not say its last sequence".into())
+        })
+    }
+
+    async fn read(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
+        let path = format!(
+            "/v1/events?after={}&limit={}",
+            from.saturating_sub(1),
+            max.clamp(1, 1000)
+        );
+        let (status, answer) = self.call(path, None).await.map_err(LogError::Unavailable)?;
+        if status != 200 {
+            return Err(LogError::Unavailable(problem(&answer)));
+        }
+        Ok(answer["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| Stored {
+                seq: e["seq"].as_u64().unwrap_or(0),
+                subject: e["subject"].as_str().unwrap_or_default().to_owned(),
+                msg_id: None,
+                payload: Bytes::from(e["event"].to_string()),
+            })
+            .collect())
+    }
+
+    async fn subscribe(
+        &self,
+        from: u64,
+    ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
+        use futures::StreamExt;
+        // Polls for what follows, a page at a time.
+        let this = self.clone();
+        let pages = futures::stream::unfold((this, from), |(log, next)| async move {
+            loop {
+                match log.read(next, 1000).await {
+                    Ok(page) if page.is_empty() => tokio::time::sleep(POLL).await,
+                    Ok(page) => {
+                        let after = page.last().map_or(next, |e| e.seq + 1);
+                        let items: Vec<Result<Stored, LogError>> =
+                            page.into_iter().map(Ok).collect();
+                        return Some((futures::stream::iter(items), (log, after)));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read the ledger from the API; retrying");
+                        tokio::time::sleep(POLL * 4).await;
+                    }
+                }
+            }
+        });
+        Ok(pages.flatten().boxed())
+    }
+}
