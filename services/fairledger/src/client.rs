@@ -275,6 +275,74 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>) -> Result<(), String> 
     Ok(())
 }
 
+pub fn nodes(args: &ClientArgs) -> Result<(), String> {
+    let v = Api::new(&args.api).call("GET", "/v1/nodes", None)?;
+    print(args, &v, |v| {
+        let rows = v["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|n| {
+                let gpus = n["gpu"].as_array().cloned().unwrap_or_default();
+                let held: Vec<&Value> = gpus.iter().filter(|g| !g["workload"].is_null()).collect();
+                let util = if held.is_empty() {
+                    "-".to_owned()
+                } else {
+                    let sum: u64 = held
+                        .iter()
+                        .filter_map(|g| g["utilization_pct"].as_u64())
+                        .sum();
+                    format!("{}%", sum / held.len() as u64)
+                };
+                let down: Vec<String> = gpus
+                    .iter()
+                    .filter(|g| g["healthy"] == false)
+                    .map(|g| text(&g["gpu"]))
+                    .collect();
+                let labels = n["labels"]
+                    .as_object()
+                    .map(|l| {
+                        l.iter()
+                            .map(|(k, v)| format!("{k}={}", text(v)))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    })
+                    .unwrap_or_default();
+                vec![
+                    text(&n["node"]),
+                    text(&n["model"]),
+                    text(&n["gpus"]),
+                    text(&n["free_gpus"]),
+                    util,
+                    if down.is_empty() {
+                        "-".into()
+                    } else {
+                        down.join(",")
+                    },
+                    if labels.is_empty() {
+                        "-".into()
+                    } else {
+                        labels
+                    },
+                ]
+            })
+            .collect();
+        columns(
+            &[
+                "NODE",
+                "MODEL",
+                "GPUS",
+                "FREE",
+                "UTIL",
+                "UNHEALTHY",
+                "LABELS",
+            ],
+            rows,
+        )
+    });
+    Ok(())
+}
+
 pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
     let v = Api::new(&args.api).call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {

@@ -141,6 +141,12 @@ enum Command {
         #[arg(long, short)]
         allocation: Option<String>,
     },
+    /// The nodes: GPUs free, utilization of the held ones, unhealthy GPUs, labels (like
+    /// sinfo).
+    Nodes {
+        #[command(flatten)]
+        client: client::ClientArgs,
+    },
     /// Why a workload waits, who is ahead, and when it may start.
     Explain {
         #[command(flatten)]
@@ -316,6 +322,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Cancel { client, id } => client::cancel(&client, &id),
         Command::Queue { client, allocation } => client::queue(&client, allocation.as_deref()),
         Command::Explain { client, id } => client::explain(&client, &id),
+        Command::Nodes { client } => client::nodes(&client),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }

@@ -302,6 +302,12 @@ fn a_preempted_process_gets_sigterm_is_requeued_resumes_and_the_audit_matches_it
     let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
     assert_eq!(metrics["contract_violations"], 0, "{metrics}");
     assert!(metrics["preemptions"].as_u64().unwrap() >= 1, "{metrics}");
+    // The fake GPUs read 90 % while they run work; samples of that reach the ledger.
+    let utilization = metrics["utilization"].as_f64().unwrap();
+    assert!(
+        utilization > 0.0 && utilization <= 0.9,
+        "mean utilization of allocated GPUs: {metrics}"
+    );
     let log = agent.log();
     assert!(log.contains("is off by"), "the skew was reported: {log}");
 }
@@ -485,6 +491,13 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     // Heartbeats arrive over HTTP: the node is watched and healthy.
     let (_, nodes) = server.call("GET", "/v1/nodes", None);
     assert_eq!(nodes["nodes"][0]["healthy_gpus"], 2, "{nodes}");
+    let out = Command::new(BIN)
+        .args(["nodes", "--api", &api])
+        .output()
+        .unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(row, ["gpu-h", "H100", "2", "2", "-", "-", "-"], "{table}");
     // A node may report only its own runs: another node's (or a finished) workload is refused,
     // and nothing is appended.
     let (_, before) = server.call("GET", "/v1/events?limit=1", None);
