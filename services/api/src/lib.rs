@@ -91,6 +91,17 @@ impl App {
         }
     }
 
+    /// Sets how long a node may stay silent before its GPUs go unhealthy (forgetting the
+    /// heartbeats received so far: call it before serving).
+    pub fn set_heartbeat_timeout(&self, timeout_ms: u64) {
+        *self
+            .inner
+            .health
+            .lock()
+            .expect("the health monitor is never poisoned") =
+            scheduler::HealthMonitor::new(timeout_ms);
+    }
+
     /// The heartbeats the API has received, for the scheduler to turn into health changes.
     pub fn health(&self) -> Arc<std::sync::Mutex<scheduler::HealthMonitor>> {
         self.inner.health.clone()

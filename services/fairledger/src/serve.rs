@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// made on, so even two of them never place from stale state.
     #[arg(long, env = "FAIRLEDGER_ROLE", default_value = "all", value_parser = ["all", "api", "scheduler"])]
     pub role: String,
+    /// A node whose agent has not sent a heartbeat for this long has its GPUs marked unhealthy
+    /// (its workloads are requeued as hardware failures).
+    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S", default_value_t = 30.0)]
+    pub heartbeat_timeout_s: f64,
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
@@ -73,6 +77,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             (StateConfig::default(), policy, crate::demo::cluster())
         }
     };
+    if !(args.heartbeat_timeout_s.is_finite() && args.heartbeat_timeout_s > 0.0) {
+        return Err("--heartbeat-timeout-s must be a positive number of seconds".into());
+    }
     let embedded = args.log.nats.is_none();
     // The nodes the embedded server drives itself, with fake GPUs: the demo's or the config's.
     let fake_nodes: Vec<ledger::event::NodeRegistered> = setup
@@ -111,6 +118,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         let (applied_tx, applied) = watch::channel(projection.last_seq());
         let projection = Arc::new(RwLock::new(projection));
         let app = api::App::new(log.clone(), projection.clone(), applied.clone(), policy.clone());
+        app.set_heartbeat_timeout((args.heartbeat_timeout_s * 1000.0) as u64);
         app.set_ready();
 
         let listener = tokio::net::TcpListener::bind(&args.listen)

@@ -522,3 +522,62 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         "the log did not move"
     );
 }
+
+#[test]
+fn a_dead_agents_node_goes_unhealthy_its_work_is_requeued_and_its_orphan_is_stopped_on_return() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+        "--heartbeat-timeout-s",
+        "2",
+    ]);
+    let work = tmp.path().join("agent");
+    let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
+    wait_for_node(&server, "gpu-1");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job.to_str().unwrap(), "600"]}),
+    );
+    wait_for(&server, &id, "running");
+    wait_until("the process", 20, || !lines(&jobs).is_empty());
+    // The agent dies. Its node falls silent: the GPUs go unhealthy, and with nobody to report
+    // the run's end, the scheduler does, as a hardware failure.
+    agent.kill9();
+    wait_until("the workload to be requeued", 40, || {
+        kinds(&history(&server, &id)).contains(&"workload_requeued".to_owned())
+    });
+    let h = history(&server, &id);
+    let stopped = h.iter().find(|e| e["type"] == "workload_stopped").unwrap();
+    assert_eq!(stopped["payload"]["reason"], "hardware_failure", "{h:?}");
+    let (_, nodes) = server.call("GET", "/v1/nodes", None);
+    assert_eq!(nodes["nodes"][0]["healthy_gpus"], 0, "{nodes}");
+    // The process outlived its agent.
+    assert!(!lines(&jobs).iter().any(|l| l[0] == "term"));
+    // The agent returns: the node heals, the workload starts again, and the process of its old
+    // run, which the ledger no longer places there, is stopped.
+    let _agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
+    wait_until("the workload to start again", 40, || {
+        let (_, row) = server.call("GET", &format!("/v1/workloads/{id}"), None);
+        row["phase"] == "running" && row["starts"] == 2
+    });
+    wait_until(
+        "the orphan to be stopped and the new run to start",
+        30,
+        || {
+            let l = lines(&jobs);
+            l.iter().any(|l| l[0] == "term") && l.iter().filter(|l| l[0] == "start").count() == 2
+        },
+    );
+    let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
+    assert_eq!(metrics["contract_violations"], 0, "{metrics}");
+    assert!(metrics["availability"].as_f64().unwrap() < 1.0, "{metrics}");
+}
