@@ -67,6 +67,21 @@ impl HttpLog {
         .map_err(|e| e.to_string())?
     }
 
+    /// The server's clock: (this machine's clock before asking, after the answer, the server's
+    /// answer), all in milliseconds since the epoch.
+    pub async fn server_time(&self, local: impl Fn() -> u64) -> Result<(u64, u64, u64), String> {
+        let sent = local();
+        let (status, answer) = self.call("/v1/events?limit=1".into(), None).await?;
+        let acked = local();
+        if status != 200 {
+            return Err(problem(&answer));
+        }
+        let server = answer["now_ms"]
+            .as_u64()
+            .ok_or_else(|| "the server does not say its time".to_owned())?;
+        Ok((sent, acked, server))
+    }
+
     /// Posts a heartbeat's readings; answers the server's clock when it took them.
     pub async fn heartbeat(
         &self,

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eventlog::{Append, AppendError, EventLog};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use ledger::event::{
     Event, GpuHeartbeat, NodeRegistered, StopReason, WorkloadFinished, WorkloadRequeued,
     WorkloadStopped,
@@ -138,10 +138,10 @@ impl Clock {
     /// Takes a measurement: the server stamped `server_ms` between `sent_ms` and `acked_ms`
     /// (this machine's skewed clock).
     fn measured(&mut self, node: &str, sent_ms: u64, acked_ms: u64, server_ms: u64) {
-        let mid = (sent_ms + acked_ms) / 2;
+        let mid = sent_ms / 2 + acked_ms / 2;
         let correction = server_ms as i64 - mid as i64;
         // Within the round trip the measurement cannot tell: keep the clock as it is.
-        let uncertainty = (acked_ms - sent_ms) as i64 / 2 + 50;
+        let uncertainty = acked_ms.saturating_sub(sent_ms) as i64 / 2 + 50;
         self.correction_ms = if correction.abs() > uncertainty {
             correction
         } else {
@@ -175,6 +175,8 @@ struct Run {
     killed: bool,
     /// The end was reported to the ledger.
     reported: bool,
+    /// Reports the ledger refused so far: each new attempt has new idempotency keys.
+    attempt: u32,
 }
 
 /// A run's end is reported with its real time if the ledger's clock is at most this far past
@@ -195,6 +197,9 @@ pub struct Agent<L> {
     clock: Clock,
     started: Instant,
     runs: BTreeMap<(WorkloadId, u64), Run>,
+    /// The first event of each report sent, by envelope id, and the run it reports: a report
+    /// the fold refuses is sent again.
+    sent: BTreeMap<Uuid, (WorkloadId, u64)>,
     /// Command and environment of each live workload, from its submission.
     specs: BTreeMap<WorkloadId, (Vec<String>, BTreeMap<String, String>)>,
     /// Runs found in the run directory that the ledger does not place here.
@@ -224,6 +229,7 @@ impl<L: EventLog> Agent<L> {
             started: Instant::now(),
             runs: BTreeMap::new(),
             specs: BTreeMap::new(),
+            sent: BTreeMap::new(),
             orphans: BTreeMap::new(),
             runs_dir,
         }
@@ -271,6 +277,7 @@ impl<L: EventLog> Agent<L> {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_heartbeat = Instant::now();
+        let mut resubscribe = false;
         loop {
             tokio::select! {
                 _ = &mut stop => {
@@ -280,20 +287,43 @@ impl<L: EventLog> Agent<L> {
                     return Ok(());
                 }
                 item = events.next() => match item {
-                    Some(Ok(stored)) => self.apply(&stored),
+                    Some(Ok(stored)) => {
+                        self.apply(&stored);
+                        // Decide on everything already here, not on half a page.
+                        loop {
+                            match events.next().now_or_never() {
+                                Some(Some(Ok(stored))) => self.apply(&stored),
+                                Some(_) => {
+                                    // Failed or ended: resubscribe at the next tick.
+                                    events = futures::stream::pending().boxed();
+                                    resubscribe = true;
+                                    break;
+                                }
+                                None => break,
+                            }
+                        }
+                    }
                     other => {
                         if let Some(Err(e)) = other {
                             tracing::warn!(error = %e, "the ledger subscription failed; resubscribing");
                         }
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        match self.log.subscribe(self.state.last_seq + 1).await {
-                            Ok(s) => events = s,
-                            Err(e) => tracing::warn!(error = %e, "cannot resubscribe to the ledger; retrying"),
-                        }
+                        // Resubscribed at the next tick; nothing is read from this one again.
+                        events = futures::stream::pending().boxed();
+                        resubscribe = true;
                         continue;
                     }
                 },
-                _ = tick.tick() => {}
+                _ = tick.tick() => {
+                    if resubscribe {
+                        match self.log.subscribe(self.state.last_seq + 1).await {
+                            Ok(s) => {
+                                events = s;
+                                resubscribe = false;
+                            }
+                            Err(e) => tracing::warn!(error = %e, "cannot resubscribe to the ledger; retrying"),
+                        }
+                    }
+                }
             }
             self.reconcile().await;
             if Instant::now() >= next_heartbeat {
@@ -325,7 +355,17 @@ impl<L: EventLog> Agent<L> {
     fn apply(&mut self, stored: &eventlog::Stored) {
         match serde_json::from_slice::<Envelope>(&stored.payload) {
             Ok(env) => {
-                let applied = self.state.apply(stored.seq, &env) == ledger::Outcome::Applied;
+                let outcome = self.state.apply(stored.seq, &env);
+                if let Some(key) = self.sent.remove(&env.id) {
+                    if let ledger::Outcome::Rejected(r) = &outcome {
+                        tracing::warn!(workload = %key.0, reason = %r, "the ledger refused the report of a run's end; reporting again");
+                        if let Some(run) = self.runs.get_mut(&key) {
+                            run.reported = false;
+                            run.attempt += 1;
+                        }
+                    }
+                }
+                let applied = outcome == ledger::Outcome::Applied;
                 match &env.event {
                     Event::WorkloadSubmitted(s) if applied => {
                         self.specs
@@ -359,6 +399,14 @@ impl<L: EventLog> Agent<L> {
 
     /// Probes the server's clock before anything is stamped.
     async fn measure_clock(&mut self) {
+        if let Telemetry::Http(api) = &self.telemetry {
+            let clock = self.clock;
+            if let Ok((sent, acked, server)) = api.server_time(|| clock.local_ms()).await {
+                let node = self.config.node.clone();
+                self.clock.measured(&node, sent, acked, server);
+            }
+            return;
+        }
         let Telemetry::JetStream(js) = &self.telemetry else {
             return;
         };
@@ -512,7 +560,7 @@ impl<L: EventLog> Agent<L> {
             .collect()
     }
 
-    /// Runs the ledger places on this node: (workload, start) → the GPUs here.
+    /// Runs the ledger places on this node: (workload, its start count) → the GPUs here.
     fn placed_here(&self) -> BTreeMap<(WorkloadId, u64), Vec<u32>> {
         let mut out = BTreeMap::new();
         let Some(me) = self.state.cluster.get(&self.config.node) else {
@@ -524,7 +572,7 @@ impl<L: EventLog> Agent<L> {
             }
             if let Some(p) = w.placement.iter().find(|p| p.node == me) {
                 let gpus = (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect();
-                out.insert((w.id, w.started_at_ms), gpus);
+                out.insert((w.id, u64::from(w.starts)), gpus);
             }
         }
         out
@@ -551,6 +599,7 @@ impl<L: EventLog> Agent<L> {
                         kill_at: None,
                         killed: false,
                         reported: true,
+                        attempt: 0,
                     },
                 );
             }
@@ -621,18 +670,18 @@ impl<L: EventLog> Agent<L> {
                 continue;
             }
             run.reported = true;
-            ended.push((*key, status));
+            ended.push((*key, status, run.kill_at.is_some()));
         }
         let me = self.state.cluster.get(&self.config.node);
         let mut reports = Vec::new();
-        for (key, status) in ended {
+        for (key, status, signalled) in ended {
             let Some(w) = self.state.workloads.get(&key.0) else {
                 continue;
             };
             if w.placement.first().map(|p| p.node) != me {
                 continue; // the gang's first node reports
             }
-            reports.push((key, self.end_reports(key.0, status)));
+            reports.push((key, self.end_reports(key.0, status, signalled)));
         }
         for (key, (at_ms, events)) in reports {
             self.report(key, at_ms, events).await;
@@ -643,8 +692,21 @@ impl<L: EventLog> Agent<L> {
     /// requeued.
     async fn stop_all(&mut self) {
         let deadline = Instant::now() + MIN_GRACE;
+        // Which runs had ended by themselves before being asked: those finished.
+        let asked: BTreeSet<(WorkloadId, u64)> = self
+            .runs
+            .iter_mut()
+            .filter_map(|(k, r)| {
+                (!r.reported && status_of(r) == run::Status::Running).then_some(*k)
+            })
+            .collect();
         for run in self.runs.values_mut().filter(|r| !r.reported) {
-            run::signal_group(&run.dir, Signal::SIGTERM);
+            if !run::signal_group(&run.dir, Signal::SIGTERM) {
+                // Not started yet: stop its shim before it starts it.
+                if let Some(shim) = &mut run.shim {
+                    let _ = shim.start_kill();
+                }
+            }
         }
         loop {
             let mut alive = Vec::new();
@@ -680,9 +742,17 @@ impl<L: EventLog> Agent<L> {
                 .and_then(|w| w.placement.first())
                 .map(|p| p.node);
             if first.is_some() && first == me {
-                tracing::info!(workload = %key.0, "stopped with the agent: requeued");
-                let at = self.clock.now_ms();
-                self.report(key, at, lost(key.0)).await;
+                let status = self.runs.get_mut(&key).map_or(run::Status::Lost, status_of);
+                let (at, events) = match status {
+                    run::Status::Ended(_) if !asked.contains(&key) => {
+                        self.end_reports(key.0, status, false)
+                    }
+                    _ => {
+                        tracing::info!(workload = %key.0, "stopped with the agent: requeued");
+                        (self.clock.now_ms(), lost(key.0))
+                    }
+                };
+                self.report(key, at, events).await;
             }
         }
     }
@@ -696,6 +766,7 @@ impl<L: EventLog> Agent<L> {
             kill_at: None,
             killed: false,
             reported: false,
+            attempt: 0,
         };
         match run::claim(&dir) {
             Ok(true) => {}
@@ -770,12 +841,20 @@ impl<L: EventLog> Agent<L> {
     }
 
     /// What to report for a run that ended (or vanished), and when it ended (server time).
-    fn end_reports(&self, id: WorkloadId, status: run::Status) -> (u64, Vec<Event>) {
+    /// `signalled`: this agent had asked the process to stop.
+    fn end_reports(
+        &self,
+        id: WorkloadId,
+        status: run::Status,
+        signalled: bool,
+    ) -> (u64, Vec<Event>) {
         let w = &self.state.workloads[&id];
         match status {
             run::Status::Ended(exit) => {
                 let at = self.clock.server_time(exit.ended_at_ms);
-                if w.preempting.is_some() {
+                // A run that ended by itself before it was asked to stop finished, even if a
+                // preemption was already on its way.
+                if w.preempting.is_some() && signalled {
                     (at, self.state.grace_end_reports(id, at))
                 } else {
                     if let Some(e) = &exit.error {
@@ -799,28 +878,37 @@ impl<L: EventLog> Agent<L> {
     /// Appends the reports of one run's end, stamped `at_ms` (no earlier than the ledger's
     /// clock allows), once: a retry carries the same idempotency keys.
     async fn report(&mut self, key: (WorkloadId, u64), at_ms: u64, events: Vec<Event>) {
-        let floor = self.state.now_ms.saturating_sub(REPORT_LATE_MAX_MS);
-        if at_ms < floor {
-            tracing::warn!(workload = %key.0, "the run ended {} s before the ledger's clock allows; reported as ending then", (floor - at_ms) / 1000);
-        }
-        let at_ms = at_ms.max(floor);
         let allocation = self.state.allocation_of(&events[0]).map(str::to_owned);
-        let appends: Vec<Append> = events
-            .into_iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let env = Envelope::new(
-                    Uuid::now_v7(),
-                    at_ms,
-                    format!("agent:{}", self.config.node),
-                    e,
-                );
-                let id = format!("agent-end:{}:{}:{i}", key.0, key.1);
-                Append::event(&env, allocation.as_deref(), Some(&id))
-            })
-            .collect();
+        let round = self.runs.get(&key).map_or(0, |r| r.attempt);
         for attempt in 0.. {
-            match self.log.append_batch(appends.clone()).await {
+            // Stamped anew at each try: never earlier than the ledger's clock allows.
+            let floor = self
+                .state
+                .now_ms
+                .max(self.clock.now_ms())
+                .saturating_sub(REPORT_LATE_MAX_MS);
+            if at_ms < floor && attempt == 0 {
+                tracing::warn!(workload = %key.0, "the run ended {} s before it could be reported; reported as ending then", (floor - at_ms) / 1000);
+            }
+            let stamp = at_ms.max(floor);
+            let appends: Vec<Append> = events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    let env = Envelope::new(
+                        Uuid::now_v7(),
+                        stamp,
+                        format!("agent:{}", self.config.node),
+                        e.clone(),
+                    );
+                    if i == 0 {
+                        self.sent.insert(env.id, key);
+                    }
+                    let id = format!("agent-end:{}:{}:{round}:{i}", key.0, key.1);
+                    Append::event(&env, allocation.as_deref(), Some(&id))
+                })
+                .collect();
+            match self.log.append_batch(appends).await {
                 Ok(_) | Err(AppendError::DuplicateBatch(_)) => return,
                 Err(AppendError::Unacknowledged(e)) | Err(AppendError::Unavailable(e))
                     if attempt < 20 =>

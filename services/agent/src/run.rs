@@ -4,8 +4,10 @@
 //! ```text
 //! RUNS/<workload>-<started_at_ms>/
 //!   spec.json    what was launched (command, environment)
-//!   shim.pid     the shim: the workload's parent, which outlives the agent
-//!   pid          the workload's process id, which is also its process group
+//!   shim.pid     the shim (the workload's parent, which outlives the agent): its process id,
+//!                start time and the machine's boot id, so a reused process id is not taken
+//!                for it
+//!   pid          the same of the workload, whose process id is also its process group
 //!   output.log   the workload's stdout and stderr
 //!   exit.json    how it ended (exit code or signal, when), written by the shim
 //! ```
@@ -106,7 +108,7 @@ pub fn status(dir: &Path) -> Status {
     if let Some(exit) = read_exit(dir) {
         return Status::Ended(exit);
     }
-    let alive = |file: &str| read_pid(dir, file).is_some_and(|p| signal::kill(p, None).is_ok());
+    let alive = |file: &str| read_pid(dir, file).is_some();
     if alive("shim.pid") || alive("pid") {
         Status::Running
     } else if read_exit(dir).is_some() {
@@ -117,8 +119,12 @@ pub fn status(dir: &Path) -> Status {
     }
 }
 
-/// Sends `sig` to the run's process group; false when there is none (not started yet, or gone).
+/// Sends `sig` to the run's process group; false when there is none (not started yet, ended,
+/// or its process id now belongs to another process).
 pub fn signal_group(dir: &Path, sig: Signal) -> bool {
+    if read_exit(dir).is_some() {
+        return false;
+    }
     read_pid(dir, "pid").is_some_and(|p| signal::killpg(p, sig).is_ok())
 }
 
@@ -127,10 +133,43 @@ fn read_exit(dir: &Path) -> Option<Exit> {
     serde_json::from_slice(&bytes).ok()
 }
 
+/// The process recorded in `dir/file`, if that very process is still alive: the same process
+/// id, started at the same time, since the same boot.
 fn read_pid(dir: &Path, file: &str) -> Option<Pid> {
     let text = std::fs::read_to_string(dir.join(file)).ok()?;
-    let pid: i32 = text.trim().parse().ok()?;
-    (pid > 0).then(|| Pid::from_raw(pid))
+    let mut words = text.split_whitespace();
+    let pid: i32 = words.next()?.parse().ok()?;
+    let started: u64 = words.next()?.parse().ok()?;
+    let boot = words.next()?;
+    if pid <= 0 || boot != boot_id()? || start_ticks(pid)? != started {
+        return None;
+    }
+    Some(Pid::from_raw(pid))
+}
+
+/// What identifies process `pid` for as long as it lives: `pid start_ticks boot_id`.
+fn identity(pid: u32) -> String {
+    let pid = pid as i32;
+    format!(
+        "{pid} {} {}",
+        start_ticks(pid).unwrap_or(0),
+        boot_id().unwrap_or_default()
+    )
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat`, field 22).
+fn start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// This boot of the machine.
+fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_owned())
 }
 
 /// Writes `bytes` to `path` so that a reader sees all of it or nothing.
@@ -156,7 +195,7 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
     use std::os::unix::process::{CommandExt, ExitStatusExt};
     if let Err(e) = write_atomic(
         &dir.join("shim.pid"),
-        std::process::id().to_string().as_bytes(),
+        identity(std::process::id()).as_bytes(),
     ) {
         eprintln!("fairledger shim: cannot write to {}: {e}", dir.display());
         return 1;
@@ -213,7 +252,7 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
         Ok(child) => child,
         Err(e) => return failed(format!("cannot start {}: {e}", program.to_string_lossy())),
     };
-    if let Err(e) = write_atomic(&dir.join("pid"), child.id().to_string().as_bytes()) {
+    if let Err(e) = write_atomic(&dir.join("pid"), identity(child.id()).as_bytes()) {
         eprintln!("fairledger shim: cannot record the process id: {e}");
     }
     let status = loop {
@@ -223,6 +262,9 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
             Err(e) => return failed(format!("lost the process: {e}")),
         }
     };
+    // The run ends with its leader: what it left behind in its group goes too, before the GPUs
+    // are handed on.
+    let _ = signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
     record(&Exit {
         exit_code: status.code(),
         signal: status.signal(),
@@ -235,6 +277,36 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recorded_process_is_trusted_only_while_it_is_that_very_process() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        std::fs::write(tmp.path().join("pid"), identity(me)).unwrap();
+        assert_eq!(read_pid(tmp.path(), "pid"), Some(Pid::from_raw(me as i32)));
+        assert_eq!(status(tmp.path()), Status::Running);
+        // The same process id with another start time (a reused id) is not the run's.
+        let id = identity(me);
+        let w: Vec<&str> = id.split_whitespace().collect();
+        let ticks: u64 = w[1].parse().unwrap();
+        std::fs::write(
+            tmp.path().join("pid"),
+            format!("{} {} {}", w[0], ticks + 1, w[2]),
+        )
+        .unwrap();
+        assert_eq!(read_pid(tmp.path(), "pid"), None);
+        std::fs::write(
+            tmp.path().join("pid"),
+            format!("{} {} another-boot", w[0], ticks),
+        )
+        .unwrap();
+        assert_eq!(read_pid(tmp.path(), "pid"), None);
+        assert_eq!(status(tmp.path()), Status::Lost);
+        assert!(
+            !signal_group(tmp.path(), Signal::SIGTERM),
+            "never signalled"
+        );
+    }
 
     #[test]
     fn a_directory_is_claimed_once() {

@@ -1208,6 +1208,17 @@ async fn node_events(
         for (i, report) in body.events.iter().enumerate() {
             let field = format!("events[{i}].envelope");
             let env = &report.envelope;
+            let now = scheduler::wall_clock_ms();
+            let ahead = env.occurred_at_ms.saturating_sub(now);
+            if ahead > state.config().clock_skew_tolerance_ms {
+                return Err(Problem::invalid(
+                    &format!("{field}.occurred_at_ms"),
+                    format!(
+                        "{:.1} s ahead of the server's clock: fix the node's clock (NTP)",
+                        ahead as f64 / 1000.0
+                    ),
+                ));
+            }
             let ok = match &env.event {
                 Event::NodeRegistered(e) => e.node == node,
                 Event::WorkloadFinished(_)
@@ -1496,7 +1507,11 @@ async fn events(
         .last_seq()
         .await
         .map_err(|e| Problem::unavailable(e.to_string()))?;
-    Ok(Json(json!({"events": rows, "next_after": next, "last_seq": last_seq})).into_response())
+    let now_ms = scheduler::wall_clock_ms();
+    Ok(
+        Json(json!({"events": rows, "next_after": next, "last_seq": last_seq, "now_ms": now_ms}))
+            .into_response(),
+    )
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]

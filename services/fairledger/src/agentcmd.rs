@@ -196,21 +196,30 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        let lost = async move {
+        // Renewed by a task of its own, whatever the agent is busy with.
+        let (lost_tx, lost) = tokio::sync::oneshot::channel::<String>();
+        tokio::spawn(async move {
             loop {
                 tokio::time::sleep(ttl / 3).await;
                 if !lease.hold().await {
-                    return format!("lost the lease on node {node:?} to another agent: stopping");
+                    let _ = lost_tx.send(format!(
+                        "lost the lease on node {node:?} to another agent: stopping"
+                    ));
+                    return;
                 }
             }
-        };
+        });
         let telemetry = Telemetry::JetStream(Box::new(js.clone()));
         let agent = agent::Agent::new(AnyLog::JetStream(Box::new(js)), telemetry, source, config);
         let (tx, rx) = tokio::sync::oneshot::channel::<String>();
         let stop = async move {
             tokio::select! {
                 _ = shutdown_signal() => {}
-                why = lost => { let _ = tx.send(why); }
+                why = lost => {
+                    if let Ok(why) = why {
+                        let _ = tx.send(why);
+                    }
+                }
             }
         };
         agent.run(stop).await.map_err(|e| e.to_string())?;

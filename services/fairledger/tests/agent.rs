@@ -464,11 +464,12 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         config.to_str().unwrap(),
     ]);
     let api = format!("http://{}", server.addr);
-    let _agent = Agent::start_with(
+    // A minute slow: the agent sets its clock by the server's before it registers.
+    let agent = Agent::start_with(
         &["--api", &api],
         "gpu-h",
         &tmp.path().join("agent"),
-        &["--fake-gpus", "2"],
+        &["--fake-gpus", "2", "--clock-skew-ms", "-60000"],
     );
     wait_for_node(&server, "gpu-h");
     let jobs = tmp.path().join("jobs.log");
@@ -516,11 +517,27 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         server.call("POST", "/v1/nodes/gpu-h/events", Some(&report.to_string()));
     assert_eq!(status, 422, "{problem}");
     assert_eq!(problem["field"], "events[0].envelope");
+    // So is an event stamped far ahead of the server's clock.
+    let ahead = json!({"events": [{
+        "idempotency_key": "future",
+        "envelope": {
+            "id": "01a23880-0000-7000-8000-000000000002",
+            "schema_version": 1,
+            "occurred_at_ms": before["now_ms"].as_u64().unwrap() + 3_600_000,
+            "actor": "agent:gpu-h",
+            "type": "node_registered",
+            "payload": {"node": "gpu-h", "gpus": 2, "model": "H100"}
+        }
+    }]});
+    let (status, problem) = server.call("POST", "/v1/nodes/gpu-h/events", Some(&ahead.to_string()));
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["field"], "events[0].envelope.occurred_at_ms");
     let (_, after) = server.call("GET", "/v1/events?limit=1", None);
     assert_eq!(
         before["last_seq"], after["last_seq"],
         "the log did not move"
     );
+    assert!(agent.log().contains("is off by"), "{}", agent.log());
 }
 
 #[test]

@@ -1,0 +1,176 @@
+//! A load generator for `fairledger serve`, end to end over HTTP on loopback.
+//!
+//! ```sh
+//! cargo bench -p fairledger --bench load                  # embedded log
+//! FAIRLEDGER_BENCH_NATS=1 cargo bench -p fairledger --bench load   # JetStream (needs nats-server)
+//! ```
+//!
+//! Two phases, each against a fresh server whose cluster is 1,000 nodes × 8 GPUs with no agents
+//! (so capacity stays free and nothing ends):
+//! 1. throughput: `FAIRLEDGER_BENCH_CLIENTS` (16) closed-loop clients submit 1-GPU workloads for
+//!    `FAIRLEDGER_BENCH_SECONDS` (10) s; submissions/s and p50/p99 latency of an accepted
+//!    submission (durable and folded).
+//! 2. submit-to-start: one client submits with `?wait=placed` 500 times while capacity is free;
+//!    p50/p99 of the time until the answer shows it running.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fairledger");
+
+struct Server {
+    child: Child,
+    base: String,
+    _nats: Option<eventlog::testing::NatsServer>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(nats: bool) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "[[nodes]]\ncount = 1000\ngpus = 8\nmodel = \"H100\"\n\n\
+         [[allocations]]\npath = \"lab/a\"\nweight = 1\n\n\
+         [[allocations]]\npath = \"lab/b\"\nweight = 1\n",
+    )
+    .unwrap();
+    let nats = nats.then(eventlog::testing::NatsServer::start);
+    let mut cmd = Command::new(BIN);
+    cmd.arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--data")
+        .arg(dir.path().join("data"))
+        .env("FAIRLEDGER_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(n) = &nats {
+        cmd.args(["--nats", &n.url()]);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let base = loop {
+        let line = lines.next().expect("serve exited").unwrap();
+        if let Some(addr) = line.strip_prefix("listening on ") {
+            break addr.to_owned();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    Server {
+        child,
+        base,
+        _nats: nats,
+        _dir: dir,
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` passes nothing: run small then.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let nats = std::env::var("FAIRLEDGER_BENCH_NATS").is_ok_and(|v| v == "1");
+    let clients = env_or("FAIRLEDGER_BENCH_CLIENTS", 16);
+    let seconds = env_or("FAIRLEDGER_BENCH_SECONDS", if quick { 1 } else { 10 });
+    let backend = if nats {
+        "JetStream on loopback"
+    } else {
+        "embedded log"
+    };
+
+    // Phase 1: sustained submissions.
+    let server = start(nats);
+    let url = format!("{}/v1/workloads", server.base);
+    let body = r#"{"allocation":"lab/a","gpus_per_node":1,"duration_estimate_s":3600}"#;
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let started = Instant::now();
+    let workers: Vec<_> = (0..clients)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let agent = agent();
+                let mut latencies = Vec::new();
+                let mut failed = 0u64;
+                while Instant::now() < deadline {
+                    let t = Instant::now();
+                    let answer = agent
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .send(body);
+                    match answer {
+                        Ok(r) if r.status().as_u16() == 202 => latencies.push(t.elapsed()),
+                        _ => failed += 1,
+                    }
+                }
+                (latencies, failed)
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    let mut failed = 0;
+    for w in workers {
+        let (l, f) = w.join().unwrap();
+        latencies.extend(l);
+        failed += f;
+    }
+    let wall = started.elapsed();
+    latencies.sort();
+    assert!(!latencies.is_empty(), "no submission succeeded");
+    println!(
+        "{backend}: {clients} clients for {seconds} s: {} submissions accepted ({failed} failed), {:.0}/s; latency p50 {:.1} ms, p99 {:.1} ms",
+        latencies.len(),
+        latencies.len() as f64 / wall.as_secs_f64(),
+        percentile(&latencies, 0.50).as_secs_f64() * 1e3,
+        percentile(&latencies, 0.99).as_secs_f64() * 1e3,
+    );
+    drop(server);
+
+    // Phase 2: submit to start, with capacity free.
+    let server = start(nats);
+    let url = format!("{}/v1/workloads?wait=placed&timeout_s=10", server.base);
+    let agent = agent();
+    let n = if quick { 20 } else { 500 };
+    let mut to_start = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let mut answer = agent
+            .post(&url)
+            .header("content-type", "application/json")
+            .send(body)
+            .unwrap();
+        let text = answer.body_mut().read_to_string().unwrap();
+        assert!(text.contains("\"running\""), "not placed: {text}");
+        to_start.push(t.elapsed());
+    }
+    to_start.sort();
+    println!(
+        "{backend}: submit to start with capacity free, {n} workloads one at a time: p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&to_start, 0.50).as_secs_f64() * 1e3,
+        percentile(&to_start, 0.99).as_secs_f64() * 1e3,
+    );
+}
