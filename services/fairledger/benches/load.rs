@@ -50,6 +50,7 @@ fn start(nats: bool) -> Server {
         .arg(&config)
         .arg("--data")
         .arg(dir.path().join("data"))
+        .arg("--no-agents")
         .env("FAIRLEDGER_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());

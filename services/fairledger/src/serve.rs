@@ -11,6 +11,9 @@ use tokio::sync::{watch, RwLock};
 
 use crate::logcmd::{runtime, shutdown_signal, LogArgs};
 
+/// The most nodes an embedded server drives with agents of its own (each folds the ledger).
+const IN_PROCESS_AGENTS_MAX: usize = 64;
+
 /// Settings of `serve`.
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -37,6 +40,10 @@ pub struct ServeArgs {
     /// made on, so even two of them never place from stale state.
     #[arg(long, env = "FAIRLEDGER_ROLE", default_value = "all", value_parser = ["all", "api", "scheduler"])]
     pub role: String,
+    /// On the embedded log, do not drive the demo's (or the config's) nodes with agents inside
+    /// this process: `fairledger agent --api` processes drive them.
+    #[arg(long)]
+    pub no_agents: bool,
     /// A node whose agent has not sent a heartbeat for this long has its GPUs marked unhealthy
     /// (its workloads are requeued as hardware failures).
     #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S", default_value_t = 30.0)]
@@ -89,6 +96,12 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             _ => None,
         })
         .collect();
+    if embedded && !args.no_demo && !args.no_agents && fake_nodes.len() > IN_PROCESS_AGENTS_MAX {
+        return Err(format!(
+            "the cluster has {} nodes; an embedded server drives at most {IN_PROCESS_AGENTS_MAX} with agents of its own: pass --no-agents and run `fairledger agent --api` per node, or use --nats",
+            fake_nodes.len()
+        ));
+    }
     runtime()?.block_on(async move {
         let log = args.log.open().await?;
         let write_setup = !args.no_demo && (embedded || args.config.is_some());
@@ -104,7 +117,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                     )
                 })
                 .collect();
-            log.append_batch(appends).await.map_err(|e| e.to_string())?;
+            for chunk in appends.chunks(eventlog::MAX_BATCH) {
+                log.append_batch(chunk.to_vec()).await.map_err(|e| e.to_string())?;
+            }
             match &args.config {
                 Some(path) => eprintln!("created the cluster of {}", path.display()),
                 None => eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp"),
@@ -187,7 +202,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         // with fake GPUs: workloads run as real processes (`sleep` for the length of their
         // estimate when they name no command), and stop when the server does.
         let mut agent_tasks = Vec::new();
-        if embedded && run_scheduler && !args.no_demo {
+        if embedded && run_scheduler && !args.no_demo && !args.no_agents {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Envelope>();
             let heartbeats = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
             let projection = projection.clone();

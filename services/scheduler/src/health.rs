@@ -1,5 +1,5 @@
-//! GPU health from heartbeats: a node that has reported at least once is watched; a GPU whose
-//! node has not reported within the timeout, or that reports uncorrected ECC errors or a fault of
+//! GPU health from heartbeats: every node in the ledger is watched from when the scheduler first
+//! sees it; a GPU whose node has not reported within the timeout, or that reports uncorrected ECC errors or a fault of
 //! its own, becomes unhealthy, and healthy again when good reports resume. The changes are ledger
 //! events (`GpuHealthChanged`), so availability is auditable without keeping every heartbeat.
 //!
@@ -127,6 +127,21 @@ impl HealthMonitor {
             }
         }
         problems
+    }
+
+    /// Starts watching, as of `now_ms`, every node the ledger holds that is not watched yet: a
+    /// node must send its first heartbeat within the timeout of being seen, so a node whose
+    /// agent died while no scheduler was watching still goes unhealthy.
+    pub fn watch_registered(&mut self, state: &State, now_ms: u64) {
+        if self.nodes.len() == state.cluster.nodes.len() {
+            return;
+        }
+        for n in &state.cluster.nodes {
+            self.nodes.entry(n.name.clone()).or_insert_with(|| Seen {
+                at_ms: now_ms,
+                ..Seen::default()
+            });
+        }
     }
 
     /// Whether `node` has reported and then fallen silent past the timeout at `now_ms`.
@@ -277,8 +292,13 @@ mod tests {
         };
         apply(&mut state, vec![Event::NodeRegistered(node)], 0);
         let mut m = HealthMonitor::new(30_000);
-        // Never heard from: not watched.
+        // Never heard from, and not yet seen: not watched.
         assert!(m.changes(&state, 100_000).is_empty());
+        // Seen in the ledger: it has the timeout to send its first heartbeat.
+        let mut seen = m.clone();
+        seen.watch_registered(&state, 100_000);
+        assert!(seen.changes(&state, 100_000 + 30_000).is_empty());
+        assert_eq!(seen.changes(&state, 100_000 + 30_001).len(), 4);
         let hb = |ecc_on: Option<u32>| GpuHeartbeat {
             node: "n".into(),
             readings: (0..4)

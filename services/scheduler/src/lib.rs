@@ -50,6 +50,7 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     let mut samples = Vec::new();
     if let Some(health) = &config.health {
         let mut monitor = health.lock().expect("the health monitor is never poisoned");
+        monitor.watch_registered(state, now_ms);
         let mut changes = monitor.changes(state, now_ms);
         if changes.is_empty() {
             changes = monitor.lost_run_reports(state, now_ms);
