@@ -36,6 +36,8 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
+/// The rows' format: a projection built with another is rebuilt from the log.
+const FORMAT: u32 = 2;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"s/seq";
 const CHECKPOINT_STATE: &[u8] = b"s/state";
@@ -303,8 +305,8 @@ impl Projector {
         };
         let db = eventlog::embedded::open_sled(sled::Config::new().path(dir)).map_err(storage)?;
         let tree = db.open_tree("projection").map_err(storage)?;
-        // The fold settings the projection is built with, fixed at creation.
-        let settings = serde_json::to_vec(&config).expect("settings serialize");
+        // The fold settings and row format the projection is built with, fixed at creation.
+        let settings = serde_json::to_vec(&(FORMAT, &config)).expect("settings serialize");
         match tree.get(CONFIG).map_err(storage)? {
             None => {
                 tree.insert(CONFIG, settings).map_err(storage)?;
@@ -406,6 +408,21 @@ impl Projector {
                 .map(Some)
                 .map_err(|e| self.corrupt(&format!("workload row {id}: {e}"))),
         }
+    }
+
+    /// The sequences of every event that names workload `id`, in order (applied or rejected).
+    pub fn history(&self, id: WorkloadId) -> Result<Vec<u64>, ProjectionError> {
+        let prefix = prefixed(b"h/", id.as_bytes());
+        let mut seqs = Vec::new();
+        for item in self.tree.scan_prefix(&prefix) {
+            let (k, _) = item.map_err(|e| self.storage(e))?;
+            let seq = k
+                .get(prefix.len()..)
+                .and_then(u64_of)
+                .ok_or_else(|| self.corrupt(&format!("history key of {id}")))?;
+            seqs.push(seq);
+        }
+        Ok(seqs)
     }
 
     /// One allocation's row.
@@ -512,6 +529,10 @@ impl Projector {
                 Ok(env) => {
                     let env = &**env;
                     let about = env.event.workload();
+                    if let Some(id) = about {
+                        // The workload's history: every event that names it, applied or not.
+                        batch.insert(history_key(id, e.seq).to_vec(), Vec::new());
+                    }
                     // An ending removes the workload from the state: keep its row as it was.
                     let ending = matches!(
                         env.event,
@@ -851,6 +872,14 @@ fn json<T: Serialize>(value: &T) -> Vec<u8> {
 
 fn workload_key(id: WorkloadId) -> Vec<u8> {
     prefixed(b"w/", id.as_bytes())
+}
+
+fn history_key(id: WorkloadId, seq: u64) -> [u8; 26] {
+    let mut k = [0u8; 26];
+    k[..2].copy_from_slice(b"h/");
+    k[2..18].copy_from_slice(id.as_bytes());
+    k[18..].copy_from_slice(&seq.to_be_bytes());
+    k
 }
 
 fn rejection_key(seq: u64) -> [u8; 10] {
