@@ -621,15 +621,47 @@ fn parse_id(id: &str) -> Result<Uuid, Problem> {
     ))]
 async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let row = app
-        .inner
-        .projection
-        .read()
-        .await
-        .workload(id)
-        .map_err(|e| Problem::unavailable(e.to_string()))?
-        .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
-    Ok(Json(row).into_response())
+    let (row, seqs) = {
+        let p = app.inner.projection.read().await;
+        let row = p
+            .workload(id)
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+            .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
+        let seqs = p
+            .history(id)
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        let rejected: Vec<bool> = seqs
+            .iter()
+            .map(|&seq| p.rejection(seq).ok().flatten().is_some())
+            .collect();
+        (row, seqs.into_iter().zip(rejected).collect::<Vec<_>>())
+    };
+    // Its history: the kind, time and actor of every event that names it, oldest first.
+    let mut history = Vec::with_capacity(seqs.len());
+    for (seq, rejected) in seqs {
+        let stored = app
+            .inner
+            .log
+            .read(seq, 1)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        let Some(e) = stored.into_iter().find(|e| e.seq == seq) else {
+            continue;
+        };
+        let Ok(env) = serde_json::from_slice::<Envelope>(&e.payload) else {
+            continue;
+        };
+        history.push(json!({
+            "seq": seq,
+            "type": env.event.kind(),
+            "occurred_at_ms": env.occurred_at_ms,
+            "actor": env.actor,
+            "rejected": rejected,
+        }));
+    }
+    let mut body = serde_json::to_value(&row).expect("rows serialize");
+    body["history"] = json!(history);
+    Ok(Json(body).into_response())
 }
 
 #[utoipa::path(delete, path = "/v1/workloads/{id}", tag = "workloads",
@@ -873,31 +905,88 @@ async fn queue(
 }
 
 #[utoipa::path(get, path = "/v1/allocations", tag = "allocations",
-    responses((status = 200, description = "the tree with weights, owed and delivered", body = serde_json::Value)))]
+    responses((status = 200, description = "the tree: weights, static shares, owed now, held, owed and delivered GPU-hours since the start and over the usage window (a parent sums its subtree); for a period, GET /v1/audit/ledger", body = serde_json::Value)))]
 async fn allocations(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let state = p.state();
     // The split as of the last event, even if time has not moved since.
     let owed = state.owed_now();
-    let rows: Vec<_> = state
-        .allocations
-        .nodes
+    let nodes = &state.allocations.nodes;
+    // The static share of the cluster: weight over the live siblings' weights, multiplied down
+    // the tree (parents are created before their children).
+    let mut share = vec![0.0f64; nodes.len()];
+    for (id, a) in nodes.iter().enumerate() {
+        if a.removed {
+            continue;
+        }
+        let siblings: u32 = match a.parent {
+            Some(p) => nodes[p as usize]
+                .children
+                .iter()
+                .map(|&c| &nodes[c as usize])
+                .filter(|c| !c.removed)
+                .map(|c| c.weight)
+                .sum(),
+            None => nodes
+                .iter()
+                .filter(|n| n.parent.is_none() && !n.removed)
+                .map(|n| n.weight)
+                .sum(),
+        };
+        let above = a.parent.map_or(1.0, |p| share[p as usize]);
+        share[id] = above * f64::from(a.weight) / f64::from(siblings.max(1));
+    }
+    // Leaves account; a parent shows the sum of its subtree (children after parents).
+    let window_now = state.now_ms;
+    let shape = state.window_shape();
+    let mut sums: Vec<[f64; 7]> = nodes
+        .iter()
+        .map(|a| {
+            if !a.is_leaf() {
+                return [0.0; 7];
+            }
+            let w = a.window.sums(shape, window_now);
+            [
+                a.held_gpus as f64,
+                a.owed_gpu_ms,
+                a.delivered_gpu_ms as f64,
+                w.owed_gpu_ms,
+                w.delivered_gpu_ms,
+                a.preemptions as f64,
+                a.contract_violations as f64,
+            ]
+        })
+        .collect();
+    for id in (0..nodes.len()).rev() {
+        if let Some(p) = nodes[id].parent {
+            let child = sums[id];
+            for (total, v) in sums[p as usize].iter_mut().zip(child) {
+                *total += v;
+            }
+        }
+    }
+    let rows: Vec<_> = nodes
         .iter()
         .enumerate()
         .filter(|(_, a)| !a.removed)
         .map(|(id, a)| {
+            let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, violations] =
+                sums[id];
             json!({
                 "path": a.path,
                 "weight": a.weight,
+                "share": share[id],
                 "max_gpus": a.max_gpus,
                 "leaf": a.is_leaf(),
                 "owed_gpus_now": owed.get(id).copied().unwrap_or(0.0),
-                "held_gpus": a.held_gpus,
+                "held_gpus": held as u64,
                 "demand_gpus": a.raw_demand_gpus,
-                "owed_gpu_hours": a.owed_gpu_ms / 3.6e6,
-                "delivered_gpu_hours": a.delivered_gpu_ms as f64 / 3.6e6,
-                "preemptions": a.preemptions,
-                "contract_violations": a.contract_violations,
+                "owed_gpu_hours": owed_ms / 3.6e6,
+                "delivered_gpu_hours": delivered_ms / 3.6e6,
+                "window_owed_gpu_hours": w_owed / 3.6e6,
+                "window_delivered_gpu_hours": w_delivered / 3.6e6,
+                "preemptions": preemptions as u64,
+                "contract_violations": violations as u64,
                 "live_workloads": a.live_workloads,
             })
         })
@@ -1380,13 +1469,27 @@ async fn audit_workload(
     Path(id): Path<String>,
 ) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let mut history = Vec::new();
-    app.scan(None, |seq, env| {
-        if env.event.workload() == Some(id) {
-            history.push(json!({"seq": seq, "event": env}));
+    let seqs = app
+        .inner
+        .projection
+        .read()
+        .await
+        .history(id)
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let mut history = Vec::with_capacity(seqs.len());
+    for seq in seqs {
+        let stored = app
+            .inner
+            .log
+            .read(seq, 1)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        for e in stored.into_iter().filter(|e| e.seq == seq) {
+            if let Ok(env) = serde_json::from_slice::<Envelope>(&e.payload) {
+                history.push(json!({"seq": seq, "event": env}));
+            }
         }
-    })
-    .await?;
+    }
     if history.is_empty() {
         return Err(Problem::not_found(format!("no event names workload {id}")));
     }
@@ -1473,6 +1576,33 @@ struct EventsQuery {
     after: Option<u64>,
     /// At most this many, 1 to 1000 (default 100).
     limit: Option<usize>,
+    /// Only events of this kind, e.g. `workload_started`.
+    kind: Option<String>,
+    /// Only events of this allocation and below.
+    allocation: Option<String>,
+}
+
+/// The most events one filtered page reads before answering; `next_after` says where to go on.
+const EVENTS_SCAN_MAX: usize = 10_000;
+
+/// Whether an event on `subject` whose payload is `event` passes the filters: `tokens` is an
+/// allocation path with `/` turned into `.` (the subject ends in it, or in a path below it).
+fn event_passes(
+    subject: &str,
+    event: &serde_json::Value,
+    kind: Option<&str>,
+    tokens: Option<&str>,
+) -> bool {
+    if let Some(t) = tokens {
+        let scope: Vec<&str> = subject.splitn(5, '.').collect();
+        let under = scope
+            .get(4)
+            .is_some_and(|s| *s == t || s.starts_with(&format!("{t}.")));
+        if !under {
+            return false;
+        }
+    }
+    kind.is_none_or(|k| event["type"].as_str() == Some(k))
 }
 
 #[utoipa::path(get, path = "/v1/events", tag = "events", params(EventsQuery),
@@ -1486,21 +1616,41 @@ async fn events(
     if limit == 0 || limit > 1000 {
         return Err(Problem::invalid("limit", "1 to 1000"));
     }
-    let stored = app
-        .inner
-        .log
-        .read(query.after.unwrap_or(0) + 1, limit)
-        .await
-        .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let rows: Vec<_> = stored
-        .iter()
-        .map(|e| {
+    if let Some(path) = &query.allocation {
+        ledger::alloc::validate_path(path)
+            .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+    }
+    let tokens = query.allocation.as_ref().map(|p| p.replace('/', "."));
+    let filtered = tokens.is_some() || query.kind.is_some();
+    let mut rows = Vec::new();
+    let mut cursor = query.after.unwrap_or(0);
+    let mut scanned = 0;
+    let mut next = None;
+    'pages: while rows.len() < limit && scanned < EVENTS_SCAN_MAX {
+        let want = if filtered { 1000 } else { limit - rows.len() };
+        let stored = app
+            .inner
+            .log
+            .read(cursor + 1, want)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        if stored.is_empty() {
+            break;
+        }
+        for e in &stored {
+            cursor = e.seq;
+            next = Some(e.seq);
+            scanned += 1;
             let event: serde_json::Value = serde_json::from_slice(&e.payload)
                 .unwrap_or_else(|_| json!({"malformed": String::from_utf8_lossy(&e.payload)}));
-            json!({"seq": e.seq, "subject": e.subject, "event": event})
-        })
-        .collect();
-    let next = stored.last().map(|e| e.seq);
+            if event_passes(&e.subject, &event, query.kind.as_deref(), tokens.as_deref()) {
+                rows.push(json!({"seq": e.seq, "subject": e.subject, "event": event}));
+                if rows.len() == limit {
+                    break 'pages;
+                }
+            }
+        }
+    }
     let last_seq = app
         .inner
         .log
@@ -1570,24 +1720,12 @@ async fn event_stream(
                 Ok(s) => s,
                 Err(e) => return Some(Err(std::io::Error::other(e.to_string()))),
             };
-            if let Some(t) = &tokens {
-                // The subject ends in the allocation's tokens: match the subtree.
-                let scope: Vec<&str> = stored.subject.splitn(5, '.').collect();
-                let under = scope
-                    .get(4)
-                    .is_some_and(|s| s == t || s.starts_with(&format!("{t}.")));
-                if !under {
-                    return None;
-                }
-            }
             let text = String::from_utf8_lossy(&stored.payload).into_owned();
-            let event_kind = serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|v| v["type"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| "malformed".into());
-            if kind.as_ref().is_some_and(|k| *k != event_kind) {
+            let event = serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
+            if !event_passes(&stored.subject, &event, kind.as_deref(), tokens.as_deref()) {
                 return None;
             }
+            let event_kind = event["type"].as_str().unwrap_or("malformed").to_owned();
             Some(Ok(Sse::default()
                 .id(stored.seq.to_string())
                 .event(event_kind)

@@ -214,6 +214,14 @@ async fn submit_then_placed_then_cancel() {
     );
     let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{queued_id}"), None, &[]).await;
     assert_eq!(row["phase"], "cancelled");
+    let kinds: Vec<&str> = row["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["workload_submitted", "workload_cancelled"], "{row}");
+    assert!(row["history"][1]["seq"].as_u64() > row["history"][0]["seq"].as_u64());
     let (status, _, c) = call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(
         (status, c["action"].as_str()),
@@ -524,6 +532,20 @@ async fn allocations_are_set_removed_and_listed() {
         (d["weight"].as_u64(), d["max_gpus"].as_u64()),
         (Some(3), Some(4))
     );
+    // Static shares multiply down the tree: a, b and c split the cluster, c/d is all of c.
+    let share = |path: &str| {
+        list["allocations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["path"] == path)
+            .unwrap()["share"]
+            .as_f64()
+            .unwrap()
+    };
+    for path in ["a", "a/x", "b", "c", "c/d"] {
+        assert!((share(path) - 1.0 / 3.0).abs() < 1e-12, "{path}: {list}");
+    }
     // A parent with children cannot go, and nothing is written.
     let before = f.log.last_seq().await.unwrap();
     let (status, ct, problem) = call(&f, "DELETE", "/v1/allocations/c", None, &[]).await;
@@ -554,6 +576,28 @@ async fn allocations_are_set_removed_and_listed() {
         .map(|e| e["event"]["type"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, vec!["allocation_set", "allocation_removed"]);
+    // Filtered pages: by kind, and by allocation subtree.
+    let (_, _, removed) = call(&f, "GET", "/v1/events?kind=allocation_removed", None, &[]).await;
+    let removed = removed["events"].as_array().unwrap();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(removed[0]["event"]["payload"]["path"], "c/d");
+    let (_, _, under) = call(&f, "GET", "/v1/events?allocation=c&limit=1000", None, &[]).await;
+    let subjects: Vec<&str> = under["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap())
+        .collect();
+    assert!(!subjects.is_empty());
+    assert!(
+        subjects
+            .iter()
+            .all(|s| s.ends_with(".c.d") || s.ends_with(".c")),
+        "{subjects:?}"
+    );
+    let (status, _, problem) = call(&f, "GET", "/v1/events?allocation=a//b", None, &[]).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    assert_eq!(problem["field"], "allocation");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -299,6 +299,10 @@ fn a_preempted_process_gets_sigterm_is_requeued_resumes_and_the_audit_matches_it
             "{path}: delivered {delivered} GPU-hours, its processes ran {real}"
         );
     }
+    // The parent shows its subtree's sum.
+    let lab = delivered_gpu_hours(&server, "lab");
+    let parts = delivered_gpu_hours(&server, "lab/a") + delivered_gpu_hours(&server, "lab/b");
+    assert!((lab - parts).abs() < 1e-9, "lab {lab}, its leaves {parts}");
     let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
     assert_eq!(metrics["contract_violations"], 0, "{metrics}");
     assert!(metrics["preemptions"].as_u64().unwrap() >= 1, "{metrics}");
