@@ -621,24 +621,18 @@ fn parse_id(id: &str) -> Result<Uuid, Problem> {
     ))]
 async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let (row, seqs) = {
-        let p = app.inner.projection.read().await;
-        let row = p
-            .workload(id)
-            .map_err(|e| Problem::unavailable(e.to_string()))?
-            .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
-        let seqs = p
-            .history(id)
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
-        let rejected: Vec<bool> = seqs
-            .iter()
-            .map(|&seq| p.rejection(seq).ok().flatten().is_some())
-            .collect();
-        (row, seqs.into_iter().zip(rejected).collect::<Vec<_>>())
-    };
-    // Its history: the kind, time and actor of every event that names it, oldest first.
-    let mut history = Vec::with_capacity(seqs.len());
-    for (seq, rejected) in seqs {
+    let row = app
+        .inner
+        .projection
+        .read()
+        .await
+        .workload(id)
+        .map_err(|e| Problem::unavailable(e.to_string()))?
+        .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
+    // Its history: the kind, time and actor of every event about it the fold applied, oldest
+    // first (GET /v1/audit/workloads/{id} also shows the ones it refused).
+    let mut history = Vec::with_capacity(row.history.len());
+    for &seq in &row.history {
         let stored = app
             .inner
             .log
@@ -656,7 +650,6 @@ async fn workload(State(app): State<App>, Path(id): Path<String>) -> Result<Resp
             "type": env.event.kind(),
             "occurred_at_ms": env.occurred_at_ms,
             "actor": env.actor,
-            "rejected": rejected,
         }));
     }
     let mut body = serde_json::to_value(&row).expect("rows serialize");
@@ -905,8 +898,37 @@ async fn queue(
 }
 
 #[utoipa::path(get, path = "/v1/allocations", tag = "allocations",
+    params(AllocationsQuery),
     responses((status = 200, description = "the tree: weights, static shares, owed now, held, owed and delivered GPU-hours since the start and over the usage window (a parent sums its subtree); for a period, GET /v1/audit/ledger", body = serde_json::Value)))]
-async fn allocations(State(app): State<App>) -> Response {
+async fn allocations(
+    State(app): State<App>,
+    query: Result<Query<AllocationsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(q) = query.map_err(bad_query)?;
+    // For a period: the audit's owed and delivered per leaf, refolded from the ledger.
+    let period = match (q.from, q.to) {
+        (None, None) => None,
+        (from, to) => {
+            let now = scheduler::wall_clock_ms();
+            let to = to.unwrap_or(now).min(now);
+            let from = from.unwrap_or(to.saturating_sub(7 * 86_400_000));
+            if from >= to {
+                return Err(Problem::invalid(
+                    "to",
+                    format!("the period must end after it starts (from={from}, to={to}, in ms)"),
+                ));
+            }
+            let config = *app.inner.projection.read().await.state().config();
+            let mut audit = ledger::audit::Audit::new(config, from, to, to - from, None);
+            app.scan(Some(to), |seq, env| audit.apply(seq, env)).await?;
+            let by_leaf: std::collections::HashMap<String, (f64, f64)> = audit
+                .finish()
+                .into_iter()
+                .map(|r| (r.allocation, (r.owed_gpu_hours, r.delivered_gpu_hours)))
+                .collect();
+            Some((from, to, by_leaf))
+        }
+    };
     let p = app.inner.projection.read().await;
     let state = p.state();
     // The split as of the last event, even if time has not moved since.
@@ -939,13 +961,17 @@ async fn allocations(State(app): State<App>) -> Response {
     // Leaves account; a parent shows the sum of its subtree (children after parents).
     let window_now = state.now_ms;
     let shape = state.window_shape();
-    let mut sums: Vec<[f64; 7]> = nodes
+    let mut sums: Vec<[f64; 9]> = nodes
         .iter()
         .map(|a| {
             if !a.is_leaf() {
-                return [0.0; 7];
+                return [0.0; 9];
             }
             let w = a.window.sums(shape, window_now);
+            let (period_owed, period_delivered) = period
+                .as_ref()
+                .and_then(|(_, _, by_leaf)| by_leaf.get(&a.path).copied())
+                .unwrap_or((0.0, 0.0));
             [
                 a.held_gpus as f64,
                 a.owed_gpu_ms,
@@ -954,6 +980,8 @@ async fn allocations(State(app): State<App>) -> Response {
                 w.delivered_gpu_ms,
                 a.preemptions as f64,
                 a.contract_violations as f64,
+                period_owed,
+                period_delivered,
             ]
         })
         .collect();
@@ -970,9 +998,9 @@ async fn allocations(State(app): State<App>) -> Response {
         .enumerate()
         .filter(|(_, a)| !a.removed)
         .map(|(id, a)| {
-            let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, violations] =
+            let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, violations, p_owed, p_delivered] =
                 sums[id];
-            json!({
+            let mut row = json!({
                 "path": a.path,
                 "weight": a.weight,
                 "share": share[id],
@@ -988,10 +1016,31 @@ async fn allocations(State(app): State<App>) -> Response {
                 "preemptions": preemptions as u64,
                 "contract_violations": violations as u64,
                 "live_workloads": a.live_workloads,
-            })
+            });
+            if period.is_some() {
+                row["period_owed_gpu_hours"] = json!(p_owed);
+                row["period_delivered_gpu_hours"] = json!(p_delivered);
+            }
+            row
         })
         .collect();
-    Json(json!({"as_of_seq": state.last_seq, "allocations": rows})).into_response()
+    let mut body = json!({"as_of_seq": state.last_seq, "allocations": rows});
+    if let Some((from, to, _)) = period {
+        body["period"] = json!({"from_ms": from, "to_ms": to});
+    }
+    Ok(Json(body).into_response())
+}
+
+/// The optional period of `GET /v1/allocations`.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+struct AllocationsQuery {
+    /// Also owed and delivered GPU-hours from this instant (ms since the epoch; default a week
+    /// before `to`).
+    from: Option<u64>,
+    /// Up to this instant (default, and at most, now).
+    to: Option<u64>,
 }
 
 /// The body of `PUT /v1/allocations/{path}`.
@@ -1469,27 +1518,13 @@ async fn audit_workload(
     Path(id): Path<String>,
 ) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let seqs = app
-        .inner
-        .projection
-        .read()
-        .await
-        .history(id)
-        .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let mut history = Vec::with_capacity(seqs.len());
-    for seq in seqs {
-        let stored = app
-            .inner
-            .log
-            .read(seq, 1)
-            .await
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
-        for e in stored.into_iter().filter(|e| e.seq == seq) {
-            if let Ok(env) = serde_json::from_slice::<Envelope>(&e.payload) {
-                history.push(json!({"seq": seq, "event": env}));
-            }
+    let mut history = Vec::new();
+    app.scan(None, |seq, env| {
+        if env.event.workload() == Some(id) {
+            history.push(json!({"seq": seq, "event": env}));
         }
-    }
+    })
+    .await?;
     if history.is_empty() {
         return Err(Problem::not_found(format!("no event names workload {id}")));
     }

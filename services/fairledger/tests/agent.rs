@@ -493,6 +493,23 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         (delivered - real).abs() < 2.0 / 3600.0,
         "delivered {delivered} GPU-hours, the process ran {real}"
     );
+    // For a period, the same figure refolded from the ledger; a reversed period is refused.
+    let (status, period) = server.call("GET", "/v1/allocations?from=0", None);
+    assert_eq!(status, 200, "{period}");
+    let a = period["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "lab/a")
+        .unwrap();
+    let in_period = a["period_delivered_gpu_hours"].as_f64().unwrap();
+    assert!(
+        (in_period - delivered).abs() < 1e-9,
+        "{in_period} vs {delivered}"
+    );
+    let (status, problem) = server.call("GET", "/v1/allocations?from=5&to=5", None);
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["field"], "to");
     // Heartbeats arrive over HTTP: the node is watched and healthy.
     let (_, nodes) = server.call("GET", "/v1/nodes", None);
     assert_eq!(nodes["nodes"][0]["healthy_gpus"], 2, "{nodes}");

@@ -106,6 +106,8 @@ pub struct WorkloadRow {
     pub last_seq: u64,
     /// When it finished or was cancelled.
     pub ended_at_ms: Option<u64>,
+    /// Sequences of every event about it that the fold applied, oldest first.
+    pub history: Vec<u64>,
 }
 
 /// What the projection knows of one allocation.
@@ -410,21 +412,6 @@ impl Projector {
         }
     }
 
-    /// The sequences of every event that names workload `id`, in order (applied or rejected).
-    pub fn history(&self, id: WorkloadId) -> Result<Vec<u64>, ProjectionError> {
-        let prefix = prefixed(b"h/", id.as_bytes());
-        let mut seqs = Vec::new();
-        for item in self.tree.scan_prefix(&prefix) {
-            let (k, _) = item.map_err(|e| self.storage(e))?;
-            let seq = k
-                .get(prefix.len()..)
-                .and_then(u64_of)
-                .ok_or_else(|| self.corrupt(&format!("history key of {id}")))?;
-            seqs.push(seq);
-        }
-        Ok(seqs)
-    }
-
     /// One allocation's row.
     pub fn allocation(&self, path: &str) -> Result<Option<AllocationRow>, ProjectionError> {
         self.get_json(&prefixed(b"a/", path.as_bytes()))
@@ -529,10 +516,6 @@ impl Projector {
                 Ok(env) => {
                     let env = &**env;
                     let about = env.event.workload();
-                    if let Some(id) = about {
-                        // The workload's history: every event that names it, applied or not.
-                        batch.insert(history_key(id, e.seq).to_vec(), Vec::new());
-                    }
                     // An ending removes the workload from the state: keep its row as it was.
                     let ending = matches!(
                         env.event,
@@ -550,7 +533,15 @@ impl Projector {
                         Outcome::Applied => {
                             self.stats.applied += 1;
                             if let Some(id) = about {
-                                let row = match self.row_of(id, e.seq) {
+                                // Its history so far: this batch's row, else the stored one.
+                                let mut history = match rows.get(&id) {
+                                    Some(row) => row.history.clone(),
+                                    None => {
+                                        self.workload(id)?.map(|r| r.history).unwrap_or_default()
+                                    }
+                                };
+                                history.push(e.seq);
+                                let mut row = match self.row_of(id, e.seq) {
                                     Some(row) => row,
                                     None => {
                                         let phase = self.state.ended.get(&id).copied();
@@ -565,6 +556,7 @@ impl Projector {
                                         row
                                     }
                                 };
+                                row.history = history;
                                 rows.insert(id, row);
                             }
                         }
@@ -732,6 +724,7 @@ impl Projector {
             work_done_ms: w.work_done_ms,
             last_seq: seq,
             ended_at_ms: None,
+            history: Vec::new(),
         })
     }
 
@@ -872,14 +865,6 @@ fn json<T: Serialize>(value: &T) -> Vec<u8> {
 
 fn workload_key(id: WorkloadId) -> Vec<u8> {
     prefixed(b"w/", id.as_bytes())
-}
-
-fn history_key(id: WorkloadId, seq: u64) -> [u8; 26] {
-    let mut k = [0u8; 26];
-    k[..2].copy_from_slice(b"h/");
-    k[2..18].copy_from_slice(id.as_bytes());
-    k[18..].copy_from_slice(&seq.to_be_bytes());
-    k
 }
 
 fn rejection_key(seq: u64) -> [u8; 10] {
