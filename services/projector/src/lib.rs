@@ -222,6 +222,9 @@ pub struct Projector {
     since_checkpoint: u64,
     last_malformed: Option<(u64, String)>,
     poisoned: bool,
+    /// Histories of live workloads, so a row's history need not be read back from sled (a
+    /// workload missing here, after a restart, is read once).
+    histories: rustc_hash::FxHashMap<WorkloadId, Vec<u64>>,
 }
 
 impl Projector {
@@ -368,6 +371,7 @@ impl Projector {
             since_checkpoint: 0,
             last_malformed: None,
             poisoned: false,
+            histories: Default::default(),
         })
     }
 
@@ -533,9 +537,13 @@ impl Projector {
                         Outcome::Applied => {
                             self.stats.applied += 1;
                             if let Some(id) = about {
-                                // Its history so far: this batch's row, else the stored one.
-                                let mut history = match rows.get(&id) {
-                                    Some(row) => row.history.clone(),
+                                // Its history so far: kept in memory while it lives, else the
+                                // stored row's.
+                                let mut history = match self.histories.remove(&id) {
+                                    Some(h) => h,
+                                    None if matches!(env.event, Event::WorkloadSubmitted(_)) => {
+                                        Vec::new()
+                                    }
                                     None => {
                                         self.workload(id)?.map(|r| r.history).unwrap_or_default()
                                     }
@@ -556,6 +564,9 @@ impl Projector {
                                         row
                                     }
                                 };
+                                if row.ended_at_ms.is_none() {
+                                    self.histories.insert(id, history.clone());
+                                }
                                 row.history = history;
                                 rows.insert(id, row);
                             }
