@@ -100,6 +100,15 @@ async fn rows_answer_for_workloads_and_allocations() {
         .rposition(|e| e.event.workload() == Some(finished))
         .unwrap();
     assert_eq!(row.last_seq, last_about as u64 + 1);
+    // Its history is every event about it, in order (a simulated ledger has no rejections).
+    let about: Vec<u64> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.event.workload() == Some(finished))
+        .map(|(i, _)| i as u64 + 1)
+        .collect();
+    assert_eq!(row.history, about);
+    assert_eq!(row.history.first(), Some(&row.submit_seq));
     assert_eq!(row.ended_at_ms, Some(events[last_about].occurred_at_ms));
     // Delivered GPU-hours per allocation agree with the fold's own accounting.
     let state = p.state();
