@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Server, BIN};
+use common::{wait_for, Server, BIN};
 use eventlog::testing::NatsServer;
 use serde_json::{json, Value};
 
@@ -51,6 +51,22 @@ fn script(dir: &Path, log: &Path) -> PathBuf {
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
     std::fs::set_permissions(&path, perms).unwrap();
     path
+}
+
+/// `fairledger serve` on `nats` with the cluster of [`cluster`] and `extra` flags.
+fn serve_on(nats: &NatsServer, dir: &Path, min_runtime_s: u64, extra: &[&str]) -> Server {
+    let config = cluster(dir, min_runtime_s);
+    let (data, url) = (dir.join("data"), nats.url());
+    let mut args = vec![
+        "--nats",
+        &url,
+        "--data",
+        data.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&args)
 }
 
 struct Agent {
@@ -97,30 +113,6 @@ impl Drop for Agent {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Waits for workload `id` to reach `phase`; on a timeout, prints the ledger before failing.
-fn wait_for(server: &Server, id: &str, phase: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (status, row) = server.call("GET", &format!("/v1/workloads/{id}"), None);
-        assert_eq!(status, 200, "{row}");
-        if row["phase"] == phase {
-            return row;
-        }
-        if Instant::now() > deadline {
-            let (_, events) = server.call("GET", "/v1/events?limit=1000", None);
-            for e in events["events"].as_array().into_iter().flatten() {
-                eprintln!("{e}");
-            }
-            let (_, audit) = server.call("GET", &format!("/v1/audit/workloads/{id}"), None);
-            eprintln!("rejected: {}", audit["rejected_seqs"]);
-            let (_, metrics) = server.call("GET", "/metrics", None);
-            eprintln!("{metrics}");
-            panic!("{id} never became {phase}: {row}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -209,15 +201,7 @@ fn kinds(events: &[Value]) -> Vec<String> {
 fn a_preempted_process_gets_sigterm_is_requeued_resumes_and_the_audit_matches_its_run_time() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 2);
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_on(&nats, tmp.path(), 2, &[]);
     // This machine's clock is a minute behind the server's: the agent must notice and stamp its
     // reports with the server's time, or the ledger would refuse them as too old.
     let agent = Agent::start(
@@ -321,15 +305,7 @@ fn a_failed_gpu_stops_its_workload_without_a_contract_violation() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     // A long contract: only a hardware failure may stop the workload.
-    let config = cluster(tmp.path(), 3600);
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
     // GPU 1 fails 8 s after the agent starts.
     let _agent = Agent::start(
         &nats.url(),
@@ -374,15 +350,7 @@ fn a_failed_gpu_stops_its_workload_without_a_contract_violation() {
 fn a_restarted_agent_re_adopts_its_runs_and_never_launches_one_twice() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 3600);
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
     let work = tmp.path().join("agent");
     let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
     wait_for_node(&server, "gpu-1");
@@ -565,17 +533,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
 fn a_dead_agents_node_goes_unhealthy_its_work_is_requeued_and_its_orphan_is_stopped_on_return() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 3600);
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-        "--heartbeat-timeout-s",
-        "2",
-    ]);
+    let server = serve_on(&nats, tmp.path(), 3600, &["--heartbeat-timeout-s", "2"]);
     let work = tmp.path().join("agent");
     let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
     wait_for_node(&server, "gpu-1");

@@ -78,6 +78,7 @@ impl Drop for Server {
     }
 }
 
+/// Waits for workload `id` to reach `phase`; on a timeout, prints the ledger and fails.
 pub fn wait_for(server: &Server, id: &str, phase: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -86,10 +87,15 @@ pub fn wait_for(server: &Server, id: &str, phase: &str) -> Value {
         if row["phase"] == phase {
             return row;
         }
-        assert!(
-            Instant::now() < deadline,
-            "{id} never became {phase}: {row}"
-        );
+        if Instant::now() > deadline {
+            let (_, events) = server.call("GET", "/v1/events?limit=1000", None);
+            for e in events["events"].as_array().into_iter().flatten() {
+                eprintln!("{e}");
+            }
+            let (_, audit) = server.call("GET", &format!("/v1/audit/workloads/{id}"), None);
+            eprintln!("rejected: {}", audit["rejected_seqs"]);
+            panic!("{id} never became {phase}: {row}");
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
