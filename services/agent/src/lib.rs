@@ -191,11 +191,14 @@ pub const MIN_GRACE: Duration = Duration::from_secs(2);
 pub struct Agent<L> {
     log: L,
     telemetry: Telemetry,
-    source: Box<dyn GpuSource>,
+    /// The GPUs, until the heartbeat task takes them.
+    source: Option<Box<dyn GpuSource>>,
+    /// The GPUs as discovered.
+    gpus: Vec<gpu::GpuInfo>,
     config: AgentConfig,
     state: State,
-    clock: Clock,
-    started: Instant,
+    /// Shared with the heartbeat task, whose answers correct it.
+    clock: Arc<std::sync::Mutex<Clock>>,
     runs: BTreeMap<(WorkloadId, u64), Run>,
     /// The first event of each report sent, by envelope id, and the run it reports: a report
     /// the fold refuses is sent again.
@@ -219,14 +222,14 @@ impl<L: EventLog> Agent<L> {
         Agent {
             log,
             telemetry,
-            source,
-            clock: Clock {
+            gpus: source.gpus().to_vec(),
+            source: Some(source),
+            clock: Arc::new(std::sync::Mutex::new(Clock {
                 skew_ms: config.clock_skew_ms,
                 ..Clock::default()
-            },
+            })),
             config,
             state: State::new(StateConfig::default()),
-            started: Instant::now(),
             runs: BTreeMap::new(),
             specs: BTreeMap::new(),
             sent: BTreeMap::new(),
@@ -267,16 +270,27 @@ impl<L: EventLog> Agent<L> {
             self.check_registration(true)?;
         }
         self.find_orphans();
+        let source = self.source.take().expect("the GPUs are taken once");
         tracing::info!(
             node = %self.config.node,
-            gpus = self.source.gpus().len(),
-            source = %self.source.describe(),
+            gpus = self.gpus.len(),
+            source = %source.describe(),
             "agent registered"
         );
+        // Heartbeats go on in a task of their own, whatever the loop below waits for.
+        let (busy_tx, busy_rx) = tokio::sync::watch::channel(self.busy_gpus());
+        let beats = tokio::spawn(heartbeats(
+            source,
+            self.telemetry.clone(),
+            self.config.node.clone(),
+            self.config.heartbeat,
+            self.clock.clone(),
+            busy_rx,
+        ));
+        let _stop_beats = AbortOnDrop(beats);
         let mut stop = std::pin::pin!(stop);
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next_heartbeat = Instant::now();
         let mut resubscribe = false;
         loop {
             tokio::select! {
@@ -326,11 +340,18 @@ impl<L: EventLog> Agent<L> {
                 }
             }
             self.reconcile().await;
-            if Instant::now() >= next_heartbeat {
-                next_heartbeat = Instant::now() + self.config.heartbeat;
-                self.heartbeat().await;
-            }
+            let busy = self.busy_gpus();
+            busy_tx.send_if_modified(|b| {
+                let changed = *b != busy;
+                *b = busy;
+                changed
+            });
         }
+    }
+
+    /// This agent's clock now.
+    fn clock(&self) -> Clock {
+        *self.clock.lock().expect("the clock is never poisoned")
     }
 
     /// Applies events from `events` until the state reaches `seq`.
@@ -400,10 +421,13 @@ impl<L: EventLog> Agent<L> {
     /// Probes the server's clock before anything is stamped.
     async fn measure_clock(&mut self) {
         if let Telemetry::Http(api) = &self.telemetry {
-            let clock = self.clock;
+            let clock = self.clock();
             if let Ok((sent, acked, server)) = api.server_time(|| clock.local_ms()).await {
                 let node = self.config.node.clone();
-                self.clock.measured(&node, sent, acked, server);
+                self.clock
+                    .lock()
+                    .expect("the clock is never poisoned")
+                    .measured(&node, sent, acked, server);
             }
             return;
         }
@@ -415,27 +439,30 @@ impl<L: EventLog> Agent<L> {
             eventlog::subject::TELEMETRY_PREFIX,
             eventlog::subject::token(&self.config.node)
         );
-        let sent = self.clock.local_ms();
+        let sent = self.clock().local_ms();
         let Ok(seq) = js.publish_telemetry(subject, "{}".into()).await else {
             return;
         };
-        let acked = self.clock.local_ms();
+        let acked = self.clock().local_ms();
         if let Ok(server) = js.telemetry_stored_at_ms(seq).await {
-            self.clock.measured(&self.config.node, sent, acked, server);
+            self.clock
+                .lock()
+                .expect("the clock is never poisoned")
+                .measured(&self.config.node, sent, acked, server);
         }
     }
 
     fn envelope(&self, event: Event) -> Envelope {
         Envelope::new(
             Uuid::now_v7(),
-            self.clock.now_ms(),
+            self.clock().now_ms(),
             format!("agent:{}", self.config.node),
             event,
         )
     }
 
     async fn register(&mut self) -> Result<u64, AgentError> {
-        let gpus = self.source.gpus();
+        let gpus = &self.gpus;
         let model = self
             .config
             .model
@@ -470,7 +497,7 @@ impl<L: EventLog> Agent<L> {
     /// Whether the ledger holds this node as this machine is; an error if it holds it with
     /// another shape, or (`must`) does not hold it at all.
     fn check_registration(&self, must: bool) -> Result<bool, AgentError> {
-        let gpus = self.source.gpus().len() as u32;
+        let gpus = self.gpus.len() as u32;
         let Some(idx) = self.state.cluster.get(&self.config.node) else {
             if !must {
                 return Ok(false);
@@ -485,7 +512,7 @@ impl<L: EventLog> Agent<L> {
             .config
             .model
             .clone()
-            .unwrap_or_else(|| gpu::short_model(&self.source.gpus()[0].name));
+            .unwrap_or_else(|| gpu::short_model(&self.gpus[0].name));
         if n.gpu_count != gpus || n.model != model {
             return Err(AgentError::Node(format!(
                 "node {:?} is already registered with {} {} GPUs, and this machine has {gpus} {model}: pass another --node",
@@ -493,60 +520,6 @@ impl<L: EventLog> Agent<L> {
             )));
         }
         Ok(true)
-    }
-
-    /// Publishes the readings, unless a scripted fault silenced them.
-    async fn heartbeat(&mut self) {
-        let elapsed = self.started.elapsed();
-        if self.source.silent(elapsed) {
-            return;
-        }
-        let busy = self.busy_gpus();
-        let readings = match self.source.read(elapsed, &busy) {
-            Ok(r) => r,
-            Err(e) => {
-                // No heartbeat: the scheduler marks the GPUs unhealthy after its timeout.
-                tracing::warn!(error = %e, "cannot read the GPUs; no heartbeat this time");
-                return;
-            }
-        };
-        let hb = GpuHeartbeat {
-            node: self.config.node.clone(),
-            readings,
-        };
-        let subject = eventlog::subject::for_telemetry(&hb);
-        let env = self.envelope(Event::GpuHeartbeat(hb));
-        match &self.telemetry {
-            Telemetry::Local(f) => f(&env),
-            Telemetry::Http(api) => {
-                let Event::GpuHeartbeat(hb) = &env.event else {
-                    unreachable!("a heartbeat")
-                };
-                let sent = self.clock.local_ms();
-                match api.heartbeat(&hb.readings, env.occurred_at_ms).await {
-                    Ok(server) => {
-                        let acked = self.clock.local_ms();
-                        let node = self.config.node.clone();
-                        self.clock.measured(&node, sent, acked, server);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "heartbeat not taken"),
-                }
-            }
-            Telemetry::JetStream(js) => {
-                let payload = serde_json::to_vec(&env).expect("envelopes serialize");
-                let sent = self.clock.local_ms();
-                match js.publish_telemetry(subject, payload.into()).await {
-                    Ok(seq) => {
-                        let acked = self.clock.local_ms();
-                        if let Ok(server) = js.telemetry_stored_at_ms(seq).await {
-                            let node = self.config.node.clone();
-                            self.clock.measured(&node, sent, acked, server);
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "heartbeat not published"),
-                }
-            }
-        }
     }
 
     /// GPUs of this node held by running workloads.
@@ -632,7 +605,7 @@ impl<L: EventLog> Agent<L> {
         }
         // Preemptions: SIGTERM now, SIGKILL when the grace period is over.
         let now = Instant::now();
-        let server_now = self.clock.now_ms();
+        let server_now = self.clock().now_ms();
         for (key, run) in &mut self.runs {
             let Some(p) = self.state.workloads.get(&key.0).and_then(|w| w.preempting) else {
                 continue;
@@ -749,7 +722,7 @@ impl<L: EventLog> Agent<L> {
                     }
                     _ => {
                         tracing::info!(workload = %key.0, "stopped with the agent: requeued");
-                        (self.clock.now_ms(), lost(key.0))
+                        (self.clock().now_ms(), lost(key.0))
                     }
                 };
                 self.report(key, at, events).await;
@@ -796,7 +769,7 @@ impl<L: EventLog> Agent<L> {
     fn spec(&self, id: WorkloadId, gpus: &[u32], dir: &std::path::Path) -> run::Spec {
         let w = &self.state.workloads[&id];
         let (command, mut env) = self.specs.get(&id).cloned().unwrap_or_default();
-        let info = self.source.gpus();
+        let info = &self.gpus;
         let by_uuid: Option<Vec<String>> = gpus
             .iter()
             .map(|g| info.get(*g as usize).and_then(|i| i.uuid.clone()))
@@ -851,7 +824,7 @@ impl<L: EventLog> Agent<L> {
         let w = &self.state.workloads[&id];
         match status {
             run::Status::Ended(exit) => {
-                let at = self.clock.server_time(exit.ended_at_ms);
+                let at = self.clock().server_time(exit.ended_at_ms);
                 // A run that ended by itself before it was asked to stop finished, even if a
                 // preemption was already on its way.
                 if w.preempting.is_some() && signalled {
@@ -870,7 +843,7 @@ impl<L: EventLog> Agent<L> {
             }
             run::Status::Lost | run::Status::Running => {
                 tracing::warn!(workload = %id, "the run vanished without a record of its end: reported lost and requeued");
-                (self.clock.now_ms(), lost(id))
+                (self.clock().now_ms(), lost(id))
             }
         }
     }
@@ -885,7 +858,7 @@ impl<L: EventLog> Agent<L> {
             let floor = self
                 .state
                 .now_ms
-                .max(self.clock.now_ms())
+                .max(self.clock().now_ms())
                 .saturating_sub(REPORT_LATE_MAX_MS);
             if at_ms < floor && attempt == 0 {
                 tracing::warn!(workload = %key.0, "the run ended {} s before it could be reported; reported as ending then", (floor - at_ms) / 1000);
@@ -925,6 +898,108 @@ impl<L: EventLog> Agent<L> {
                 }
             }
         }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Publishes the GPUs' readings every `interval` (unless a scripted fault silenced them), read
+/// off the async threads (NVML may block), and corrects `clock` by the server's answers.
+async fn heartbeats(
+    mut source: Box<dyn GpuSource>,
+    telemetry: Telemetry,
+    node: String,
+    interval: Duration,
+    clock: Arc<std::sync::Mutex<Clock>>,
+    busy: tokio::sync::watch::Receiver<Vec<u32>>,
+) {
+    let started = Instant::now();
+    let now = || *clock.lock().expect("the clock is never poisoned");
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let elapsed = started.elapsed();
+        if source.silent(elapsed) {
+            continue;
+        }
+        let gpus = busy.borrow().clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let readings = source.read(elapsed, &gpus);
+            (source, readings)
+        })
+        .await;
+        let readings = match read {
+            Ok((back, Ok(readings))) => {
+                source = back;
+                readings
+            }
+            Ok((back, Err(e))) => {
+                source = back;
+                // No heartbeat: the scheduler marks the GPUs unhealthy after its timeout.
+                tracing::warn!(error = %e, "cannot read the GPUs; no heartbeat this time");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reading the GPUs failed; no more heartbeats");
+                return;
+            }
+        };
+        let hb = GpuHeartbeat {
+            node: node.clone(),
+            readings,
+        };
+        let subject = eventlog::subject::for_telemetry(&hb);
+        let env = Envelope::new(
+            Uuid::now_v7(),
+            now().now_ms(),
+            format!("agent:{node}"),
+            Event::GpuHeartbeat(hb),
+        );
+        let sent = now().local_ms();
+        let server = match &telemetry {
+            Telemetry::Local(f) => {
+                f(&env);
+                continue;
+            }
+            Telemetry::Http(api) => {
+                let Event::GpuHeartbeat(hb) = &env.event else {
+                    unreachable!("a heartbeat")
+                };
+                match api.heartbeat(&hb.readings, env.occurred_at_ms).await {
+                    Ok(server) => server,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "heartbeat not taken");
+                        continue;
+                    }
+                }
+            }
+            Telemetry::JetStream(js) => {
+                let payload = serde_json::to_vec(&env).expect("envelopes serialize");
+                match js.publish_telemetry(subject, payload.into()).await {
+                    Ok(seq) => match js.telemetry_stored_at_ms(seq).await {
+                        Ok(server) => server,
+                        Err(_) => continue,
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "heartbeat not published");
+                        continue;
+                    }
+                }
+            }
+        };
+        let acked = now().local_ms();
+        clock
+            .lock()
+            .expect("the clock is never poisoned")
+            .measured(&node, sent, acked, server);
     }
 }
 
