@@ -12,7 +12,8 @@
 //!   is over; a run the ledger no longer places here is stopped.
 //! - When a process ends it reports `WorkloadFinished` (exit code or signal) or, if it was asked
 //!   to stop, `WorkloadStopped` and `WorkloadRequeued`, timestamped when the process really
-//!   ended, so delivered GPU-hours end then. Only the agent of a gang's first node reports.
+//!   ended, so delivered GPU-hours end then. The agent of a gang's first node reports its end;
+//!   another rank that fails by itself reports the gang lost, so it is requeued.
 //! - A restarted agent finds its runs in their directories: it re-adopts those still running,
 //!   reports those that ended meanwhile, reports as lost those that vanished, and never launches
 //!   a start twice.
@@ -652,7 +653,19 @@ impl<L: EventLog> Agent<L> {
                 continue;
             };
             if w.placement.first().map(|p| p.node) != me {
-                continue; // the gang's first node reports
+                // The gang's first node reports its end. Another rank that fails by itself
+                // takes the gang down: it reports it lost (requeued) under the same keys, so
+                // whichever report comes first stands.
+                let failed = match &status {
+                    run::Status::Ended(exit) => exit.exit_code != Some(0),
+                    run::Status::Lost => true,
+                    run::Status::Running => false,
+                };
+                if failed && !signalled && w.preempting.is_none() {
+                    tracing::warn!(workload = %key.0, "a rank of the gang failed on this node: the gang is requeued");
+                    reports.push((key, (self.clock().now_ms(), lost(key.0))));
+                }
+                continue;
             }
             reports.push((key, self.end_reports(key.0, status, signalled)));
         }

@@ -577,3 +577,75 @@ fn a_dead_agents_node_goes_unhealthy_its_work_is_requeued_and_its_orphan_is_stop
     assert_eq!(metrics["contract_violations"], 0, "{metrics}");
     assert!(metrics["availability"].as_f64().unwrap() < 1.0, "{metrics}");
 }
+
+#[test]
+fn a_gang_runs_on_two_nodes_and_a_failed_rank_requeues_it() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    let _a = Agent::start(
+        &nats.url(),
+        "gpu-1",
+        &tmp.path().join("a1"),
+        &["--fake-gpus", "1"],
+    );
+    let _b = Agent::start(
+        &nats.url(),
+        "gpu-2",
+        &tmp.path().join("a2"),
+        &["--fake-gpus", "1"],
+    );
+    wait_for_node(&server, "gpu-1");
+    wait_for_node(&server, "gpu-2");
+    // Rank 1 fails once, a second into its first run; rank 0 runs on.
+    let log = tmp.path().join("gang.log");
+    let mark = tmp.path().join("failed-once");
+    let job = tmp.path().join("gang.sh");
+    std::fs::write(
+        &job,
+        format!(
+            "#!/bin/sh\n\
+             echo \"start $FAIRLEDGER_NODE_RANK $FAIRLEDGER_NODES\" >> {log}\n\
+             if [ \"$FAIRLEDGER_NODE_RANK\" = 1 ] && [ ! -e {mark} ]; then touch {mark}; sleep 1; exit 3; fi\n\
+             trap 'echo \"term $FAIRLEDGER_NODE_RANK\" >> {log}; exit 143' TERM\n\
+             sleep 600 & wait\n",
+            log = log.display(),
+            mark = mark.display()
+        ),
+    )
+    .unwrap();
+    let mut perms = std::fs::metadata(&job).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&job, perms).unwrap();
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "nodes": 2, "command": [job.to_str().unwrap()]}),
+    );
+    wait_until("the gang to start again", 40, || {
+        let (_, row) = server.call("GET", &format!("/v1/workloads/{id}"), None);
+        row["phase"] == "running" && row["starts"] == 2
+    });
+    let h = history(&server, &id);
+    let stopped = h.iter().find(|e| e["type"] == "workload_stopped").unwrap();
+    assert_eq!(stopped["payload"]["reason"], "lost", "{h:?}");
+    assert!(kinds(&h).contains(&"workload_requeued".to_owned()));
+    // Both ranks ran twice, knowing the gang's nodes; rank 0's first run was stopped.
+    wait_until(
+        "both ranks of the second run and the first rank 0 stopped",
+        30,
+        || {
+            let l = lines(&log);
+            l.iter().filter(|l| l[0] == "start").count() == 4
+                && l.iter().any(|l| l[0] == "term" && l[1] == "0")
+        },
+    );
+    let l = lines(&log);
+    assert!(
+        l.iter()
+            .filter(|l| l[0] == "start")
+            .all(|l| l[2] == "gpu-1,gpu-2" || l[2] == "gpu-2,gpu-1"),
+        "{l:?}"
+    );
+    let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
+    assert_eq!(metrics["contract_violations"], 0, "{metrics}");
+}
