@@ -23,6 +23,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+// The server allocates and frees small objects on many threads (requests, events, rows):
+// mimalloc's thread-local heaps cut the allocator's share (see BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use ledger::policy::{self, PolicyConfig};
 use ledger::StateConfig;
 
