@@ -1048,16 +1048,3 @@ fn status_of(run: &mut Run) -> run::Status {
         status => status,
     }
 }
-
-/// Which workloads an agent's node holds, for tests and `status`: workload ids whose run is
-/// placed on `node` in `state`.
-pub fn placed_on(state: &State, node: &str) -> BTreeSet<WorkloadId> {
-    let Some(me) = state.cluster.get(node) else {
-        return BTreeSet::new();
-    };
-    state
-        .running_workloads()
-        .filter(|w| w.placement.iter().any(|p| p.node == me))
-        .map(|w| w.id)
-        .collect()
-}
