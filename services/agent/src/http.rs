@@ -67,19 +67,15 @@ impl HttpLog {
         .map_err(|e| e.to_string())?
     }
 
-    /// The server's clock: (this machine's clock before asking, after the answer, the server's
-    /// answer), all in milliseconds since the epoch.
-    pub async fn server_time(&self, local: impl Fn() -> u64) -> Result<(u64, u64, u64), String> {
-        let sent = local();
+    /// The server's clock (milliseconds since the epoch) as it answered.
+    pub async fn server_time(&self) -> Result<u64, String> {
         let (status, answer) = self.call("/v1/events?limit=1".into(), None).await?;
-        let acked = local();
         if status != 200 {
             return Err(problem(&answer));
         }
-        let server = answer["now_ms"]
+        answer["now_ms"]
             .as_u64()
-            .ok_or_else(|| "the server does not say its time".to_owned())?;
-        Ok((sent, acked, server))
+            .ok_or_else(|| "the server does not say its time".to_owned())
     }
 
     /// Posts a heartbeat's readings; answers the server's clock when it took them.

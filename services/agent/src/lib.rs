@@ -421,31 +421,21 @@ impl<L: EventLog> Agent<L> {
 
     /// Probes the server's clock before anything is stamped.
     async fn measure_clock(&mut self) {
-        if let Telemetry::Http(api) = &self.telemetry {
-            let clock = self.clock();
-            if let Ok((sent, acked, server)) = api.server_time(|| clock.local_ms()).await {
-                let node = self.config.node.clone();
-                self.clock
-                    .lock()
-                    .expect("the clock is never poisoned")
-                    .measured(&node, sent, acked, server);
-            }
-            return;
-        }
-        let Telemetry::JetStream(js) = &self.telemetry else {
-            return;
-        };
-        let subject = format!(
-            "{}.agent.clock.{}",
-            eventlog::subject::TELEMETRY_PREFIX,
-            eventlog::subject::token(&self.config.node)
-        );
         let sent = self.clock().local_ms();
-        let Ok(seq) = js.publish_telemetry(subject, "{}".into()).await else {
-            return;
+        let server = match &self.telemetry {
+            Telemetry::Local(_) => return,
+            Telemetry::Http(api) => api.server_time().await,
+            Telemetry::JetStream(js) => {
+                let subject = format!(
+                    "{}.agent.clock.{}",
+                    eventlog::subject::TELEMETRY_PREFIX,
+                    eventlog::subject::token(&self.config.node)
+                );
+                stored_at(js, subject, "{}".into()).await
+            }
         };
         let acked = self.clock().local_ms();
-        if let Ok(server) = js.telemetry_stored_at_ms(seq).await {
+        if let Ok(server) = server {
             self.clock
                 .lock()
                 .expect("the clock is never poisoned")
@@ -462,13 +452,17 @@ impl<L: EventLog> Agent<L> {
         )
     }
 
-    async fn register(&mut self) -> Result<u64, AgentError> {
-        let gpus = &self.gpus;
-        let model = self
-            .config
+    /// The model this node registers as: `--model`, else its first GPU's.
+    fn model(&self) -> String {
+        self.config
             .model
             .clone()
-            .unwrap_or_else(|| gpu::short_model(&gpus[0].name));
+            .unwrap_or_else(|| gpu::short_model(&self.gpus[0].name))
+    }
+
+    async fn register(&mut self) -> Result<u64, AgentError> {
+        let model = self.model();
+        let gpus = &self.gpus;
         if gpus
             .iter()
             .any(|g| gpu::short_model(&g.name) != gpu::short_model(&gpus[0].name))
@@ -509,11 +503,7 @@ impl<L: EventLog> Agent<L> {
             )));
         };
         let n = self.state.cluster.node(idx);
-        let model = self
-            .config
-            .model
-            .clone()
-            .unwrap_or_else(|| gpu::short_model(&self.gpus[0].name));
+        let model = self.model();
         if n.gpu_count != gpus || n.model != model {
             return Err(AgentError::Node(format!(
                 "node {:?} is already registered with {} {} GPUs, and this machine has {gpus} {model}: pass another --node",
@@ -996,11 +986,8 @@ async fn heartbeats(
             }
             Telemetry::JetStream(js) => {
                 let payload = serde_json::to_vec(&env).expect("envelopes serialize");
-                match js.publish_telemetry(subject, payload.into()).await {
-                    Ok(seq) => match js.telemetry_stored_at_ms(seq).await {
-                        Ok(server) => server,
-                        Err(_) => continue,
-                    },
+                match stored_at(js, subject, payload.into()).await {
+                    Ok(server) => server,
                     Err(e) => {
                         tracing::warn!(error = %e, "heartbeat not published");
                         continue;
@@ -1014,6 +1001,21 @@ async fn heartbeats(
             .expect("the clock is never poisoned")
             .measured(&node, sent, acked, server);
     }
+}
+
+/// Publishes `payload` on the telemetry `subject`; answers the server's clock when it stored it.
+async fn stored_at(
+    js: &eventlog::jetstream::JetStreamLog,
+    subject: String,
+    payload: bytes::Bytes,
+) -> Result<u64, String> {
+    let seq = js
+        .publish_telemetry(subject, payload)
+        .await
+        .map_err(|e| e.to_string())?;
+    js.telemetry_stored_at_ms(seq)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// What is reported for a run that is gone without a record of how it ended.

@@ -62,6 +62,13 @@ pub struct AgentArgs {
     pub clock_skew_ms: i64,
 }
 
+/// How agents of this binary launch a workload: through `fairledger agent-shim`.
+pub fn shim() -> Result<Vec<OsString>, String> {
+    let program = std::env::current_exe()
+        .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?;
+    Ok(vec![program.into_os_string(), OsString::from("agent-shim")])
+}
+
 fn parse_label(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
@@ -138,12 +145,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     }
     let source = source(&args)?;
     let node = args.node.clone().unwrap_or_else(host_name);
-    let shim = vec![
-        std::env::current_exe()
-            .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?
-            .into_os_string(),
-        OsString::from("agent-shim"),
-    ];
+    let shim = shim()?;
     let mut config = AgentConfig::new(&node, args.work_dir.clone(), shim);
     config.labels = args.label.iter().cloned().collect::<BTreeMap<_, _>>();
     config.model = args.model.clone();

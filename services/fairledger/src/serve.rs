@@ -212,12 +212,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await;
                 Ok(())
             }));
-            let shim = vec![
-                std::env::current_exe()
-                    .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?
-                    .into_os_string(),
-                std::ffi::OsString::from("agent-shim"),
-            ];
+            let shim = crate::agentcmd::shim()?;
             for node in &fake_nodes {
                 let gpus = agent::FakeGpus::new(node.gpus, &node.model, Vec::new())?;
                 let mut config = agent::AgentConfig::new(
