@@ -33,10 +33,9 @@ fn cluster(dir: &Path, min_runtime_s: u64) -> PathBuf {
 /// `log`, then sleeps `secs`; on SIGTERM appends `term <ms>` and exits 143; otherwise `done
 /// <ms>`.
 fn script(dir: &Path, log: &Path) -> PathBuf {
-    let path = dir.join("job.sh");
-    std::fs::write(
-        &path,
-        format!(
+    executable(
+        &dir.join("job.sh"),
+        &format!(
             "#!/bin/sh\n\
              log={}\n\
              echo \"start $(date +%s%3N) $CUDA_VISIBLE_DEVICES $FAIRLEDGER_WORKLOAD_ID $FAIRLEDGER_ALLOCATION\" >> $log\n\
@@ -46,11 +45,15 @@ fn script(dir: &Path, log: &Path) -> PathBuf {
             log.display()
         ),
     )
-    .unwrap();
-    let mut perms = std::fs::metadata(&path).unwrap().permissions();
+}
+
+/// Writes `text` to `path` as an executable script.
+fn executable(path: &Path, text: &str) -> PathBuf {
+    std::fs::write(path, text).unwrap();
+    let mut perms = std::fs::metadata(path).unwrap().permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
-    std::fs::set_permissions(&path, perms).unwrap();
-    path
+    std::fs::set_permissions(path, perms).unwrap();
+    path.to_owned()
 }
 
 /// `fairledger serve` on `nats` with the cluster of [`cluster`] and `extra` flags.
@@ -600,10 +603,9 @@ fn a_gang_runs_on_two_nodes_and_a_failed_rank_requeues_it() {
     // Rank 1 fails once, a second into its first run; rank 0 runs on.
     let log = tmp.path().join("gang.log");
     let mark = tmp.path().join("failed-once");
-    let job = tmp.path().join("gang.sh");
-    std::fs::write(
-        &job,
-        format!(
+    let job = executable(
+        &tmp.path().join("gang.sh"),
+        &format!(
             "#!/bin/sh\n\
              echo \"start $FAIRLEDGER_NODE_RANK $FAIRLEDGER_NODES\" >> {log}\n\
              if [ \"$FAIRLEDGER_NODE_RANK\" = 1 ] && [ ! -e {mark} ]; then touch {mark}; sleep 1; exit 3; fi\n\
@@ -612,11 +614,7 @@ fn a_gang_runs_on_two_nodes_and_a_failed_rank_requeues_it() {
             log = log.display(),
             mark = mark.display()
         ),
-    )
-    .unwrap();
-    let mut perms = std::fs::metadata(&job).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
-    std::fs::set_permissions(&job, perms).unwrap();
+    );
     let id = submit(
         &server,
         json!({"allocation": "lab/a", "gpus_per_node": 1, "nodes": 2, "command": [job.to_str().unwrap()]}),
