@@ -91,15 +91,13 @@ impl App {
         }
     }
 
-    /// Sets how long a node may stay silent before its GPUs go unhealthy (forgetting the
-    /// heartbeats received so far: call it before serving).
+    /// Sets how long a node may stay silent before its GPUs go unhealthy.
     pub fn set_heartbeat_timeout(&self, timeout_ms: u64) {
-        *self
-            .inner
+        self.inner
             .health
             .lock()
-            .expect("the health monitor is never poisoned") =
-            scheduler::HealthMonitor::new(timeout_ms);
+            .expect("the health monitor is never poisoned")
+            .set_timeout(timeout_ms);
     }
 
     /// The heartbeats the API has received, for the scheduler to turn into health changes.
@@ -1266,12 +1264,17 @@ async fn heartbeat(
         readings: body.readings,
     };
     let now = scheduler::wall_clock_ms();
-    let problems = app
-        .inner
-        .health
-        .lock()
-        .expect("the health monitor is never poisoned")
-        .heartbeat(projection.state(), &hb, body.sent_at_ms.unwrap_or(now), now);
+    let sent = body.sent_at_ms.unwrap_or(now);
+    let problems = match &app.inner.log {
+        // On NATS the heartbeat reaches the scheduler's monitor through the telemetry stream.
+        AnyLog::JetStream(_) => scheduler::HealthMonitor::check(projection.state(), &hb, sent, now),
+        AnyLog::Embedded(_) => app
+            .inner
+            .health
+            .lock()
+            .expect("the health monitor is never poisoned")
+            .heartbeat(projection.state(), &hb, sent, now),
+    };
     drop(projection);
     if let AnyLog::JetStream(js) = &app.inner.log {
         let env = Envelope::new(

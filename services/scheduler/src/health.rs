@@ -90,6 +90,33 @@ impl HealthMonitor {
         sent_at_ms: u64,
         at_ms: u64,
     ) -> Vec<HeartbeatProblem> {
+        let problems = Self::check(state, hb, sent_at_ms, at_ms);
+        let Some(idx) = state.cluster.get(&hb.node) else {
+            return problems;
+        };
+        let gpus = state.cluster.node(idx).gpu_count;
+        let seen = self.nodes.entry(hb.node.clone()).or_default();
+        seen.at_ms = seen.at_ms.max(at_ms);
+        seen.bad.clear();
+        for r in hb.readings.iter().filter(|r| r.gpu < gpus) {
+            seen.utilization.insert(r.gpu, r.utilization_pct.min(100));
+            if let Some(fault) = &r.fault {
+                seen.bad.insert(r.gpu, fault.clone());
+            } else if r.ecc_errors_uncorrected > 0 {
+                seen.bad.insert(r.gpu, "uncorrected ECC errors".to_owned());
+            }
+        }
+        problems
+    }
+
+    /// What is wrong with a heartbeat sent at `sent_at_ms` and received at `at_ms`, against
+    /// the ledger's cluster, without recording it.
+    pub fn check(
+        state: &State,
+        hb: &GpuHeartbeat,
+        sent_at_ms: u64,
+        at_ms: u64,
+    ) -> Vec<HeartbeatProblem> {
         let mut problems = Vec::new();
         let Some(idx) = state.cluster.get(&hb.node) else {
             problems.push(HeartbeatProblem::UnknownNode(hb.node.clone()));
@@ -115,18 +142,12 @@ impl HealthMonitor {
                 skew_ms,
             });
         }
-        let seen = self.nodes.entry(hb.node.clone()).or_default();
-        seen.at_ms = seen.at_ms.max(at_ms);
-        seen.bad.clear();
-        for r in hb.readings.iter().filter(|r| r.gpu < gpus) {
-            seen.utilization.insert(r.gpu, r.utilization_pct.min(100));
-            if let Some(fault) = &r.fault {
-                seen.bad.insert(r.gpu, fault.clone());
-            } else if r.ecc_errors_uncorrected > 0 {
-                seen.bad.insert(r.gpu, "uncorrected ECC errors".to_owned());
-            }
-        }
         problems
+    }
+
+    /// Changes the silence allowed before a node's GPUs go unhealthy.
+    pub fn set_timeout(&mut self, timeout_ms: u64) {
+        self.timeout_ms = timeout_ms;
     }
 
     /// Starts watching, as of `now_ms`, every node the ledger holds that is not watched yet: a
