@@ -154,6 +154,75 @@ impl Workload {
 /// The key a leaf's queue is ordered by: priority (higher first), then submission.
 pub type QueueKey = (std::cmp::Reverse<i32>, u64, WorkloadId);
 
+/// Running workloads that no preemption is under way for, by the end of their contract, kept by
+/// the fold so a scheduling pass reads what it may preempt without sweeping the running work.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Contracts {
+    /// Allocated work of each leaf: (protected until, workload).
+    pub allocated: std::collections::BTreeMap<AllocId, BTreeSet<(u64, WorkloadId)>>,
+    /// Unallocated work, never protected.
+    pub unallocated: BTreeSet<WorkloadId>,
+}
+
+impl Contracts {
+    fn insert(&mut self, w: &Workload) {
+        match w.allocation {
+            Some(a) => {
+                self.allocated
+                    .entry(a)
+                    .or_default()
+                    .insert((w.protected_until_ms, w.id));
+            }
+            None => {
+                self.unallocated.insert(w.id);
+            }
+        }
+    }
+
+    fn remove(&mut self, w: &Workload) {
+        match w.allocation {
+            Some(a) => {
+                if let Some(set) = self.allocated.get_mut(&a) {
+                    set.remove(&(w.protected_until_ms, w.id));
+                    if set.is_empty() {
+                        self.allocated.remove(&a);
+                    }
+                }
+            }
+            None => {
+                self.unallocated.remove(&w.id);
+            }
+        }
+    }
+
+    /// The allocations (`None`: unallocated) holding work whose contract has ended at `now_ms`,
+    /// in order.
+    pub fn preemptible_allocations(&self, now_ms: u64) -> Vec<Option<AllocId>> {
+        let unallocated = (!self.unallocated.is_empty()).then_some(None);
+        unallocated
+            .into_iter()
+            .chain(
+                self.allocated
+                    .iter()
+                    .filter(|(_, set)| set.first().is_some_and(|&(until, _)| until <= now_ms))
+                    .map(|(&a, _)| Some(a)),
+            )
+            .collect()
+    }
+
+    /// The workloads whose contract has ended at `now_ms`, unallocated ones first.
+    pub fn preemptible(&self, now_ms: u64) -> impl Iterator<Item = WorkloadId> + '_ {
+        self.unallocated
+            .iter()
+            .copied()
+            .chain(self.allocated.values().flat_map(move |set| {
+                set.iter()
+                    .take_while(move |&&(until, _)| until <= now_ms)
+                    .map(|&(_, id)| id)
+            }))
+    }
+}
+
 /// The answer of [`State::apply`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
@@ -197,6 +266,10 @@ pub struct State {
     pub pending_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
     pub running: BTreeSet<WorkloadId>,
+    /// Running workloads no preemption is under way for, by the end of their contract.
+    pub contracts: Contracts,
+    /// Running workloads with a preemption under way.
+    pub preempting: BTreeSet<WorkloadId>,
     /// GPUs held by running unallocated workloads (healthy or not).
     pub unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
@@ -226,6 +299,8 @@ impl State {
             pending_gpus_per_node: std::collections::BTreeMap::new(),
             pending_with_estimate: 0,
             running: BTreeSet::new(),
+            contracts: Contracts::default(),
+            preempting: BTreeSet::new(),
             unallocated_held_gpus: 0,
             unallocated_delivering_gpus: 0,
             counters: Counters::default(),
@@ -873,6 +948,7 @@ impl State {
         w.started_at_ms = now;
         w.protected_until_ms = e.protected_until_ms;
         w.starts += 1;
+        self.contracts.insert(w);
         Ok(Outcome::Applied)
     }
 
@@ -903,6 +979,8 @@ impl State {
         let alloc = w.allocation;
         let now = self.now_ms;
         let w = self.workloads.get_mut(&e.workload).expect("checked");
+        self.contracts.remove(w);
+        self.preempting.insert(w.id);
         w.preempting = Some(Preempting {
             requested_at_ms: now,
             grace_until_ms: now.saturating_add(e.grace_s.saturating_mul(1000)),
@@ -922,7 +1000,11 @@ impl State {
         let w = self.workloads.get_mut(&id).expect("caller checked");
         let parts = std::mem::take(&mut w.placement);
         w.work_done_ms += now - w.started_at_ms;
-        w.preempting = None;
+        if w.preempting.take().is_some() {
+            self.preempting.remove(&id);
+        } else {
+            self.contracts.remove(w);
+        }
         let (alloc, gpus) = (w.allocation, w.gpus());
         let mut healthy_held = 0u64;
         for part in &parts {

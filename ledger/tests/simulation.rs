@@ -212,6 +212,39 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
             }
         }
     }
+    // The fold's index of running work by contract end matches the running work.
+    let mut contracts = ledger::state::Contracts::default();
+    let mut preempting = std::collections::BTreeSet::new();
+    for id in &state.running {
+        let w = &state.workloads[id];
+        match (w.preempting, w.allocation) {
+            (Some(_), _) => {
+                preempting.insert(*id);
+            }
+            (None, Some(a)) => {
+                contracts
+                    .allocated
+                    .entry(a)
+                    .or_default()
+                    .insert((w.protected_until_ms, *id));
+            }
+            (None, None) => {
+                contracts.unallocated.insert(*id);
+            }
+        }
+    }
+    assert_eq!(
+        state.contracts,
+        contracts,
+        "contract index drifted {}",
+        at()
+    );
+    assert_eq!(
+        state.preempting,
+        preempting,
+        "preempting index drifted {}",
+        at()
+    );
     for (i, n) in state.cluster.nodes.iter().enumerate() {
         assert_eq!(
             n.used,

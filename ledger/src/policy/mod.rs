@@ -264,57 +264,31 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let grace_s = cfg.grace_ms / 1000;
     let cap_ms = state.config().min_runtime_cap_ms;
 
-    // One sweep over the running work (in storage order: everything taken from it is sorted
-    // before use, so the order of the sweep decides nothing).
+    // What the fold keeps about running work, read without sweeping it:
     // - Hardware failure is the contract's one exception: work on failed GPUs stops at once.
     // - Preemptions already under way, by beneficiary.
-    // - Nodes holding work any beneficiary could preempt now (unallocated, or past contract and
-    //   not already leaving), and the allocations of that work.
-    let mut failed: Vec<WorkloadId> = Vec::new();
+    // - The allocations holding work any beneficiary could preempt now (unallocated, or past
+    //   contract and not already leaving); their nodes are gathered only if a search needs them.
+    let failed = on_failed_gpus(state);
     let mut incoming: FxHashMap<WorkloadId, (u32, u64, Vec<u32>)> = FxHashMap::default();
-    let mut preemptible: (Vec<u32>, Vec<Option<u32>>) = (Vec::new(), Vec::new());
-    for w in state
-        .workloads
-        .values()
-        .filter(|w| w.phase == crate::Phase::Running)
-    {
-        match w.preempting {
-            None => {
-                if w.placement
-                    .iter()
-                    .any(|p| p.gpus & !state.cluster.node(p.node).healthy != 0)
-                {
-                    failed.push(w.id);
-                }
-                if w.allocation.is_none() || now_ms >= w.protected_until_ms {
-                    preemptible.0.extend(w.placement.iter().map(|p| p.node));
-                    preemptible.1.push(w.allocation);
-                }
-            }
-            Some(p) => {
-                if let Some(b) = p.beneficiary {
-                    let e = incoming.entry(b).or_insert((0, 0, Vec::new()));
-                    e.0 += 1;
-                    e.1 = e.1.max(p.grace_until_ms);
-                    e.2.extend(w.placement.iter().map(|part| part.node));
-                }
-            }
+    for id in &state.preempting {
+        let w = &state.workloads[id];
+        if let Some(b) = w.preempting.and_then(|p| p.beneficiary) {
+            let e = incoming.entry(b).or_insert((0, 0, Vec::new()));
+            e.0 += 1;
+            e.1 = e.1.max(w.preempting.map_or(0, |p| p.grace_until_ms));
+            e.2.extend(w.placement.iter().map(|part| part.node));
         }
     }
-    failed.sort_unstable();
     for nodes in incoming.values_mut() {
         nodes.2.sort_unstable();
         nodes.2.dedup();
     }
-    preemptible.0.sort_unstable();
-    preemptible.0.dedup();
-    preemptible.1.sort_unstable();
-    preemptible.1.dedup();
     let mut search = VictimSearch {
         left: cfg.preemptors_per_pass_max,
         claimed: failed.iter().copied().collect(),
-        nodes: preemptible.0,
-        allocs: preemptible.1,
+        nodes: None,
+        allocs: state.contracts.preemptible_allocations(now_ms),
         no_victims: FxHashSet::default(),
         failed_shapes: FxHashSet::default(),
     };
@@ -329,17 +303,19 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
 
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
-    let smallest_ask = state
-        .pending_gpus_per_node
-        .keys()
-        .next()
-        .copied()
-        .unwrap_or(0);
+    // GPUs per node asked by the pending workloads this pass has not visited yet.
+    let mut asks = state.pending_gpus_per_node.clone();
     let mut position = 0u32;
 
     while let Some(id) = rank.next_candidate() {
         position += 1;
         let w = &state.workloads[&id];
+        if let Some(n) = asks.get_mut(&w.gpus_per_node) {
+            *n -= 1;
+            if *n == 0 {
+                asks.remove(&w.gpus_per_node);
+            }
+        }
         let mut blocked = None;
         if let Some((path, max_gpus)) = rank.cap_blocks(w) {
             blocked = Some(Blocked::AllocationCap { path, max_gpus });
@@ -432,23 +408,49 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         } else if plan.reservation.is_some()
             && search.exhausted()
             && (scratch.free_total() == 0
-                || smallest_ask > scratch.max_free_on_a_node(state.pending_with_estimate > 0))
+                || asks.keys().next().is_none_or(|&smallest| {
+                    smallest > scratch.max_free_on_a_node(state.pending_with_estimate > 0)
+                }))
         {
             // The head of the queue holds the reservation, no more preemptions may be looked
-            // for, and no node has room for even the smallest pending request (reserved nodes
-            // count only if some pending work has an estimate and so might backfill): every
-            // workload after this one waits. Without explanations to give, the pass is over.
+            // for, and no node has room for even the smallest request not visited yet (reserved
+            // nodes count only if some pending work has an estimate and so might backfill):
+            // every workload after this one waits. Without explanations to give, the pass is
+            // over.
             break;
         }
     }
     plan
 }
 
+/// Running work on failed GPUs that is not already leaving, in order.
+fn on_failed_gpus(state: &State) -> Vec<WorkloadId> {
+    let mut failed = Vec::new();
+    if state.cluster.healthy_gpus == state.cluster.total_gpus {
+        return failed;
+    }
+    for n in &state.cluster.nodes {
+        let mut held_failed = n.used & !n.healthy;
+        while held_failed != 0 {
+            let g = held_failed.trailing_zeros() as usize;
+            held_failed &= held_failed - 1;
+            if let Some(h) = n.holders[g] {
+                if !state.preempting.contains(&h) {
+                    failed.push(h);
+                }
+            }
+        }
+    }
+    failed.sort_unstable();
+    failed.dedup();
+    failed
+}
+
 /// What a pass knows about preemption: the running work that could be preempted at all (its
-/// nodes and allocations), the searches left in its budget, the searches that already failed,
-/// and the workloads already chosen as victims.
+/// allocations, and its nodes once a search needs them), the searches left in its budget, the
+/// searches that already failed, and the workloads already chosen as victims.
 struct VictimSearch {
-    nodes: Vec<u32>,
+    nodes: Option<Vec<u32>>,
     allocs: Vec<Option<u32>>,
     left: u32,
     no_victims: FxHashSet<Option<u32>>,
@@ -459,7 +461,7 @@ struct VictimSearch {
 impl VictimSearch {
     /// No search may succeed any more in this pass.
     fn exhausted(&self) -> bool {
-        self.left == 0 || self.nodes.is_empty()
+        self.left == 0 || self.allocs.is_empty()
     }
 
     /// Victims whose preemption makes room for blocked `w`, and the nodes it would use; each
@@ -477,7 +479,7 @@ impl VictimSearch {
         w: &Workload,
         now_ms: u64,
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
-        if self.left == 0 || w.allocation.is_none() || self.nodes.is_empty() {
+        if self.left == 0 || w.allocation.is_none() || self.allocs.is_empty() {
             return None;
         }
         self.left -= 1;
@@ -489,7 +491,17 @@ impl VictimSearch {
         if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
             return None;
         }
-        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, &self.nodes, |v| {
+        let nodes = self.nodes.get_or_insert_with(|| {
+            let mut nodes: Vec<u32> = state
+                .contracts
+                .preemptible(now_ms)
+                .flat_map(|id| state.workloads[&id].placement.iter().map(|p| p.node))
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            nodes
+        });
+        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |v| {
             v.preempting.is_none()
                 && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
                 && may_take(v.allocation)

@@ -1,8 +1,9 @@
 //! Simulator throughput: the bundled real trace, and a generated year on 10,000 GPUs.
 //!
-//! `cargo bench -p sim --bench year` runs both and prints simulated seconds per wall second and
-//! events per second. `FAIRLEDGER_BENCH_WORKLOADS=N` sets the generated trace's size (default
-//! 1,000,000 over a simulated year; fewer workloads keep the same load by shortening the year).
+//! `cargo bench -p sim --bench year` runs both and prints simulated seconds per wall second,
+//! events per second and a fingerprint of the ledger each run wrote.
+//! `FAIRLEDGER_BENCH_WORKLOADS=N` sets the generated trace's size (default 1,000,000 over a
+//! simulated year; fewer workloads keep the same load by shortening the year).
 
 use std::io::Write;
 use std::path::Path;
@@ -30,8 +31,17 @@ fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: O
     let t = Instant::now();
     let r = sim::run(&spec, |_| {}).unwrap().report;
     let wall = t.elapsed().as_secs_f64();
+    // Two builds that print the same fingerprint made the same decisions: how a change meant
+    // only to be faster is checked to change nothing else.
+    let fingerprint = {
+        use std::hash::Hasher;
+        let bytes = std::fs::read(out.path().join("events.jsonl")).unwrap();
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        h.write(&bytes);
+        format!("{:016x} ({} bytes)", h.finish(), bytes.len())
+    };
     println!(
-        "{name}: {} workloads, {} events, {:.0} simulated s in {wall:.2} s wall: {:.0} simulated s per wall s, {:.0} events/s; delivered/owed {:.3}, {} preemptions",
+        "{name}: {} workloads, {} events, {:.0} simulated s in {wall:.2} s wall: {:.0} simulated s per wall s, {:.0} events/s; delivered/owed {:.3}, {} preemptions; events.jsonl fingerprint {fingerprint}",
         r.workloads.submitted,
         r.sim.events,
         r.sim.horizon_s,
