@@ -37,6 +37,8 @@ pub struct Node {
     pub used: u64,
     /// Holder of each GPU.
     pub holders: Vec<Option<WorkloadId>>,
+    /// What a scheduling pass needs to know of each GPU's holder (meaningful where `used`).
+    pub holds: Vec<Hold>,
     /// Last reported utilization of each GPU, 0 to 100.
     pub utilization_pct: Vec<u8>,
 }
@@ -56,6 +58,21 @@ impl Node {
     pub fn all_mask(&self) -> u64 {
         mask_of(self.gpu_count)
     }
+}
+
+/// When the holder of a GPU gives it back, as far as the ledger knows: kept beside the GPU so a
+/// scheduling pass works out its reservation from the nodes alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Hold {
+    /// The holder's allocation (`None`: unallocated work).
+    pub allocation: Option<u32>,
+    /// End of the holder's contract.
+    pub protected_until_ms: u64,
+    /// When the holder ends if its estimate is right: the start of this run plus the estimate,
+    /// less the work done in earlier runs.
+    pub ends_ms: Option<u64>,
+    /// End of the grace period of a preemption under way.
+    pub grace_until_ms: Option<u64>,
 }
 
 /// A mask with the low `n` bits set.
@@ -186,6 +203,7 @@ impl Cluster {
             healthy: mask_of(gpus),
             used: 0,
             holders: vec![None; gpus as usize],
+            holds: vec![Hold::default(); gpus as usize],
             utilization_pct: vec![0; gpus as usize],
         };
         let idx = self.nodes.len() as NodeIdx;

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::alloc::{AllocId, AllocationTree};
-use crate::cluster::{mask_of, Cluster, NodeIdx, GPUS_PER_NODE_MAX};
+use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, GPUS_PER_NODE_MAX};
 use crate::event::*;
 use crate::metrics::Counters;
 use crate::rejection::Rejection;
@@ -924,6 +924,14 @@ impl State {
         }
         // Checked; from here on nothing fails.
         let (id, gpus, alloc) = (w.id, w.gpus(), w.allocation);
+        let hold = Hold {
+            allocation: alloc,
+            protected_until_ms: e.protected_until_ms,
+            ends_ms: w
+                .duration_estimate_ms
+                .map(|d| self.now_ms.saturating_add(d).saturating_sub(w.work_done_ms)),
+            grace_until_ms: None,
+        };
         self.dequeue(id);
         for part in &parts {
             self.cluster.update(part.node, |n| {
@@ -931,6 +939,7 @@ impl State {
                 for g in 0..n.gpu_count {
                     if part.gpus & (1 << g) != 0 {
                         n.holders[g as usize] = Some(id);
+                        n.holds[g as usize] = hold;
                     }
                 }
             });
@@ -981,12 +990,21 @@ impl State {
         let w = self.workloads.get_mut(&e.workload).expect("checked");
         self.contracts.remove(w);
         self.preempting.insert(w.id);
+        let grace_until_ms = now.saturating_add(e.grace_s.saturating_mul(1000));
         w.preempting = Some(Preempting {
             requested_at_ms: now,
-            grace_until_ms: now.saturating_add(e.grace_s.saturating_mul(1000)),
+            grace_until_ms,
             reason: e.reason,
             beneficiary: e.beneficiary,
         });
+        for part in &w.placement {
+            let n = &mut self.cluster.nodes[part.node as usize];
+            for g in 0..n.gpu_count {
+                if part.gpus & (1 << g) != 0 {
+                    n.holds[g as usize].grace_until_ms = Some(grace_until_ms);
+                }
+            }
+        }
         if let Some(a) = alloc {
             self.allocations.node_mut(a).preemptions += 1;
         }
@@ -1015,6 +1033,7 @@ impl State {
                 for g in 0..n.gpu_count {
                     if part.gpus & (1 << g) != 0 {
                         n.holders[g as usize] = None;
+                        n.holds[g as usize] = Hold::default();
                     }
                 }
             });

@@ -18,6 +18,7 @@ pub mod rank;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use crate::cluster::Hold;
 use crate::event::{
     Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
 };
@@ -234,7 +235,8 @@ pub struct Plan {
     pub decisions: Vec<Decision>,
     /// Pending workloads in order, with reasons (empty unless `explain`).
     pub pending: Vec<Pending>,
-    /// The reservation for the head of the queue.
+    /// The reservation for the head of the queue. Without `explain`, only if a decision of the
+    /// pass depended on it.
     pub reservation: Option<Reservation>,
 }
 
@@ -306,6 +308,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     // GPUs per node asked by the pending workloads this pass has not visited yet.
     let mut asks = state.pending_gpus_per_node.clone();
     let mut position = 0u32;
+    // The holder of a reservation not worked out yet.
+    let mut deferred: Option<WorkloadId> = None;
 
     while let Some(id) = rank.next_candidate() {
         position += 1;
@@ -316,22 +320,39 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 asks.remove(&w.gpus_per_node);
             }
         }
-        let mut blocked = None;
-        if let Some((path, max_gpus)) = rank.cap_blocks(w) {
-            blocked = Some(Blocked::AllocationCap { path, max_gpus });
-        } else if let Some(parts) = scratch.place(w, false) {
-            plan.decisions
-                .push(start(state, w, parts, now_ms, cfg, cap_ms));
-            rank.placed(w);
-            continue;
-        } else if let (Some(r), Some(end)) = (&plan.reservation, w.remaining_estimate_ms(now_ms)) {
-            // Backfill: reserved GPUs may be lent to work that gives them back in time.
-            if r.start_at_ms.is_none_or(|s| now_ms + end <= s) {
-                if let Some(parts) = scratch.place(w, true) {
-                    plan.decisions
-                        .push(start(state, w, parts, now_ms, cfg, cap_ms));
-                    rank.placed(w);
-                    continue;
+        let blocked = rank
+            .cap_blocks(w)
+            .map(|(path, max_gpus)| Blocked::AllocationCap { path, max_gpus });
+        if blocked.is_none() {
+            // A reservation not worked out yet is needed once this workload could use its
+            // nodes: if it fits anywhere, or might backfill.
+            if deferred.is_some() && (scratch.fits(w) || w.remaining_estimate_ms(now_ms).is_some())
+            {
+                settle(
+                    &mut deferred,
+                    &mut plan,
+                    &mut scratch,
+                    &rank,
+                    policy,
+                    cfg,
+                    now_ms,
+                );
+            }
+            if let Some(parts) = scratch.place(w, false) {
+                plan.decisions
+                    .push(start(state, w, parts, now_ms, cfg, cap_ms));
+                rank.placed(w);
+                continue;
+            }
+            if let (Some(r), Some(end)) = (&plan.reservation, w.remaining_estimate_ms(now_ms)) {
+                // Backfill: reserved GPUs may be lent to work that gives them back in time.
+                if r.start_at_ms.is_none_or(|s| now_ms + end <= s) {
+                    if let Some(parts) = scratch.place(w, true) {
+                        plan.decisions
+                            .push(start(state, w, parts, now_ms, cfg, cap_ms));
+                        rank.placed(w);
+                        continue;
+                    }
                 }
             }
         }
@@ -339,13 +360,35 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
+                settle(
+                    &mut deferred,
+                    &mut plan,
+                    &mut scratch,
+                    &rank,
+                    policy,
+                    cfg,
+                    now_ms,
+                );
                 scratch.withhold_nodes(nodes);
                 if plan.reservation.is_none() {
                     plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
                 }
                 Blocked::WaitingForPreemption { victims, until_ms }
             }
-            (None, None) => match search.find(state, &scratch, &rank, policy, cfg, w, now_ms) {
+            (None, None) => match if search.worth_searching(state, &rank, policy, cfg, w) {
+                settle(
+                    &mut deferred,
+                    &mut plan,
+                    &mut scratch,
+                    &rank,
+                    policy,
+                    cfg,
+                    now_ms,
+                );
+                search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
+            } else {
+                None
+            } {
                 Some((nodes, victims)) => {
                     let until_ms = now_ms + cfg.grace_ms;
                     for v in &victims {
@@ -371,14 +414,27 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         until_ms,
                     }
                 }
-                None if plan.reservation.is_none() => {
-                    let (nodes, start_at_ms) =
-                        reserve(state, &scratch, &rank, policy, cfg, w, now_ms);
-                    scratch.withhold_nodes(&nodes);
-                    plan.reservation = Some(Reservation::new(state, id, &nodes, start_at_ms));
+                None if plan.reservation.is_none() && deferred.is_none() => {
+                    // The head of the queue gets the reservation. Without explanations it is
+                    // worked out only once a decision depends on it (often none does).
+                    deferred = Some(id);
+                    if cfg.explain {
+                        settle(
+                            &mut deferred,
+                            &mut plan,
+                            &mut scratch,
+                            &rank,
+                            policy,
+                            cfg,
+                            now_ms,
+                        );
+                    }
                     Blocked::HoldsReservation {
-                        nodes: nodes.len() as u32,
-                        start_at_ms,
+                        nodes: plan
+                            .reservation
+                            .as_ref()
+                            .map_or(0, |r| r.nodes.len() as u32),
+                        start_at_ms: plan.reservation.as_ref().and_then(|r| r.start_at_ms),
                     }
                 }
                 // Without explanations the reason is thrown away: skip working it out.
@@ -405,7 +461,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 position,
                 reason: blocked,
             });
-        } else if plan.reservation.is_some()
+        } else if (plan.reservation.is_some() || deferred.is_some())
             && search.exhausted()
             && (scratch.free_total() == 0
                 || asks.keys().next().is_none_or(|&smallest| {
@@ -414,7 +470,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         {
             // The head of the queue holds the reservation, no more preemptions may be looked
             // for, and no node has room for even the smallest request not visited yet (reserved
-            // nodes count only if some pending work has an estimate and so might backfill):
+            // nodes count only if some pending work has an estimate and so might backfill; a
+            // reservation not worked out yet withholds nothing, so this errs on going on):
             // every workload after this one waits. Without explanations to give, the pass is
             // over.
             break;
@@ -464,10 +521,32 @@ impl VictimSearch {
         self.left == 0 || self.allocs.is_empty()
     }
 
-    /// Victims whose preemption makes room for blocked `w`, and the nodes it would use; each
-    /// call spends one search of the budget. A search that already failed for `w`'s allocation
-    /// (for want of any victim) or for its very shape fails again and is skipped, as is one for
-    /// an allocation that may take work from none of the allocations holding preemptible work.
+    /// Whether to look for victims for blocked `w`; each call spends one search of the budget.
+    /// A search that already failed for `w`'s allocation (for want of any victim) or for its
+    /// very shape would fail again and is skipped, as is one for an allocation that may take
+    /// work from none of the allocations holding preemptible work.
+    fn worth_searching(
+        &mut self,
+        state: &State,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+    ) -> bool {
+        if self.left == 0 || w.allocation.is_none() || self.allocs.is_empty() {
+            return false;
+        }
+        self.left -= 1;
+        let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
+        if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| may_take(va)) {
+            self.no_victims.insert(w.allocation);
+        }
+        let shape = (w.allocation, w.gpus_per_node, w.nodes);
+        !self.no_victims.contains(&w.allocation) && !self.failed_shapes.contains(&shape)
+    }
+
+    /// Victims whose preemption makes room for blocked `w`, and the nodes it would use, once
+    /// [`Self::worth_searching`] said to look.
     #[allow(clippy::too_many_arguments)]
     fn find(
         &mut self,
@@ -479,18 +558,8 @@ impl VictimSearch {
         w: &Workload,
         now_ms: u64,
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
-        if self.left == 0 || w.allocation.is_none() || self.allocs.is_empty() {
-            return None;
-        }
-        self.left -= 1;
         let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
-        if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| may_take(va)) {
-            self.no_victims.insert(w.allocation);
-        }
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
-            return None;
-        }
         let nodes = self.nodes.get_or_insert_with(|| {
             let mut nodes: Vec<u32> = state
                 .contracts
@@ -523,6 +592,30 @@ impl VictimSearch {
     }
 }
 
+/// Works out the reservation of `deferred`'s holder, if any, and withholds its nodes. Called
+/// before anything that depends on the reservation (a placement that could use its nodes, a
+/// backfill, a victim search, a withholding), so the scratch is still as it was when the holder
+/// was visited.
+#[allow(clippy::too_many_arguments)]
+fn settle(
+    deferred: &mut Option<WorkloadId>,
+    plan: &mut Plan,
+    scratch: &mut Scratch,
+    rank: &rank::Rank,
+    policy: &dyn Policy,
+    cfg: &PolicyConfig,
+    now_ms: u64,
+) {
+    let Some(holder) = deferred.take() else {
+        return;
+    };
+    let state = rank.state();
+    let w = &state.workloads[&holder];
+    let (nodes, start_at_ms) = reserve(state, scratch, rank, policy, cfg, w, now_ms);
+    scratch.withhold_nodes(&nodes);
+    plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
+}
+
 /// The nodes to reserve for blocked `w` and when it could start there, from when each holder
 /// gives its GPUs back for `w`.
 fn reserve(
@@ -535,9 +628,9 @@ fn reserve(
     now_ms: u64,
 ) -> (Vec<u32>, Option<u64>) {
     let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
-    scratch.reserve(state, w, now_ms, |v| {
-        let eligible = may_take(v.allocation);
-        release_ms(cfg, eligible, v, now_ms)
+    scratch.reserve(state, w, now_ms, |hold| {
+        let eligible = may_take(hold.allocation);
+        release_ms(cfg, eligible, hold, now_ms)
     })
 }
 
@@ -576,9 +669,10 @@ fn may_take_from<'a>(
     cfg: &'a PolicyConfig,
     beneficiary: Option<u32>,
 ) -> impl FnMut(Option<u32>) -> bool + 'a {
-    let mut memo: FxHashMap<Option<u32>, bool> = FxHashMap::default();
+    // Indexed by allocation id plus one, 0 for unallocated work.
+    let mut memo: Vec<Option<bool>> = vec![None; state.allocations.nodes.len() + 1];
     move |victim| {
-        *memo.entry(victim).or_insert_with(|| {
+        *memo[victim.map_or(0, |v| v as usize + 1)].get_or_insert_with(|| {
             may_preempt_allocation(state, rank, policy, cfg, beneficiary, victim)
         })
     }
@@ -604,16 +698,18 @@ fn may_preempt_allocation(
     }
 }
 
-/// When `victim`'s GPUs are expected back: its estimated end, or the end of its contract plus
-/// grace if the beneficiary may preempt it (`eligible`); `None` if nothing is known.
-fn release_ms(cfg: &PolicyConfig, eligible: bool, victim: &Workload, now_ms: u64) -> Option<u64> {
-    if let Some(p) = victim.preempting {
-        return Some(p.grace_until_ms.max(now_ms));
+/// When a GPU is expected back from the holder described by `hold`: the end of a preemption's
+/// grace, else its estimated end, or the end of its contract plus grace if the beneficiary may
+/// preempt it (`eligible`), whichever is sooner; `u64::MAX` if nothing is known.
+fn release_ms(cfg: &PolicyConfig, eligible: bool, hold: &Hold, now_ms: u64) -> u64 {
+    if let Some(grace_until_ms) = hold.grace_until_ms {
+        return grace_until_ms.max(now_ms);
     }
-    let ends = victim.remaining_estimate_ms(now_ms).map(|r| now_ms + r);
-    let preempt = eligible.then(|| victim.protected_until_ms.max(now_ms) + cfg.grace_ms);
-    match (ends, preempt) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+    let ends = hold.ends_ms.map_or(u64::MAX, |e| e.max(now_ms));
+    let preempt = if eligible {
+        hold.protected_until_ms.max(now_ms) + cfg.grace_ms
+    } else {
+        u64::MAX
+    };
+    ends.min(preempt)
 }

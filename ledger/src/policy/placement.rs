@@ -7,11 +7,12 @@
 //! share a topology label (same rack). Nodes *withheld* for the reservation or for a pending
 //! preemption leave the index; only backfill that ends before the reservation may use them.
 
+use std::cell::OnceCell;
 use std::cmp::Reverse;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::cluster::NodeIdx;
+use crate::cluster::{Cluster, Hold, NodeIdx};
 use crate::event::WorkloadId;
 use crate::state::{Part, State, Workload};
 
@@ -35,7 +36,9 @@ struct FreeIndex {
 }
 
 /// The free GPUs of every node as this pass sees them.
-pub struct Scratch {
+pub struct Scratch<'s> {
+    cluster: &'s Cluster,
+    topology_label: &'s str,
     free: Vec<u64>,
     withheld: Vec<bool>,
     /// The withheld nodes, in the order they were withheld.
@@ -44,20 +47,19 @@ pub struct Scratch {
     pos: Vec<u32>,
     model: Vec<u32>,
     groups: Vec<FreeIndex>,
-    /// Topology group of each node (`u32::MAX` when unlabeled).
-    rack: Vec<u32>,
+    /// Topology group of each node (`u32::MAX` when unlabeled), read when a gang is placed.
+    rack: OnceCell<Vec<u32>>,
     /// Free GPUs left in the whole cluster, withheld nodes included.
     free_total: u64,
-    /// Index of each node's first GPU in a cluster-wide GPU numbering; one extra entry at the end
-    /// holds the total.
-    offset: Vec<u32>,
 }
 
-impl Scratch {
+impl<'s> Scratch<'s> {
     /// Reads the cluster.
-    pub fn new(state: &State, topology_label: &str) -> Self {
+    pub fn new(state: &'s State, topology_label: &'s str) -> Self {
         let nodes = &state.cluster.nodes;
         let mut s = Scratch {
+            cluster: &state.cluster,
+            topology_label,
             free: nodes.iter().map(|n| n.free_mask()).collect(),
             withheld: vec![false; nodes.len()],
             withheld_list: Vec::new(),
@@ -71,30 +73,32 @@ impl Scratch {
                     buckets: Vec::new(),
                 })
                 .collect(),
-            rack: Vec::with_capacity(nodes.len()),
-            free_total: nodes.iter().map(|n| u64::from(n.free_count())).sum(),
-            offset: std::iter::once(0)
-                .chain(nodes.iter().scan(0u32, |acc, n| {
-                    *acc += n.gpu_count;
-                    Some(*acc)
-                }))
-                .collect(),
+            rack: OnceCell::new(),
+            free_total: 0,
         };
-        let mut racks: FxHashMap<&str, u32> = FxHashMap::default();
-        for n in nodes {
-            let id = match n.labels.get(topology_label) {
-                Some(v) => {
-                    let next = racks.len() as u32;
-                    *racks.entry(v.as_str()).or_insert(next)
-                }
-                None => u32::MAX,
-            };
-            s.rack.push(id);
-        }
+        s.free_total = s.free.iter().map(|f| u64::from(f.count_ones())).sum();
         for idx in 0..nodes.len() {
             s.index(idx as NodeIdx);
         }
         s
+    }
+
+    /// The topology group of each node, numbered in order of first appearance.
+    fn racks(&self) -> &[u32] {
+        self.rack.get_or_init(|| {
+            let mut racks: FxHashMap<&str, u32> = FxHashMap::default();
+            self.cluster
+                .nodes
+                .iter()
+                .map(|n| match n.labels.get(self.topology_label) {
+                    Some(v) => {
+                        let next = racks.len() as u32;
+                        *racks.entry(v.as_str()).or_insert(next)
+                    }
+                    None => u32::MAX,
+                })
+                .collect()
+        })
     }
 
     fn index(&mut self, node: NodeIdx) {
@@ -244,7 +248,8 @@ impl Scratch {
             }
             let chosen = self.by_topology(self.candidates(g, need), n);
             let racks = {
-                let mut r: Vec<u32> = chosen.iter().map(|&x| self.rack[x as usize]).collect();
+                let rack = self.racks();
+                let mut r: Vec<u32> = chosen.iter().map(|&x| rack[x as usize]).collect();
                 r.sort_unstable();
                 r.dedup();
                 r.len()
@@ -259,9 +264,10 @@ impl Scratch {
     /// Picks `n` of the candidates: a rack that holds the whole gang with the least to spare,
     /// otherwise the fullest racks first; best fit inside a rack.
     fn by_topology(&self, mut cands: Vec<(usize, NodeIdx)>, n: usize) -> Vec<NodeIdx> {
+        let rack = self.racks();
         let mut per_rack: FxHashMap<u32, usize> = FxHashMap::default();
         for &(_, node) in &cands {
-            *per_rack.entry(self.rack[node as usize]).or_insert(0) += 1;
+            *per_rack.entry(rack[node as usize]).or_insert(0) += 1;
         }
         let mut racks: Vec<(u32, usize)> = per_rack.into_iter().collect();
         // Racks that fit the gang, smallest first; then the others, largest first.
@@ -277,7 +283,7 @@ impl Scratch {
             .enumerate()
             .map(|(i, &(r, _))| (r, i))
             .collect();
-        cands.sort_unstable_by_key(|&(k, node)| (order[&self.rack[node as usize]], k, node));
+        cands.sort_unstable_by_key(|&(k, node)| (order[&rack[node as usize]], k, node));
         cands.into_iter().take(n).map(|(_, node)| node).collect()
     }
 
@@ -292,6 +298,12 @@ impl Scratch {
             .filter(|&(k, _)| k >= w.gpus_per_node)
             .min()
             .map(|(_, n)| vec![n])
+    }
+
+    /// Whether `w` could be placed now, on nodes not withheld.
+    pub fn fits(&self, w: &Workload) -> bool {
+        self.groups_for(w)
+            .any(|g| self.count_fitting(g, w.gpus_per_node as usize) >= w.nodes as usize)
     }
 
     /// Whether `w` would fit if withheld nodes were open to it.
@@ -336,52 +348,53 @@ impl Scratch {
         (0..self.free.len() as NodeIdx).filter(move |&i| self.eligible(state, w, group, i))
     }
 
-    /// The reservation for `w`: the nodes where it could start soonest, given when each holder
-    /// gives its GPUs back (`release`, `None` for unknown), and that start time if known.
+    /// The reservation for `w`: the nodes where it could start soonest, given when the holder of
+    /// each held GPU gives it back (`release`, `u64::MAX` for unknown), and that start time if
+    /// known. Reads the nodes only: what is known of each holder is kept beside its GPUs.
     pub fn reserve(
         &self,
         state: &State,
         w: &Workload,
         now_ms: u64,
-        mut release: impl FnMut(&Workload) -> Option<u64>,
+        mut release: impl FnMut(&Hold) -> u64,
     ) -> (Vec<NodeIdx>, Option<u64>) {
-        let need = w.gpus_per_node as usize;
-        // When each held GPU comes back: one pass over the running work, not a lookup per GPU.
-        let mut back: Vec<u64> = vec![u64::MAX; self.offset.last().map_or(0, |&o| o as usize)];
-        for v in state.running_workloads() {
-            let t = release(v).unwrap_or(u64::MAX);
-            for part in &v.placement {
-                let base = self.offset[part.node as usize] as usize;
-                let mut gpus = part.gpus;
-                while gpus != 0 {
-                    back[base + gpus.trailing_zeros() as usize] = t;
-                    gpus &= gpus - 1;
-                }
-            }
-        }
+        let need = w.gpus_per_node;
         let mut times: Vec<u64> = Vec::with_capacity(64);
         let mut best: Option<(u64, Vec<NodeIdx>)> = None;
         for group in self.groups_for(w) {
             let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
             for i in self.eligible_nodes(state, w, group) {
-                let node = state.cluster.node(i);
                 let free = self.free[i as usize];
-                let base = self.offset[i as usize] as usize;
+                let free_count = free.count_ones();
+                if free_count >= need {
+                    ready.push((now_ms, Reverse(free_count), i));
+                    continue;
+                }
+                // Free GPUs are ready now; the others when their holder leaves (GPUs placed
+                // earlier in this pass have no holder yet and stay u64::MAX).
+                let node = state.cluster.node(i);
                 times.clear();
-                let mut healthy = node.healthy;
-                while healthy != 0 {
-                    let g = healthy.trailing_zeros() as usize;
-                    healthy &= healthy - 1;
-                    // Free now; else back when its holder leaves (GPUs placed earlier in this
-                    // pass have no holder yet and stay u64::MAX).
-                    times.push(if free & (1 << g) != 0 {
-                        now_ms
-                    } else {
-                        back[base + g]
+                // A holder's GPUs on a node come back together: ask once per holder in a row.
+                let mut last: Option<(WorkloadId, u64)> = None;
+                let mut waiting = node.healthy & !free;
+                while waiting != 0 {
+                    let g = waiting.trailing_zeros() as usize;
+                    waiting &= waiting - 1;
+                    times.push(match node.holders[g] {
+                        Some(h) if node.used & (1 << g) != 0 => match last {
+                            Some((id, t)) if id == h => t,
+                            _ => {
+                                let t = release(&node.holds[g]);
+                                last = Some((h, t));
+                                t
+                            }
+                        },
+                        _ => u64::MAX,
                     });
                 }
-                let (_, nth, _) = times.select_nth_unstable(need - 1);
-                ready.push((*nth, Reverse(free.count_ones()), i));
+                times.sort_unstable();
+                let nth = times[(need - free_count - 1) as usize];
+                ready.push((nth, Reverse(free_count), i));
             }
             if ready.len() < w.nodes as usize {
                 continue;

@@ -228,6 +228,11 @@ impl<'s> Rank<'s> {
         })
     }
 
+    /// The ledger this pass ranks.
+    pub fn state(&self) -> &'s State {
+        self.state
+    }
+
     /// The current key of an allocation.
     pub fn key(&self, id: AllocId) -> f64 {
         self.key[id as usize]
