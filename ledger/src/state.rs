@@ -260,8 +260,8 @@ pub struct State {
     pub queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
     /// Pending unallocated workloads, in queue order.
     pub unallocated_queue: BTreeSet<QueueKey>,
-    /// How many pending workloads ask for each number of GPUs per node.
-    pub pending_gpus_per_node: std::collections::BTreeMap<u32, u32>,
+    /// How many pending workloads ask for each shape: (GPUs per node, nodes).
+    pub pending_shapes: std::collections::BTreeMap<(u32, u32), u32>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
     pub pending_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
@@ -296,7 +296,7 @@ impl State {
             idempotency: FxHashMap::default(),
             queues: FxHashMap::default(),
             unallocated_queue: BTreeSet::new(),
-            pending_gpus_per_node: std::collections::BTreeMap::new(),
+            pending_shapes: std::collections::BTreeMap::new(),
             pending_with_estimate: 0,
             running: BTreeSet::new(),
             contracts: Contracts::default(),
@@ -741,8 +741,8 @@ impl State {
 
     fn enqueue(&mut self, w: &Workload) {
         *self
-            .pending_gpus_per_node
-            .entry(w.gpus_per_node)
+            .pending_shapes
+            .entry((w.gpus_per_node, w.nodes))
             .or_insert(0) += 1;
         self.pending_with_estimate += u64::from(w.duration_estimate_ms.is_some());
         let key = Self::queue_key(w);
@@ -759,10 +759,11 @@ impl State {
     fn dequeue(&mut self, id: WorkloadId) {
         let w = &self.workloads[&id];
         self.pending_with_estimate -= u64::from(w.duration_estimate_ms.is_some());
-        if let Some(n) = self.pending_gpus_per_node.get_mut(&w.gpus_per_node) {
+        let shape = (w.gpus_per_node, w.nodes);
+        if let Some(n) = self.pending_shapes.get_mut(&shape) {
             *n -= 1;
             if *n == 0 {
-                self.pending_gpus_per_node.remove(&w.gpus_per_node);
+                self.pending_shapes.remove(&shape);
             }
         }
         let key = Self::queue_key(w);

@@ -305,8 +305,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
 
     let mut scratch = Scratch::new(state, &cfg.topology_label);
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
-    // GPUs per node asked by the pending workloads this pass has not visited yet.
-    let mut asks = state.pending_gpus_per_node.clone();
+    // Shapes asked by the pending workloads this pass has not visited yet.
+    let mut asks = state.pending_shapes.clone();
     let mut position = 0u32;
     // The holder of a reservation not worked out yet.
     let mut deferred: Option<WorkloadId> = None;
@@ -314,10 +314,11 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     while let Some(id) = rank.next_candidate() {
         position += 1;
         let w = &state.workloads[&id];
-        if let Some(n) = asks.get_mut(&w.gpus_per_node) {
+        let shape = (w.gpus_per_node, w.nodes);
+        if let Some(n) = asks.get_mut(&shape) {
             *n -= 1;
             if *n == 0 {
-                asks.remove(&w.gpus_per_node);
+                asks.remove(&shape);
             }
         }
         let blocked = rank
@@ -464,15 +465,15 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         } else if (plan.reservation.is_some() || deferred.is_some())
             && search.exhausted()
             && (scratch.free_total() == 0
-                || asks.keys().next().is_none_or(|&smallest| {
-                    smallest > scratch.max_free_on_a_node(state.pending_with_estimate > 0)
+                || asks.keys().all(|&(gpus_per_node, nodes)| {
+                    !scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
                 }))
         {
             // The head of the queue holds the reservation, no more preemptions may be looked
-            // for, and no node has room for even the smallest request not visited yet (reserved
-            // nodes count only if some pending work has an estimate and so might backfill; a
-            // reservation not worked out yet withholds nothing, so this errs on going on):
-            // every workload after this one waits. Without explanations to give, the pass is
+            // for, and no shape asked by a workload not visited yet fits anywhere, whatever its
+            // model (reserved nodes count only if some pending work has an estimate and so might
+            // backfill; a reservation not worked out yet withholds nothing, so this errs on
+            // going on): every workload after this one waits. Without explanations to give, the pass is
             // over.
             break;
         }

@@ -121,22 +121,23 @@ impl<'s> Scratch<'s> {
         }
     }
 
-    /// The most free GPUs on any one node, withheld nodes included if `include_withheld`.
-    pub fn max_free_on_a_node(&self, include_withheld: bool) -> u32 {
-        let indexed = self
-            .groups
-            .iter()
-            .filter_map(|g| g.buckets.iter().rposition(|b| !b.is_empty()))
-            .max()
-            .unwrap_or(0) as u32;
-        let withheld = self
-            .withheld_list
-            .iter()
-            .filter(|_| include_withheld)
-            .map(|&n| self.free[n as usize].count_ones())
-            .max()
-            .unwrap_or(0);
-        indexed.max(withheld)
+    /// Whether `nodes` nodes of some one model have `gpus_per_node` free GPUs each, withheld
+    /// nodes included if `include_withheld`.
+    pub fn could_fit(&self, gpus_per_node: u32, nodes: u32, include_withheld: bool) -> bool {
+        (0..self.groups.len()).any(|g| {
+            let withheld = if include_withheld {
+                self.withheld_list
+                    .iter()
+                    .filter(|&&i| {
+                        self.model[i as usize] as usize == g
+                            && self.free[i as usize].count_ones() >= gpus_per_node
+                    })
+                    .count()
+            } else {
+                0
+            };
+            self.count_fitting(g, gpus_per_node as usize) + withheld >= nodes as usize
+        })
     }
 
     /// Free GPUs left anywhere in the cluster, withheld nodes included.
