@@ -262,6 +262,8 @@ pub struct State {
     pub unallocated_queue: BTreeSet<QueueKey>,
     /// How many pending workloads ask for each shape: (GPUs per node, nodes).
     pub pending_shapes: std::collections::BTreeMap<(u32, u32), u32>,
+    /// The same per leaf, for the leaves with pending work.
+    pub queue_shapes: FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), u32>>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
     pub pending_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
@@ -297,6 +299,7 @@ impl State {
             queues: FxHashMap::default(),
             unallocated_queue: BTreeSet::new(),
             pending_shapes: std::collections::BTreeMap::new(),
+            queue_shapes: FxHashMap::default(),
             pending_with_estimate: 0,
             running: BTreeSet::new(),
             contracts: Contracts::default(),
@@ -749,6 +752,12 @@ impl State {
         match w.allocation {
             Some(a) => {
                 self.queues.entry(a).or_default().insert(key);
+                *self
+                    .queue_shapes
+                    .entry(a)
+                    .or_default()
+                    .entry((w.gpus_per_node, w.nodes))
+                    .or_insert(0) += 1;
             }
             None => {
                 self.unallocated_queue.insert(key);
@@ -773,6 +782,17 @@ impl State {
                     q.remove(&key);
                     if q.is_empty() {
                         self.queues.remove(&a);
+                    }
+                }
+                if let Some(shapes) = self.queue_shapes.get_mut(&a) {
+                    if let Some(n) = shapes.get_mut(&shape) {
+                        *n -= 1;
+                        if *n == 0 {
+                            shapes.remove(&shape);
+                        }
+                    }
+                    if shapes.is_empty() {
+                        self.queue_shapes.remove(&a);
                     }
                 }
             }

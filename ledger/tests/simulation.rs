@@ -248,6 +248,35 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         "contract index drifted {}",
         at()
     );
+    // The counts of pending shapes, overall and per leaf, match the queues.
+    let mut shapes: BTreeMap<(u32, u32), u32> = BTreeMap::new();
+    let mut per_leaf: BTreeMap<u32, BTreeMap<(u32, u32), u32>> = BTreeMap::new();
+    let queued = state
+        .queues
+        .iter()
+        .flat_map(|(&leaf, q)| q.iter().map(move |k| (Some(leaf), k.2)))
+        .chain(state.unallocated_queue.iter().map(|k| (None, k.2)));
+    for (leaf, id) in queued {
+        let w = &state.workloads[&id];
+        assert_eq!(w.phase, Phase::Pending, "{}", at());
+        let shape = (w.gpus_per_node, w.nodes);
+        *shapes.entry(shape).or_insert(0) += 1;
+        if let Some(leaf) = leaf {
+            *per_leaf.entry(leaf).or_default().entry(shape).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(
+        state.pending_shapes,
+        shapes,
+        "pending shapes drifted {}",
+        at()
+    );
+    let kept: BTreeMap<u32, BTreeMap<(u32, u32), u32>> = state
+        .queue_shapes
+        .iter()
+        .map(|(&leaf, s)| (leaf, s.clone()))
+        .collect();
+    assert_eq!(kept, per_leaf, "per-leaf pending shapes drifted {}", at());
     assert_eq!(
         state.preempting,
         preempting,

@@ -286,6 +286,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         nodes.2.sort_unstable();
         nodes.2.dedup();
     }
+    let leaves_waiting: FxHashSet<u32> = incoming
+        .keys()
+        .filter_map(|b| state.workloads.get(b).and_then(|w| w.allocation))
+        .collect();
     let mut search = VictimSearch {
         left: cfg.preemptors_per_pass_max,
         claimed: failed.iter().copied().collect(),
@@ -462,20 +466,39 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 position,
                 reason: blocked,
             });
-        } else if (plan.reservation.is_some() || deferred.is_some())
-            && search.exhausted()
-            && (scratch.free_total() == 0
-                || asks.keys().all(|&(gpus_per_node, nodes)| {
-                    !scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
-                }))
-        {
-            // The head of the queue holds the reservation, no more preemptions may be looked
-            // for, and no shape asked by a workload not visited yet fits anywhere, whatever its
-            // model (reserved nodes count only if some pending work has an estimate and so might
-            // backfill; a reservation not worked out yet withholds nothing, so this errs on
-            // going on): every workload after this one waits. Without explanations to give, the pass is
+            continue;
+        }
+        if plan.reservation.is_none() && deferred.is_none() || !search.exhausted() {
+            continue;
+        }
+        // The head of the queue holds the reservation and no more preemptions may be looked for:
+        // from here on a workload visited either starts or waits, with no effect on the pass
+        // unless preemptions are under way for it.
+        // Whether any of some shapes (GPUs per node, nodes) fits anywhere, whatever the model
+        // (reserved nodes count only if some pending work has an estimate and so might backfill;
+        // a reservation not worked out yet withholds nothing, so this errs on going on):
+        let fits_anywhere = |shapes: &std::collections::BTreeMap<(u32, u32), u32>| {
+            scratch.free_total() > 0
+                && shapes.keys().any(|&(gpus_per_node, nodes)| {
+                    scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
+                })
+        };
+        if !fits_anywhere(&asks) {
+            // No workload not visited yet can start. Without explanations to give, the pass is
             // over.
             break;
+        }
+        if let Some(leaf) = w.allocation {
+            // Nor can any of the rest of this workload's leaf: skip them, unless one of them
+            // has preemptions under way, whose nodes it withholds when visited.
+            if !leaves_waiting.contains(&leaf)
+                && state
+                    .queue_shapes
+                    .get(&leaf)
+                    .is_none_or(|s| !fits_anywhere(s))
+            {
+                rank.skip_rest_of(leaf);
+            }
         }
     }
     plan

@@ -201,6 +201,18 @@ impl<'s> Rank<'s> {
             .or_else(|| self.unallocated.next().map(|k| k.2))
     }
 
+    /// Leaves the rest of `leaf`'s queue out of this pass (a tree ranking only: a flat one
+    /// interleaves the leaves, and goes on).
+    pub fn skip_rest_of(&mut self, leaf: AllocId) {
+        let rest = self.left[leaf as usize];
+        if rest == 0 || !matches!(self.mode, Ranking::Tree) {
+            return;
+        }
+        for anc in self.state.allocations.ancestors(leaf) {
+            self.left[anc as usize] -= rest;
+        }
+    }
+
     /// Records that `w` was placed in this pass.
     pub fn placed(&mut self, w: &Workload) {
         let Some(leaf) = w.allocation else { return };
