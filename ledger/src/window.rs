@@ -121,12 +121,14 @@ impl Window {
         if self.newest < oldest_kept {
             return sums;
         }
-        // Slots hold buckets newest, newest-1, ... newest-(n-1); keep those >= oldest_kept.
+        // Slots hold buckets newest, newest-1, ... newest-(n-1); keep those >= oldest_kept,
+        // newest first (the order of the additions is part of the result).
         let valid = (self.newest - oldest_kept + 1).min(n);
-        for k in 0..valid {
-            let slot = ((self.newest - k) % n) as usize;
+        let mut slot = (self.newest % n) as usize;
+        for _ in 0..valid {
             sums.delivered_gpu_ms += self.delivered[slot];
             sums.owed_gpu_ms += self.owed[slot];
+            slot = slot.checked_sub(1).unwrap_or(n as usize - 1);
         }
         sums
     }

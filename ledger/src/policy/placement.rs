@@ -65,12 +65,17 @@ impl<'s> Scratch<'s> {
             withheld_list: Vec::new(),
             pos: vec![0; nodes.len()],
             model: nodes.iter().map(|n| n.model_idx).collect(),
+            // Sized from the cluster's own count of nodes by free GPUs.
             groups: state
                 .cluster
                 .models
                 .iter()
-                .map(|_| FreeIndex {
-                    buckets: Vec::new(),
+                .map(|m| FreeIndex {
+                    buckets: m
+                        .free_hist
+                        .iter()
+                        .map(|&n| Vec::with_capacity(n as usize))
+                        .collect(),
                 })
                 .collect(),
             rack: OnceCell::new(),
