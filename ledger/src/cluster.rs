@@ -37,8 +37,8 @@ pub struct Node {
     pub used: u64,
     /// Holder of each GPU.
     pub holders: Vec<Option<WorkloadId>>,
-    /// What a scheduling pass needs to know of each GPU's holder (meaningful where `used`).
-    pub holds: Vec<Hold>,
+    /// Index of its first GPU in [`Cluster::holds`].
+    pub first_gpu: u32,
     /// Last reported utilization of each GPU, 0 to 100.
     pub utilization_pct: Vec<u8>,
 }
@@ -105,6 +105,9 @@ pub struct Cluster {
     /// One group per model, in first-seen order.
     pub models: Vec<ModelGroup>,
     by_name: FxHashMap<String, NodeIdx>,
+    /// What a scheduling pass needs to know of the holder of every GPU (meaningful where the GPU
+    /// is used), the nodes' GPUs one after another: a pass reads them in one sweep.
+    pub holds: Vec<Hold>,
     /// GPUs registered.
     pub total_gpus: u64,
     /// Healthy GPUs.
@@ -126,6 +129,23 @@ impl Cluster {
     /// The node with index `idx`.
     pub fn node(&self, idx: NodeIdx) -> &Node {
         &self.nodes[idx as usize]
+    }
+
+    /// The holds of node `idx`'s GPUs.
+    pub fn holds_of(&self, idx: NodeIdx) -> &[Hold] {
+        let n = &self.nodes[idx as usize];
+        &self.holds[n.first_gpu as usize..(n.first_gpu + n.gpu_count) as usize]
+    }
+
+    /// Sets the holds of the GPUs of `mask` on node `idx`.
+    pub(crate) fn set_holds(&mut self, idx: NodeIdx, mask: u64, change: impl Fn(&mut Hold)) {
+        let n = &self.nodes[idx as usize];
+        let (first, count) = (n.first_gpu as usize, n.gpu_count as usize);
+        for (g, hold) in self.holds[first..first + count].iter_mut().enumerate() {
+            if mask & (1 << g) != 0 {
+                change(hold);
+            }
+        }
     }
 
     /// The group of `model`.
@@ -203,7 +223,7 @@ impl Cluster {
             healthy: mask_of(gpus),
             used: 0,
             holders: vec![None; gpus as usize],
-            holds: vec![Hold::default(); gpus as usize],
+            first_gpu: self.holds.len() as u32,
             utilization_pct: vec![0; gpus as usize],
         };
         let idx = self.nodes.len() as NodeIdx;
@@ -212,6 +232,8 @@ impl Cluster {
             .entry(gpus)
             .or_insert(0) += 1;
         self.total_gpus += u64::from(gpus);
+        self.holds
+            .extend(std::iter::repeat_n(Hold::default(), gpus as usize));
         self.nodes.push(node);
         self.by_name.insert(name.to_string(), idx);
         self.count(idx, 1);

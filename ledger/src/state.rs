@@ -960,10 +960,10 @@ impl State {
                 for g in 0..n.gpu_count {
                     if part.gpus & (1 << g) != 0 {
                         n.holders[g as usize] = Some(id);
-                        n.holds[g as usize] = hold;
                     }
                 }
             });
+            self.cluster.set_holds(part.node, part.gpus, |h| *h = hold);
         }
         match alloc {
             Some(a) => self.allocations.node_mut(a).held_gpus += gpus,
@@ -1019,12 +1019,9 @@ impl State {
             beneficiary: e.beneficiary,
         });
         for part in &w.placement {
-            let n = &mut self.cluster.nodes[part.node as usize];
-            for g in 0..n.gpu_count {
-                if part.gpus & (1 << g) != 0 {
-                    n.holds[g as usize].grace_until_ms = Some(grace_until_ms);
-                }
-            }
+            self.cluster.set_holds(part.node, part.gpus, |h| {
+                h.grace_until_ms = Some(grace_until_ms)
+            });
         }
         if let Some(a) = alloc {
             self.allocations.node_mut(a).preemptions += 1;
@@ -1054,10 +1051,11 @@ impl State {
                 for g in 0..n.gpu_count {
                     if part.gpus & (1 << g) != 0 {
                         n.holders[g as usize] = None;
-                        n.holds[g as usize] = Hold::default();
                     }
                 }
             });
+            self.cluster
+                .set_holds(part.node, part.gpus, |h| *h = Hold::default());
         }
         match alloc {
             Some(a) => self.allocations.node_mut(a).held_gpus -= gpus,

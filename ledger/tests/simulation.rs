@@ -216,7 +216,7 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
             for g in 0..node.gpu_count {
                 if p.gpus & (1 << g) != 0 {
                     assert_eq!(node.holders[g as usize], Some(*id), "{}", at());
-                    assert_eq!(node.holds[g as usize], hold, "{}", at());
+                    assert_eq!(state.cluster.holds_of(p.node)[g as usize], hold, "{}", at());
                 }
             }
         }
@@ -286,7 +286,12 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
     for (i, n) in state.cluster.nodes.iter().enumerate() {
         for g in 0..n.gpu_count {
             if n.used & (1 << g) == 0 {
-                assert_eq!(n.holds[g as usize], Default::default(), "{}", at());
+                assert_eq!(
+                    state.cluster.holds_of(i as u32)[g as usize],
+                    Default::default(),
+                    "{}",
+                    at()
+                );
             }
         }
         assert_eq!(

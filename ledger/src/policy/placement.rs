@@ -40,6 +40,9 @@ pub struct Scratch<'s> {
     cluster: &'s Cluster,
     topology_label: &'s str,
     free: Vec<u64>,
+    /// Each node's healthy and used GPUs, as the ledger has them.
+    healthy: Vec<u64>,
+    used: Vec<u64>,
     withheld: Vec<bool>,
     /// The withheld nodes, in the order they were withheld.
     withheld_list: Vec<NodeIdx>,
@@ -61,6 +64,8 @@ impl<'s> Scratch<'s> {
             cluster: &state.cluster,
             topology_label,
             free: nodes.iter().map(|n| n.free_mask()).collect(),
+            healthy: nodes.iter().map(|n| n.healthy).collect(),
+            used: nodes.iter().map(|n| n.used).collect(),
             withheld: vec![false; nodes.len()],
             withheld_list: Vec::new(),
             pos: vec![0; nodes.len()],
@@ -337,21 +342,19 @@ impl<'s> Scratch<'s> {
 
     /// Whether node `i` is indexed, of model group `group`, with enough healthy GPUs for one
     /// member of `w`.
-    fn eligible(&self, state: &State, w: &Workload, group: usize, i: NodeIdx) -> bool {
-        let n = state.cluster.node(i);
+    fn eligible(&self, w: &Workload, group: usize, i: NodeIdx) -> bool {
         !self.withheld[i as usize]
-            && n.model_idx as usize == group
-            && n.healthy.count_ones() >= w.gpus_per_node
+            && self.model[i as usize] as usize == group
+            && self.healthy[i as usize].count_ones() >= w.gpus_per_node
     }
 
     /// Indexed nodes of model group `group` with enough healthy GPUs for one member of `w`.
     fn eligible_nodes<'a>(
         &'a self,
-        state: &'a State,
         w: &'a Workload,
         group: usize,
     ) -> impl Iterator<Item = NodeIdx> + 'a {
-        (0..self.free.len() as NodeIdx).filter(move |&i| self.eligible(state, w, group, i))
+        (0..self.free.len() as NodeIdx).filter(move |&i| self.eligible(w, group, i))
     }
 
     /// The reservation for `w`: the nodes where it could start soonest, given when the holder of
@@ -368,8 +371,8 @@ impl<'s> Scratch<'s> {
         let mut times: Vec<u64> = Vec::with_capacity(64);
         let mut best: Option<(u64, Vec<NodeIdx>)> = None;
         for group in self.groups_for(w) {
-            let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::new();
-            for i in self.eligible_nodes(state, w, group) {
+            let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(self.free.len());
+            for i in self.eligible_nodes(w, group) {
                 let free = self.free[i as usize];
                 let free_count = free.count_ones();
                 if free_count >= need {
@@ -378,24 +381,17 @@ impl<'s> Scratch<'s> {
                 }
                 // Free GPUs are ready now; the others when their holder leaves (GPUs placed
                 // earlier in this pass have no holder yet and stay u64::MAX).
-                let node = state.cluster.node(i);
+                let holds = state.cluster.holds_of(i);
                 times.clear();
-                // A holder's GPUs on a node come back together: ask once per holder in a row.
-                let mut last: Option<(WorkloadId, u64)> = None;
-                let mut waiting = node.healthy & !free;
+                let used = self.used[i as usize];
+                let mut waiting = self.healthy[i as usize] & !free;
                 while waiting != 0 {
                     let g = waiting.trailing_zeros() as usize;
                     waiting &= waiting - 1;
-                    times.push(match node.holders[g] {
-                        Some(h) if node.used & (1 << g) != 0 => match last {
-                            Some((id, t)) if id == h => t,
-                            _ => {
-                                let t = release(&node.holds[g]);
-                                last = Some((h, t));
-                                t
-                            }
-                        },
-                        _ => u64::MAX,
+                    times.push(if used & (1 << g) == 0 {
+                        u64::MAX
+                    } else {
+                        release(&holds[g])
                     });
                 }
                 times.sort_unstable();
@@ -463,7 +459,7 @@ impl<'s> Scratch<'s> {
             let mut nodes: Vec<NodeIdx> = victim_nodes
                 .iter()
                 .copied()
-                .filter(|&i| self.eligible(state, w, group, i))
+                .filter(|&i| self.eligible(w, group, i))
                 .collect();
             if w.nodes > 1 {
                 // A gang may combine victims' nodes with nodes that have room already.
