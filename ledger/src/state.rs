@@ -262,8 +262,9 @@ pub struct State {
     pub unallocated_queue: BTreeSet<QueueKey>,
     /// How many pending workloads ask for each shape: (GPUs per node, nodes).
     pub pending_shapes: std::collections::BTreeMap<(u32, u32), u32>,
-    /// The same per leaf, for the leaves with pending work.
-    pub queue_shapes: FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), u32>>,
+    /// Each leaf's queue split by shape, for the leaves with pending work.
+    pub queue_shapes:
+        FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), BTreeSet<QueueKey>>>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
     pub pending_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
@@ -738,7 +739,8 @@ impl State {
         Ok(Outcome::Applied)
     }
 
-    fn queue_key(w: &Workload) -> QueueKey {
+    /// The key of `w` in its queue.
+    pub fn queue_key(w: &Workload) -> QueueKey {
         (std::cmp::Reverse(w.priority), w.submit_seq, w.id)
     }
 
@@ -752,12 +754,12 @@ impl State {
         match w.allocation {
             Some(a) => {
                 self.queues.entry(a).or_default().insert(key);
-                *self
-                    .queue_shapes
+                self.queue_shapes
                     .entry(a)
                     .or_default()
                     .entry((w.gpus_per_node, w.nodes))
-                    .or_insert(0) += 1;
+                    .or_default()
+                    .insert(key);
             }
             None => {
                 self.unallocated_queue.insert(key);
@@ -785,9 +787,9 @@ impl State {
                     }
                 }
                 if let Some(shapes) = self.queue_shapes.get_mut(&a) {
-                    if let Some(n) = shapes.get_mut(&shape) {
-                        *n -= 1;
-                        if *n == 0 {
+                    if let Some(keys) = shapes.get_mut(&shape) {
+                        keys.remove(&key);
+                        if keys.is_empty() {
                             shapes.remove(&shape);
                         }
                     }

@@ -248,21 +248,28 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         "contract index drifted {}",
         at()
     );
-    // The counts of pending shapes, overall and per leaf, match the queues.
+    // The pending shapes, counted overall and each leaf's queue split by shape, match the
+    // queues.
+    type ByShape = BTreeMap<(u32, u32), std::collections::BTreeSet<ledger::state::QueueKey>>;
     let mut shapes: BTreeMap<(u32, u32), u32> = BTreeMap::new();
-    let mut per_leaf: BTreeMap<u32, BTreeMap<(u32, u32), u32>> = BTreeMap::new();
+    let mut per_leaf: BTreeMap<u32, ByShape> = BTreeMap::new();
     let queued = state
         .queues
         .iter()
-        .flat_map(|(&leaf, q)| q.iter().map(move |k| (Some(leaf), k.2)))
-        .chain(state.unallocated_queue.iter().map(|k| (None, k.2)));
-    for (leaf, id) in queued {
-        let w = &state.workloads[&id];
+        .flat_map(|(&leaf, q)| q.iter().map(move |k| (Some(leaf), *k)))
+        .chain(state.unallocated_queue.iter().map(|k| (None, *k)));
+    for (leaf, key) in queued {
+        let w = &state.workloads[&key.2];
         assert_eq!(w.phase, Phase::Pending, "{}", at());
         let shape = (w.gpus_per_node, w.nodes);
         *shapes.entry(shape).or_insert(0) += 1;
         if let Some(leaf) = leaf {
-            *per_leaf.entry(leaf).or_default().entry(shape).or_insert(0) += 1;
+            per_leaf
+                .entry(leaf)
+                .or_default()
+                .entry(shape)
+                .or_default()
+                .insert(key);
         }
     }
     assert_eq!(
@@ -271,12 +278,12 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         "pending shapes drifted {}",
         at()
     );
-    let kept: BTreeMap<u32, BTreeMap<(u32, u32), u32>> = state
+    let kept: BTreeMap<u32, ByShape> = state
         .queue_shapes
         .iter()
         .map(|(&leaf, s)| (leaf, s.clone()))
         .collect();
-    assert_eq!(kept, per_leaf, "per-leaf pending shapes drifted {}", at());
+    assert_eq!(kept, per_leaf, "per-leaf queues by shape drifted {}", at());
     assert_eq!(
         state.preempting,
         preempting,

@@ -16,6 +16,8 @@ pub mod placement;
 pub mod priority;
 pub mod rank;
 
+use std::ops::Bound;
+
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::cluster::Hold;
@@ -489,15 +491,31 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             break;
         }
         if let Some(leaf) = w.allocation {
-            // Nor can any of the rest of this workload's leaf: skip them, unless one of them
-            // has preemptions under way, whose nodes it withholds when visited.
-            if !leaves_waiting.contains(&leaf)
-                && state
-                    .queue_shapes
-                    .get(&leaf)
-                    .is_none_or(|s| !fits_anywhere(s))
-            {
-                rank.skip_rest_of(leaf);
+            // Nor can the workloads of this one's leaf whose shape fits nowhere: go on at the
+            // next that might fit, if any. Not in a leaf with preemptions under way for one of
+            // its workloads, which withholds its victims' nodes when visited.
+            if !leaves_waiting.contains(&leaf) {
+                let here = State::queue_key(w);
+                let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
+                    shapes
+                        .iter()
+                        .filter(|&(&(gpus_per_node, nodes), _)| {
+                            scratch.free_total() > 0
+                                && scratch.could_fit(
+                                    gpus_per_node,
+                                    nodes,
+                                    state.pending_with_estimate > 0,
+                                )
+                        })
+                        .filter_map(|(_, keys)| {
+                            keys.range((Bound::Excluded(here), Bound::Unbounded)).next()
+                        })
+                        .min()
+                });
+                match next {
+                    Some(key) => rank.skip_to(leaf, key),
+                    None => rank.skip_rest_of(leaf),
+                }
             }
         }
     }

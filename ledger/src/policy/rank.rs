@@ -7,6 +7,7 @@
 //! ranking* sorts all pending workloads by one key. Unallocated work always comes last.
 
 use std::cmp::Ordering;
+use std::collections::btree_set::Range;
 
 use crate::alloc::AllocId;
 use crate::event::WorkloadId;
@@ -58,11 +59,12 @@ pub struct Rank<'s> {
     /// Per allocation: subtree usage and key.
     usage: Vec<Usage>,
     key: Vec<f64>,
-    /// Per allocation: candidates left in its subtree this pass.
+    /// Per allocation: leaves in its subtree with candidates left this pass.
     left: Vec<u32>,
     /// Per leaf: how far the pass has come through its queue (read lazily: a pass that stops
     /// early costs nothing for the workloads it never reaches).
-    queue: Vec<Option<std::collections::btree_set::Iter<'s, QueueKey>>>,
+    /// Each holds the next key and the range after it.
+    queue: Vec<Option<(Option<&'s QueueKey>, Range<'s, QueueKey>)>>,
     /// Flat order.
     flat: std::vec::IntoIter<WorkloadId>,
     /// Unallocated work, last.
@@ -117,9 +119,12 @@ impl<'s> Rank<'s> {
                 let mut leaves: Vec<(&AllocId, _)> = state.queues.iter().collect();
                 leaves.sort_unstable_by_key(|(id, _)| **id);
                 for (&leaf, q) in leaves {
-                    r.queue[leaf as usize] = Some(q.iter());
-                    for anc in tree.ancestors(leaf) {
-                        r.left[anc as usize] += q.len() as u32;
+                    let mut rest = q.range::<QueueKey, _>(..);
+                    r.queue[leaf as usize] = Some((rest.next(), rest));
+                    if !q.is_empty() {
+                        for anc in tree.ancestors(leaf) {
+                            r.left[anc as usize] += 1;
+                        }
                     }
                 }
                 r.rekey_children_of(None);
@@ -187,11 +192,15 @@ impl<'s> Rank<'s> {
                     });
                 let Some(best) = best else { break };
                 if self.state.allocations.node(best).is_leaf() {
-                    let next = self.queue[best as usize].as_mut().and_then(|q| q.next());
-                    for anc in self.state.allocations.ancestors(best) {
-                        self.left[anc as usize] -= 1;
+                    let next = self.queue[best as usize].as_mut().and_then(|(head, rest)| {
+                        let this = head.take()?;
+                        *head = rest.next();
+                        Some((this.2, head.is_none()))
+                    });
+                    if next.is_none_or(|(_, last)| last) {
+                        self.retire(best);
                     }
-                    return next.map(|k| k.2);
+                    return next.map(|(id, _)| id);
                 }
                 level = Some(best);
             }
@@ -201,15 +210,38 @@ impl<'s> Rank<'s> {
             .or_else(|| self.unallocated.next().map(|k| k.2))
     }
 
-    /// Leaves the rest of `leaf`'s queue out of this pass (a tree ranking only: a flat one
-    /// interleaves the leaves, and goes on).
-    pub fn skip_rest_of(&mut self, leaf: AllocId) {
-        let rest = self.left[leaf as usize];
-        if rest == 0 || !matches!(self.mode, Ranking::Tree) {
+    /// A leaf has no candidates left.
+    fn retire(&mut self, leaf: AllocId) {
+        if self.left[leaf as usize] == 0 {
             return;
         }
         for anc in self.state.allocations.ancestors(leaf) {
-            self.left[anc as usize] -= rest;
+            self.left[anc as usize] -= 1;
+        }
+    }
+
+    /// Leaves the rest of `leaf`'s queue out of this pass (a tree ranking only: a flat one
+    /// interleaves the leaves, and goes on).
+    pub fn skip_rest_of(&mut self, leaf: AllocId) {
+        if matches!(self.mode, Ranking::Tree) {
+            self.retire(leaf);
+        }
+    }
+
+    /// Goes on with `leaf`'s queue at `key` (which must not come before where the pass is),
+    /// leaving out what lies between (a tree ranking only).
+    pub fn skip_to(&mut self, leaf: AllocId, key: &QueueKey) {
+        if !matches!(self.mode, Ranking::Tree) || self.left[leaf as usize] == 0 {
+            return;
+        }
+        let Some(q) = self.state.queues.get(&leaf) else {
+            return;
+        };
+        let mut rest = q.range(key..);
+        let head = rest.next();
+        self.queue[leaf as usize] = Some((head, rest));
+        if head.is_none() {
+            self.retire(leaf);
         }
     }
 
