@@ -314,8 +314,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     // Shapes asked by the pending workloads this pass has not visited yet.
     let mut asks = state.pending_shapes.clone();
     let mut position = 0u32;
-    // The holder of a reservation not worked out yet.
-    let mut deferred: Option<WorkloadId> = None;
+    let mut deferred = Deferred {
+        holder: None,
+        policy,
+        cfg,
+        now_ms,
+    };
 
     while let Some(id) = rank.next_candidate() {
         position += 1;
@@ -333,17 +337,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         if blocked.is_none() {
             // A reservation not worked out yet is needed once this workload could use its
             // nodes: if it fits anywhere, or might backfill.
-            if deferred.is_some() && (scratch.fits(w) || w.remaining_estimate_ms(now_ms).is_some())
+            if deferred.holder.is_some()
+                && (scratch.fits(w) || w.remaining_estimate_ms(now_ms).is_some())
             {
-                settle(
-                    &mut deferred,
-                    &mut plan,
-                    &mut scratch,
-                    &rank,
-                    policy,
-                    cfg,
-                    now_ms,
-                );
+                deferred.settle(&mut plan, &mut scratch, &rank);
             }
             if let Some(parts) = scratch.place(w, false) {
                 plan.decisions
@@ -367,35 +364,21 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
-                settle(
-                    &mut deferred,
-                    &mut plan,
-                    &mut scratch,
-                    &rank,
-                    policy,
-                    cfg,
-                    now_ms,
-                );
+                deferred.settle(&mut plan, &mut scratch, &rank);
                 scratch.withhold_nodes(nodes);
                 if plan.reservation.is_none() {
                     plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
                 }
                 Blocked::WaitingForPreemption { victims, until_ms }
             }
-            (None, None) => match if search.worth_searching(state, &rank, policy, cfg, w) {
-                settle(
-                    &mut deferred,
-                    &mut plan,
-                    &mut scratch,
-                    &rank,
-                    policy,
-                    cfg,
-                    now_ms,
-                );
-                search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
-            } else {
-                None
-            } {
+            (None, None) => match search
+                .worth_searching(state, &rank, policy, cfg, w)
+                .then(|| {
+                    deferred.settle(&mut plan, &mut scratch, &rank);
+                    search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
+                })
+                .flatten()
+            {
                 Some((nodes, victims)) => {
                     let until_ms = now_ms + cfg.grace_ms;
                     for v in &victims {
@@ -421,20 +404,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         until_ms,
                     }
                 }
-                None if plan.reservation.is_none() && deferred.is_none() => {
+                None if plan.reservation.is_none() && deferred.holder.is_none() => {
                     // The head of the queue gets the reservation. Without explanations it is
                     // worked out only once a decision depends on it (often none does).
-                    deferred = Some(id);
+                    deferred.holder = Some(id);
                     if cfg.explain {
-                        settle(
-                            &mut deferred,
-                            &mut plan,
-                            &mut scratch,
-                            &rank,
-                            policy,
-                            cfg,
-                            now_ms,
-                        );
+                        deferred.settle(&mut plan, &mut scratch, &rank);
                     }
                     Blocked::HoldsReservation {
                         nodes: plan
@@ -470,7 +445,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             });
             continue;
         }
-        if plan.reservation.is_none() && deferred.is_none() || !search.exhausted() {
+        if plan.reservation.is_none() && deferred.holder.is_none() || !search.exhausted() {
             continue;
         }
         // The head of the queue holds the reservation and no more preemptions may be looked for:
@@ -634,28 +609,31 @@ impl VictimSearch {
     }
 }
 
-/// Works out the reservation of `deferred`'s holder, if any, and withholds its nodes. Called
-/// before anything that depends on the reservation (a placement that could use its nodes, a
-/// backfill, a victim search, a withholding), so the scratch is still as it was when the holder
-/// was visited.
-#[allow(clippy::too_many_arguments)]
-fn settle(
-    deferred: &mut Option<WorkloadId>,
-    plan: &mut Plan,
-    scratch: &mut Scratch,
-    rank: &rank::Rank,
-    policy: &dyn Policy,
-    cfg: &PolicyConfig,
+/// The reservation of the head of the queue while it is not worked out yet: without
+/// explanations it is worked out only once something depends on it.
+struct Deferred<'a> {
+    holder: Option<WorkloadId>,
+    policy: &'a dyn Policy,
+    cfg: &'a PolicyConfig,
     now_ms: u64,
-) {
-    let Some(holder) = deferred.take() else {
-        return;
-    };
-    let state = rank.state();
-    let w = &state.workloads[&holder];
-    let (nodes, start_at_ms) = reserve(state, scratch, rank, policy, cfg, w, now_ms);
-    scratch.withhold_nodes(&nodes);
-    plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
+}
+
+impl Deferred<'_> {
+    /// Works out the reservation of the holder, if any, and withholds its nodes. Called before
+    /// anything that depends on the reservation (a placement that could use its nodes, a
+    /// backfill, a victim search, a withholding), so the scratch is still as it was when the
+    /// holder was visited.
+    fn settle(&mut self, plan: &mut Plan, scratch: &mut Scratch, rank: &rank::Rank) {
+        let Some(holder) = self.holder.take() else {
+            return;
+        };
+        let state = rank.state();
+        let w = &state.workloads[&holder];
+        let (nodes, start_at_ms) =
+            reserve(state, scratch, rank, self.policy, self.cfg, w, self.now_ms);
+        scratch.withhold_nodes(&nodes);
+        plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
+    }
 }
 
 /// The nodes to reserve for blocked `w` and when it could start there, from when each holder
