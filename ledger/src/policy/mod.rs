@@ -450,17 +450,15 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         }
         // The head of the queue holds the reservation and no more preemptions may be looked for:
         // from here on a workload visited either starts or waits, with no effect on the pass
-        // unless preemptions are under way for it.
-        // Whether any of some shapes (GPUs per node, nodes) fits anywhere, whatever the model
-        // (reserved nodes count only if some pending work has an estimate and so might backfill;
-        // a reservation not worked out yet withholds nothing, so this errs on going on):
-        let fits_anywhere = |shapes: &std::collections::BTreeMap<(u32, u32), u32>| {
+        // unless preemptions are under way for it. Whether a shape (GPUs per node, nodes) fits
+        // anywhere, whatever the model (reserved nodes count only if some pending work has an
+        // estimate and so might backfill; a reservation not worked out yet withholds nothing,
+        // so this errs on going on):
+        let fits = |&(gpus_per_node, nodes): &(u32, u32)| {
             scratch.free_total() > 0
-                && shapes.keys().any(|&(gpus_per_node, nodes)| {
-                    scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
-                })
+                && scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
         };
-        if !fits_anywhere(&asks) {
+        if !asks.keys().any(fits) {
             // No workload not visited yet can start. Without explanations to give, the pass is
             // over.
             break;
@@ -474,14 +472,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
                     shapes
                         .iter()
-                        .filter(|&(&(gpus_per_node, nodes), _)| {
-                            scratch.free_total() > 0
-                                && scratch.could_fit(
-                                    gpus_per_node,
-                                    nodes,
-                                    state.pending_with_estimate > 0,
-                                )
-                        })
+                        .filter(|(shape, _)| fits(shape))
                         .filter_map(|(_, keys)| {
                             keys.range((Bound::Excluded(here), Bound::Unbounded)).next()
                         })
