@@ -434,23 +434,21 @@ impl<'s> Scratch<'s> {
     ) -> Result<(Vec<NodeIdx>, Vec<WorkloadId>), NoPlan> {
         let mut any_eligible = false;
         let need = w.gpus_per_node;
-        let mut memo: FxHashMap<WorkloadId, Option<Cost>> = FxHashMap::default();
+        // Asked once per holder on each node: a lookup costs no more than remembering.
         let mut cost_of = |id: WorkloadId| -> Option<Cost> {
-            *memo.entry(id).or_insert_with(|| {
-                let v = &state.workloads[&id];
-                if claimed.contains(&id) || !eligible(v) {
-                    return None;
-                }
-                let ran = now_ms.saturating_sub(v.started_at_ms);
-                let lost = match v.checkpoint_ms {
-                    Some(c) if c > 0 => ran % c,
-                    _ => ran,
-                };
-                Some((
-                    u32::from(v.allocation.is_some()),
-                    lost.saturating_mul(v.gpus()),
-                ))
-            })
+            let v = &state.workloads[&id];
+            if claimed.contains(&id) || !eligible(v) {
+                return None;
+            }
+            let ran = now_ms.saturating_sub(v.started_at_ms);
+            let lost = match v.checkpoint_ms {
+                Some(c) if c > 0 => ran % c,
+                _ => ran,
+            };
+            Some((
+                u32::from(v.allocation.is_some()),
+                lost.saturating_mul(v.gpus()),
+            ))
         };
         let mut best: Option<(Cost, Vec<NodeIdx>, Vec<WorkloadId>)> = None;
         for group in self.groups_for(w) {
