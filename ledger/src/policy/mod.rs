@@ -619,30 +619,16 @@ impl Deferred<'_> {
             return;
         };
         let state = rank.state();
+        let (cfg, now_ms) = (self.cfg, self.now_ms);
         let w = &state.workloads[&holder];
-        let (nodes, start_at_ms) =
-            reserve(state, scratch, rank, self.policy, self.cfg, w, self.now_ms);
+        // The nodes where it could start soonest, from when each holder gives its GPUs back.
+        let mut may_take = may_take_from(state, rank, self.policy, cfg, w.allocation);
+        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, |hold| {
+            release_ms(cfg, may_take(hold.allocation), hold, now_ms)
+        });
         scratch.withhold_nodes(&nodes);
         plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
     }
-}
-
-/// The nodes to reserve for blocked `w` and when it could start there, from when each holder
-/// gives its GPUs back for `w`.
-fn reserve(
-    state: &State,
-    scratch: &Scratch,
-    rank: &rank::Rank,
-    policy: &dyn Policy,
-    cfg: &PolicyConfig,
-    w: &Workload,
-    now_ms: u64,
-) -> (Vec<u32>, Option<u64>) {
-    let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
-    scratch.reserve(state, w, now_ms, |hold| {
-        let eligible = may_take(hold.allocation);
-        release_ms(cfg, eligible, hold, now_ms)
-    })
 }
 
 fn start(
