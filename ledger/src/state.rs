@@ -244,6 +244,10 @@ pub struct State {
     shape: WindowShape,
     /// Last applied sequence (0 before the first event).
     pub last_seq: u64,
+    /// The sequence of the last `WorkloadStarted` event folded, applied or rejected (0 before
+    /// the first). Schedulers fence their decisions on it: only another placement can make a
+    /// placement unsafe, so submissions arriving meanwhile do not stop decisions from landing.
+    pub last_start_seq: u64,
     /// The ledger's clock: the time of the latest event applied.
     pub now_ms: u64,
     /// The allocation tree.
@@ -291,6 +295,7 @@ impl State {
             shape: WindowShape::new(config.window_ms, config.window_buckets),
             config,
             last_seq: 0,
+            last_start_seq: 0,
             now_ms: 0,
             allocations: AllocationTree::default(),
             cluster: Cluster::default(),
@@ -347,6 +352,9 @@ impl State {
             });
         }
         self.last_seq = seq;
+        if matches!(env.event, Event::WorkloadStarted(_)) {
+            self.last_start_seq = seq;
+        }
         if env.occurred_at_ms + self.config.clock_skew_tolerance_ms < self.now_ms {
             return self.reject(Rejection::TimeWentBackwards {
                 occurred_at_ms: env.occurred_at_ms,

@@ -187,6 +187,7 @@ fn rejects_without_change(l: &mut Ledger, t_ms: u64, event: Event, code: &str) {
     assert_eq!(r.code(), code, "{r}");
     assert!(!r.to_string().is_empty());
     before.last_seq = l.state.last_seq;
+    before.last_start_seq = l.state.last_start_seq;
     before.rejections = l.state.rejections.clone();
     assert_eq!(before, l.state, "a rejected event must change nothing");
 }

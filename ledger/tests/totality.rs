@@ -198,6 +198,8 @@ proptest! {
                     expected.advance_to(env.occurred_at_ms);
                 }
                 expected.last_seq = state.last_seq;
+                // A start is a fence for schedulers whether or not it applied.
+                expected.last_start_seq = state.last_start_seq;
                 expected.rejections = state.rejections.clone();
                 prop_assert_eq!(&expected, &state, "rejected {:?} changed the state", r);
             }

@@ -173,26 +173,25 @@ impl App {
             .map_err(|e| e.unwrap_or_else(|| unreachable!("no expectation, no conflict")))
     }
 
-    /// [`App::write`], fenced by the sequence the decision was made on when `decided_at` is
-    /// given: `Err(None)` means the log moved on and the caller should decide again.
+    /// [`App::write`], fenced by `fence` when given: `Err(None)` means the log moved on and
+    /// the caller should decide again.
     async fn write_expecting(
         &self,
         event: Event,
         allocation: Option<&str>,
         key: Option<&str>,
         actor: &str,
-        decided_at: Option<u64>,
+        fence: Option<eventlog::Expect>,
     ) -> Result<u64, Option<Problem>> {
         let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
         let mut append = Append::event(&env, allocation, key);
-        if let Some(seq) = decided_at {
-            append = append.expecting(eventlog::Expect::LastSequence(seq));
+        let fenced = fence.is_some();
+        if let Some(fence) = fence {
+            append = append.expecting(fence);
         }
         let ack = match self.inner.log.append(append).await {
             Ok(ack) => ack,
-            Err(eventlog::AppendError::Conflict { .. }) if decided_at.is_some() => {
-                return Err(None)
-            }
+            Err(eventlog::AppendError::Conflict { .. }) if fenced => return Err(None),
             Err(e) => return Err(Some(Problem::unavailable(e.to_string()))),
         };
         if !self.folded(ack.seq).await {
@@ -678,8 +677,19 @@ async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Respon
     ))
 }
 
+/// A cancel is fenced, as the scheduler's decisions are, by the last placement it saw: a start
+/// landing first turns the cancel of a pending workload into a stop request on the next try.
+/// Anything else that lands first and makes the cancel moot (the workload ended, a preemption
+/// began) gets it rejected by the fold, which answers 409 naming the rule.
+fn starts_fence(state: &ledger::State) -> eventlog::Expect {
+    eventlog::Expect::LastSubjectSequence {
+        filter: eventlog::subject::STARTS.to_owned(),
+        seq: state.last_start_seq,
+    }
+}
+
 async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
-    let (event, allocation, action, decided_at) = {
+    let (event, allocation, action, fence) = {
         let p = app.inner.projection.read().await;
         let state = p.state();
         let w = live(state, id)?;
@@ -701,7 +711,7 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
                 }),
                 allocation,
                 "stop_requested",
-                state.last_seq,
+                starts_fence(state),
             ),
             _ => (
                 Event::WorkloadCancelled(WorkloadCancelled {
@@ -710,12 +720,12 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
                 }),
                 allocation,
                 "cancelled",
-                state.last_seq,
+                starts_fence(state),
             ),
         }
     };
     match app
-        .write_expecting(event, allocation.as_deref(), None, "api", Some(decided_at))
+        .write_expecting(event, allocation.as_deref(), None, "api", Some(fence))
         .await
     {
         Ok(seq) => Ok(Some(

@@ -107,6 +107,10 @@ impl Router {
     }
 }
 
+/// The subject filter of every placement (`workload_started`), whoever wrote it: the fence of a
+/// scheduler's decisions (see `ledger::State::last_start_seq`).
+pub const STARTS: &str = "fairledger.ledger.workload.started.>";
+
 /// The subject filter of every workload event of the allocation at `path` and below.
 pub fn workloads_of(path: &str) -> String {
     format!("{LEDGER_PREFIX}.workload.*.{}.>", path_tokens(Some(path)))
@@ -174,6 +178,25 @@ mod tests {
         assert!(!crate::subject_matches(
             &filter,
             "fairledger.ledger.workload.submitted.ai2.tulu.pretrain"
+        ));
+    }
+
+    #[test]
+    fn every_start_and_nothing_else_is_on_the_starts_filter() {
+        let id = Uuid::from_u128(7);
+        let started = Event::WorkloadStarted(WorkloadStarted {
+            workload: id,
+            placement: vec![],
+            protected_until_ms: 0,
+        });
+        for path in [None, Some("ai2"), Some("ai2/olmo/pretrain")] {
+            assert!(crate::subject_matches(STARTS, &for_event(&started, path)));
+        }
+        let submitted =
+            Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("ai2".into()), 8, 1));
+        assert!(!crate::subject_matches(
+            STARTS,
+            &for_event(&submitted, None)
         ));
     }
 

@@ -1,8 +1,11 @@
 //! The scheduler: runs the policy's `decide` on the projection's state whenever events arrive
 //! (and on a timer, as contracts expire and grace periods end), and appends the decisions as one
-//! atomic batch fenced by the sequence the state was folded to. If anything was appended in
-//! between, the log answers `Conflict`, and the scheduler waits for the projection to catch up
-//! and decides again — so two schedulers can never both place from stale state.
+//! atomic batch fenced by the last placement the state has folded ([`Fence::Starts`]). If any
+//! placement was appended in between, the log answers `Conflict`, and the scheduler waits for
+//! the projection to catch up and decides again — so two schedulers can never both place from
+//! stale state. Submissions arriving meanwhile do not stop the decisions from landing, so a
+//! steady stream of them cannot starve the scheduler; anything else that arrives meanwhile and
+//! makes a decision invalid (a cancel, a GPU failing) gets that decision rejected by the fold.
 
 use std::time::Duration;
 
@@ -68,15 +71,58 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     events
 }
 
-/// The appends of one pass, the first fenced by the state's sequence.
-pub fn appends(state: &State, events: Vec<Event>, now_ms: u64, actor: &str) -> Vec<Append> {
+/// What a pass's decisions are fenced on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fence {
+    /// No placement may have been appended since the state's last one
+    /// ([`State::last_start_seq`]).
+    #[default]
+    Starts,
+    /// Nothing at all may have been appended since the state's last event: always exact, but
+    /// under a steady stream of submissions it rarely lands. The loop falls back to it when
+    /// the starts fence keeps conflicting on a state that has caught up (something on the
+    /// starts subjects the state could not fold as a start), and a decision that lands with it
+    /// puts the two back in step.
+    Log,
+}
+
+impl Fence {
+    /// The fence of the next pass after `conflicts` conflicts in a row: the starts fence, and
+    /// from the second conflict on every other pass the log's.
+    pub fn after_conflicts(conflicts: u32) -> Fence {
+        if conflicts >= 2 && conflicts.is_multiple_of(2) {
+            Fence::Log
+        } else {
+            Fence::Starts
+        }
+    }
+
+    fn expect(self, state: &State) -> Expect {
+        match self {
+            Fence::Starts => Expect::LastSubjectSequence {
+                filter: eventlog::subject::STARTS.to_owned(),
+                seq: state.last_start_seq,
+            },
+            Fence::Log => Expect::LastSequence(state.last_seq),
+        }
+    }
+}
+
+/// The appends of one pass, the first carrying `fence`.
+pub fn appends(
+    state: &State,
+    events: Vec<Event>,
+    now_ms: u64,
+    actor: &str,
+    fence: Fence,
+) -> Vec<Append> {
     let mut out = Vec::with_capacity(events.len());
     for (i, event) in events.into_iter().enumerate() {
         let allocation = state.allocation_of(&event).map(str::to_owned);
         let env = Envelope::new(Uuid::now_v7(), now_ms, actor, event);
         let mut append = Append::event(&env, allocation.as_deref(), None);
         if i == 0 {
-            append = append.expecting(Expect::LastSequence(state.last_seq));
+            append = append.expecting(fence.expect(state));
         }
         out.push(append);
     }
@@ -95,19 +141,21 @@ pub fn wall_clock_ms() -> u64 {
 pub struct Passed {
     /// Events appended.
     pub appended: usize,
-    /// The log had moved on: nothing was appended.
+    /// The fence did not hold (the log had moved on): nothing was appended.
     pub conflict: bool,
     /// The sequence of the last event appended.
     pub last_seq: Option<u64>,
 }
 
-/// One pass: decide on the projection's state as of `now_ms` and append the decisions. The
-/// projection must have caught up with the log for the append to go through.
+/// One pass: decide on the projection's state as of `now_ms` and append the decisions, fenced
+/// by `fence`. The projection must have folded every placement in the log for the append to go
+/// through (with [`Fence::Log`], every event).
 pub async fn step<L: EventLog>(
     log: &L,
     projection: &RwLock<Projector>,
     config: &SchedulerConfig,
     now_ms: u64,
+    fence: Fence,
 ) -> Result<Passed, AppendError> {
     let appends = {
         let p = projection.read().await;
@@ -116,7 +164,7 @@ pub async fn step<L: EventLog>(
         if events.is_empty() {
             return Ok(Passed::default());
         }
-        appends(state, events, now_ms, "scheduler")
+        appends(state, events, now_ms, "scheduler", fence)
     };
     let n = appends.len();
     match log.append_batch(appends).await {
@@ -147,6 +195,7 @@ pub async fn run<L: EventLog>(
 ) {
     let mut stop = std::pin::pin!(stop);
     let mut wait_for = 0u64;
+    let mut conflicts = 0u32;
     let mut leading = lease.is_none();
     loop {
         tokio::select! {
@@ -176,13 +225,25 @@ pub async fn run<L: EventLog>(
         if *applied.borrow() < wait_for {
             continue;
         }
-        match step(log, projection, config, wall_clock_ms()).await {
+        let fence = Fence::after_conflicts(conflicts);
+        match step(log, projection, config, wall_clock_ms(), fence).await {
             Ok(Passed {
                 last_seq: Some(seq),
                 ..
-            }) => wait_for = seq,
+            }) => {
+                wait_for = seq;
+                conflicts = 0;
+            }
             Ok(Passed { conflict: true, .. }) => {
-                tracing::debug!("the log moved on while deciding; deciding again on fresh state");
+                tracing::debug!(
+                    ?fence,
+                    "the log moved on while deciding; deciding again on fresh state"
+                );
+                conflicts += 1;
+                // Decide again once the projection holds whatever moved the log.
+                if let Ok(last) = log.last_seq().await {
+                    wait_for = wait_for.max(last);
+                }
             }
             Ok(_) => {}
             Err(e) => {

@@ -1,12 +1,14 @@
 //! Two schedulers deciding on the same log can never both place from stale state: the second
-//! to append finds the log moved and gets a conflict, on the embedded log and on JetStream.
+//! to append finds the log moved and gets a conflict, on the embedded log and on JetStream. A
+//! submission arriving between deciding and appending does not stop the decisions, and a
+//! scheduler whose starts fence cannot hold falls back to the log's.
 
 use eventlog::testing::NatsServer;
 use eventlog::{Append, EmbeddedLog, EventLog, JetStreamLog, JetStreamOptions};
 use ledger::event::*;
 use ledger::{Envelope, StateConfig};
 use projector::Projector;
-use scheduler::{step, SchedulerConfig};
+use scheduler::{appends, pass, step, Fence, SchedulerConfig};
 use tokio::sync::RwLock;
 use uuid::Uuid;
 
@@ -62,8 +64,8 @@ async fn race<L: EventLog>(log: &L, dir: &std::path::Path) {
     for round in 0..10u64 {
         let now = 2_000 + round * 1_000;
         // Both decide on the same state; only the first append may land.
-        let first = step(log, &a, &config, now).await.unwrap();
-        let second = step(log, &b, &config, now).await.unwrap();
+        let first = step(log, &a, &config, now, Fence::Starts).await.unwrap();
+        let second = step(log, &b, &config, now, Fence::Starts).await.unwrap();
         if first.appended > 0 {
             assert!(second.conflict, "round {round}: both schedulers appended");
             assert_eq!(second.appended, 0);
@@ -86,6 +88,163 @@ async fn race<L: EventLog>(log: &L, dir: &std::path::Path) {
     assert_eq!(held, p.state().cluster.allocated_gpus);
     assert!((14..=16).contains(&held), "{held} GPUs held");
     assert_eq!(b.read().await.digest().unwrap(), p.digest().unwrap());
+}
+
+/// Decides on a caught-up projection, then lets `meanwhile` append before the decisions go
+/// out fenced by `fence`: whether they landed.
+async fn decide_then_append<L: EventLog>(
+    log: &L,
+    dir: &std::path::Path,
+    meanwhile: Append,
+    fence: Fence,
+) -> bool {
+    let mut p = Projector::open(dir, StateConfig::default(), log)
+        .await
+        .unwrap();
+    p.catch_up(log).await.unwrap();
+    let config = SchedulerConfig::default();
+    let events = pass(p.state(), 2_000, &config);
+    assert!(!events.is_empty(), "nothing to decide");
+    let decisions = appends(p.state(), events, 2_000, "scheduler", fence);
+    log.append(meanwhile).await.unwrap();
+    match log.append_batch(decisions).await {
+        Ok(_) => {
+            p.catch_up(log).await.unwrap();
+            assert_eq!(p.stats().rejected, 0, "{:?}", p.rejected());
+            assert!(p.state().running_workloads().count() > 0);
+            true
+        }
+        Err(eventlog::AppendError::Conflict { .. }) => false,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn submission(i: u64) -> Append {
+    let e = Event::WorkloadSubmitted(WorkloadSubmitted::new(
+        Uuid::from_u64_pair(8, i),
+        Some("team".into()),
+        1,
+        1,
+    ));
+    Append::event(&Envelope::new(Uuid::now_v7(), 1_500, "test", e), None, None)
+}
+
+async fn fences<L: EventLog>(log: &L, dir: &std::path::Path) {
+    let mut setup: Vec<Append> = (0..4)
+        .map(|n| {
+            let e = Event::NodeRegistered(NodeRegistered {
+                node: format!("n{n}"),
+                gpus: 8,
+                model: "H100".into(),
+                labels: Default::default(),
+            });
+            Append::event(&Envelope::new(Uuid::now_v7(), 1_000, "test", e), None, None)
+        })
+        .collect();
+    let team = Event::AllocationSet(AllocationSet {
+        path: "team".into(),
+        weight: 1,
+        max_gpus: None,
+    });
+    setup.push(Append::event(
+        &Envelope::new(Uuid::now_v7(), 1_000, "test", team),
+        None,
+        None,
+    ));
+    log.append_batch(setup).await.unwrap();
+    // Each round places a fresh 1-GPU submission, with another one arriving in between.
+    log.append(submission(1)).await.unwrap();
+    assert!(!decide_then_append(log, &dir.join("a"), submission(2), Fence::Log).await);
+    assert!(decide_then_append(log, &dir.join("b"), submission(3), Fence::Starts).await);
+    // A cancel in between: the start lands, and the fold rejects it (the cancel won).
+    log.append(submission(5)).await.unwrap();
+    let mut p = Projector::open(&dir.join("e"), StateConfig::default(), log)
+        .await
+        .unwrap();
+    p.catch_up(log).await.unwrap();
+    let config = SchedulerConfig::default();
+    let events = pass(p.state(), 2_500, &config);
+    let five = Uuid::from_u64_pair(8, 5);
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, Event::WorkloadStarted(s) if s.workload == five)));
+    let decisions = appends(p.state(), events, 2_500, "scheduler", Fence::Starts);
+    let cancel = Event::WorkloadCancelled(WorkloadCancelled {
+        workload: five,
+        reason: None,
+    });
+    let cancel = Append::event(
+        &Envelope::new(Uuid::now_v7(), 2_400, "test", cancel),
+        Some("team"),
+        None,
+    );
+    log.append(cancel).await.unwrap();
+    log.append_batch(decisions).await.unwrap();
+    p.catch_up(log).await.unwrap();
+    let rejected = p.rejected().unwrap();
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(rejected[0].1.code, "wrong_phase");
+    assert!(rejected[0].1.message.contains(&five.to_string()));
+    let row = p.workload(five).unwrap().unwrap();
+    assert_eq!(row.phase, "cancelled");
+    // Something on the starts subjects that is not a start the state can fold: the starts
+    // fence can never hold again, and the loop's fallback (the log's fence) does.
+    log.append(submission(6)).await.unwrap();
+    let odd = Append::new("fairledger.ledger.workload.started.team", "not an event");
+    assert!(!decide_then_append(log, &dir.join("c"), odd, Fence::Starts).await);
+    let mut p = Projector::open(&dir.join("d"), StateConfig::default(), log)
+        .await
+        .unwrap();
+    p.catch_up(log).await.unwrap();
+    let p = RwLock::new(p);
+    let config = SchedulerConfig::default();
+    let mut conflicts = 0;
+    let landed = loop {
+        let passed = step(log, &p, &config, 3_000, Fence::after_conflicts(conflicts))
+            .await
+            .unwrap();
+        if passed.appended > 0 {
+            break conflicts;
+        }
+        assert!(
+            passed.conflict && conflicts < 4,
+            "{passed:?} after {conflicts}"
+        );
+        conflicts += 1;
+    };
+    assert_eq!(landed, 2, "the log's fence comes second");
+    // The fallback's own placement puts the starts fence back in step.
+    log.append(submission(4)).await.unwrap();
+    let mut p = p.into_inner();
+    p.catch_up(log).await.unwrap();
+    let events = pass(p.state(), 4_000, &config);
+    assert!(!events.is_empty(), "nothing to decide");
+    let decisions = appends(p.state(), events, 4_000, "scheduler", Fence::Starts);
+    log.append_batch(decisions).await.unwrap();
+}
+
+#[test]
+fn the_fence_falls_back_to_the_log_every_other_pass_from_the_second_conflict() {
+    let fences: Vec<Fence> = (0..6).map(Fence::after_conflicts).collect();
+    use Fence::{Log, Starts};
+    assert_eq!(fences, [Starts, Starts, Log, Starts, Log, Starts]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_on_the_embedded_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    fences(&log, dir.path()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_on_jetstream() {
+    let server = NatsServer::start();
+    let log = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    fences(&log, dir.path()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
