@@ -183,20 +183,18 @@ impl HealthMonitor {
             let silent = now_ms.saturating_sub(seen.at_ms) > self.timeout_ms;
             for gpu in 0..node.gpu_count {
                 let healthy_now = node.healthy & (1u64 << gpu) != 0;
-                let (want, reason) = if silent {
-                    (
-                        false,
+                let want = !silent && !seen.bad.contains_key(&gpu);
+                if want != healthy_now {
+                    let reason = if silent {
                         format!(
                             "no heartbeat for {} s",
                             now_ms.saturating_sub(seen.at_ms) / 1000
-                        ),
-                    )
-                } else if let Some(reason) = seen.bad.get(&gpu) {
-                    (false, reason.clone())
-                } else {
-                    (true, "heartbeat healthy".to_owned())
-                };
-                if want != healthy_now {
+                        )
+                    } else if let Some(reason) = seen.bad.get(&gpu) {
+                        reason.clone()
+                    } else {
+                        "heartbeat healthy".to_owned()
+                    };
                     out.push(Event::GpuHealthChanged(GpuHealthChanged {
                         node: name.clone(),
                         gpu,
@@ -254,7 +252,7 @@ impl HealthMonitor {
     pub fn lost_run_reports(&self, state: &State, now_ms: u64) -> Vec<Event> {
         let mut out = Vec::new();
         let mut ids: BTreeSet<_> = BTreeSet::new();
-        for w in state.running_workloads() {
+        for w in state.preempting.iter().map(|id| &state.workloads[id]) {
             let Some(p) = w.preempting else { continue };
             if w.phase != Phase::Running || p.grace_until_ms + self.timeout_ms > now_ms {
                 continue;
