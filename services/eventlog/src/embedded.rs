@@ -269,7 +269,6 @@ impl Writer {
                         batch.insert(prefixed(b'd', id.as_bytes()), &next.to_be_bytes());
                         overlay.ids.insert(id.clone(), next);
                     }
-                    batch.insert(prefixed(b's', a.subject.as_bytes()), &next.to_be_bytes());
                     overlay.subjects.insert(a.subject, next);
                     acks.push(Appended {
                         seq: next,
@@ -289,6 +288,10 @@ impl Writer {
             }
         }
         if next > self.last_seq {
+            // Each subject's last sequence once per group, not once per event.
+            for (subject, seq) in &overlay.subjects {
+                batch.insert(prefixed(b's', subject.as_bytes()), &seq.to_be_bytes());
+            }
             let written = self
                 .tree
                 .apply_batch(batch)
