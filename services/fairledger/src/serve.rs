@@ -11,6 +11,11 @@ use tokio::sync::{watch, RwLock};
 
 use crate::logcmd::{runtime, shutdown_signal, LogArgs};
 
+/// The least time between two checkpoints of the projection: each pauses the fold while it
+/// serializes the state, so under a heavy stream they are spaced out (a restart refolds at most
+/// this long's events on top of the last one).
+const CHECKPOINT_GAP: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The most nodes an embedded server drives with agents of its own (each folds the ledger).
 const IN_PROCESS_AGENTS_MAX: usize = 64;
 
@@ -128,7 +133,8 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         let dir = args.log.data.join("projection");
         let mut projection = Projector::open_or_rebuild(&dir, state_config, &log)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .checkpoint_at_most_every(CHECKPOINT_GAP);
         projection.catch_up(&log).await.map_err(|e| e.to_string())?;
         let (applied_tx, applied) = watch::channel(projection.last_seq());
         let projection = Arc::new(RwLock::new(projection));

@@ -220,6 +220,8 @@ pub struct Projector {
     stats: Stats,
     checkpoint_every: u64,
     since_checkpoint: u64,
+    checkpoint_gap: std::time::Duration,
+    last_checkpoint: std::time::Instant,
     last_malformed: Option<(u64, String)>,
     poisoned: bool,
     /// Histories of live workloads, so a row's history need not be read back from sled (a
@@ -369,6 +371,8 @@ impl Projector {
             stats,
             checkpoint_every: CHECKPOINT_EVERY,
             since_checkpoint: 0,
+            checkpoint_gap: std::time::Duration::ZERO,
+            last_checkpoint: std::time::Instant::now(),
             last_malformed: None,
             poisoned: false,
             histories: Default::default(),
@@ -379,6 +383,26 @@ impl Projector {
     pub fn checkpoint_every(mut self, n: u64) -> Self {
         self.checkpoint_every = n.max(1);
         self
+    }
+
+    /// Writes a checkpoint no sooner than `gap` after the last one (or the opening), however
+    /// many events arrive. A checkpoint serializes the whole state while the fold waits (about
+    /// 0.1–0.2 s with 100,000 live workloads on a small machine); under a heavy stream of
+    /// events a gap keeps those pauses rare, at the price of more events to refold after a
+    /// restart.
+    pub fn checkpoint_at_most_every(mut self, gap: std::time::Duration) -> Self {
+        self.checkpoint_gap = gap;
+        self
+    }
+
+    /// The sequence of the stored checkpoint, if one was written.
+    pub fn checkpoint_seq(&self) -> Result<Option<u64>, ProjectionError> {
+        match self.tree.get(CHECKPOINT_SEQ).map_err(|e| self.storage(e))? {
+            None => Ok(None),
+            Some(v) => u64_of(&v)
+                .map(Some)
+                .ok_or_else(|| self.corrupt("bad checkpoint sequence")),
+        }
     }
 
     /// The last applied sequence.
@@ -622,7 +646,9 @@ impl Projector {
         }
         batch.insert(LAST_SEQ, &self.last_seq.to_be_bytes());
         batch.insert(STATS, json(&self.stats));
-        if self.since_checkpoint >= self.checkpoint_every {
+        if self.since_checkpoint >= self.checkpoint_every
+            && self.last_checkpoint.elapsed() >= self.checkpoint_gap
+        {
             self.add_checkpoint(&mut batch);
         }
         if let Err(e) = self.tree.apply_batch(batch) {
@@ -637,6 +663,7 @@ impl Projector {
         batch.insert(CHECKPOINT_STATE, bytes);
         batch.insert(CHECKPOINT_SEQ, &self.state.last_seq.to_be_bytes());
         self.since_checkpoint = 0;
+        self.last_checkpoint = std::time::Instant::now();
     }
 
     /// Writes a checkpoint now and flushes everything to disk (on shutdown).

@@ -338,3 +338,31 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
     assert_eq!(row.ended_at_ms, Some(5_000));
     assert!(row.placement.is_empty());
 }
+
+#[tokio::test]
+async fn a_checkpoint_gap_holds_checkpoints_back_however_many_events_arrive() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &alibaba_events()[..3000]).await;
+    let open = |name: &'static str, gap: u64| {
+        let dir = dir.path().join(name);
+        let log = &log;
+        async move {
+            Projector::open(&dir, config(), log)
+                .await
+                .unwrap()
+                .checkpoint_every(500)
+                .checkpoint_at_most_every(std::time::Duration::from_secs(gap))
+        }
+    };
+    let (mut eager, mut held) = (open("eager", 0).await, open("held", 3600).await);
+    for _ in 0..6 {
+        eager.project_next(&log, 500).await.unwrap();
+        held.project_next(&log, 500).await.unwrap();
+    }
+    assert_eq!(eager.checkpoint_seq().unwrap(), Some(3000));
+    assert_eq!(held.checkpoint_seq().unwrap(), None);
+    // An explicit checkpoint (on shutdown) is written regardless.
+    held.checkpoint().unwrap();
+    assert_eq!(held.checkpoint_seq().unwrap(), Some(3000));
+}
