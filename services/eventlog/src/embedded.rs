@@ -3,9 +3,11 @@
 //! One sled tree holds three key spaces: `e<seq>` the events, `d<key>` idempotency keys (kept
 //! forever, a superset of JetStream's bounded duplicate window) and `s<subject>` the last
 //! sequence of each subject. A single writer thread gathers whatever appends are waiting into
-//! one atomic sled batch and flushes it to disk before answering any of them (group commit):
-//! one fsync serves every concurrent writer, and nothing is acknowledged before it is durable.
-//! Readers see only what has been flushed.
+//! one atomic sled batch (group commit) and hands it to a flusher thread, which flushes to disk
+//! everything written so far and only then answers: one fsync serves every concurrent writer,
+//! and nothing is acknowledged before it is durable. The two overlap: while one flush is under
+//! way the writer checks and writes the next group, which the next flush covers. Readers see
+//! only what has been flushed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,6 +22,8 @@ use crate::{subject_matches, Append, AppendError, Appended, EventLog, Expect, Lo
 
 /// Most appends gathered into one group commit.
 const GROUP_MAX: usize = 4096;
+/// Groups written and waiting for a flush before the writer waits too.
+const FLUSH_QUEUE: usize = 64;
 /// Events read per range scan by a subscription.
 const READ_CHUNK: usize = 1024;
 /// The file beside sled's holding the last acknowledged sequence.
@@ -116,22 +120,33 @@ impl EmbeddedLog {
         let (durable_tx, durable) = watch::channel(last_seq);
         let (writer, rx) = mpsc::channel(GROUP_MAX);
         let db = Arc::new(db);
-        let state = Writer {
+        let failed = Arc::new(std::sync::Mutex::new(None));
+        let (to_flusher, written) = std::sync::mpsc::sync_channel(FLUSH_QUEUE);
+        let flusher = Flusher {
             db: db.clone(),
+            durable: durable_tx,
+            failed: failed.clone(),
+            high_water,
+        };
+        let state = Writer {
             tree: tree.clone(),
             last_seq,
             subjects,
-            durable: durable_tx,
-            failed: None,
-            high_water,
+            failed,
+            flusher: to_flusher,
         };
+        let spawn_error = |e: std::io::Error| OpenError::Storage {
+            dir: dir.to_owned(),
+            reason: e.to_string(),
+        };
+        std::thread::Builder::new()
+            .name("eventlog-flusher".into())
+            .spawn(move || flusher.run(written))
+            .map_err(spawn_error)?;
         std::thread::Builder::new()
             .name("eventlog-writer".into())
             .spawn(move || state.run(rx))
-            .map_err(|e| OpenError::Storage {
-                dir: dir.to_owned(),
-                reason: e.to_string(),
-            })?;
+            .map_err(spawn_error)?;
         Ok(EmbeddedLog {
             tree,
             writer,
@@ -212,14 +227,78 @@ impl EventLog for EmbeddedLog {
     }
 }
 
+/// Checks and writes groups of appends, in sequence order, and hands them to the flusher.
 struct Writer {
-    db: Arc<sled::Db>,
     tree: sled::Tree,
+    /// The last sequence written (durable or about to be).
     last_seq: u64,
     subjects: HashMap<String, u64>,
+    /// Why the log stopped, once it has: shared with the flusher, which finds most failures.
+    failed: Arc<std::sync::Mutex<Option<String>>>,
+    flusher: std::sync::mpsc::SyncSender<Written>,
+}
+
+/// A group written but not yet flushed: the last sequence it reached, and its answers.
+struct Written {
+    last_seq: u64,
+    answers: Vec<(Answer, Result<Vec<Appended>, AppendError>)>,
+}
+
+/// Makes written groups durable and answers them.
+struct Flusher {
+    db: Arc<sled::Db>,
     durable: watch::Sender<u64>,
-    failed: Option<String>,
+    failed: Arc<std::sync::Mutex<Option<String>>>,
     high_water: std::fs::File,
+}
+
+impl Flusher {
+    fn run(self, written: std::sync::mpsc::Receiver<Written>) {
+        while let Ok(first) = written.recv() {
+            // One flush covers every group written so far.
+            let mut groups = vec![first];
+            groups.extend(written.try_iter());
+            let last_seq = groups.last().map_or(0, |g| g.last_seq);
+            let stopped = self.failed.lock().expect("never poisoned").clone();
+            let flushed = match stopped {
+                Some(reason) => Err(reason),
+                None => self.db.flush().map(|_| ()).map_err(|e| {
+                    let reason = format!(
+                        "writing to disk failed ({e}); free disk space and restart fairledger"
+                    );
+                    *self.failed.lock().expect("never poisoned") = Some(reason.clone());
+                    reason
+                }),
+            };
+            if let Err(reason) = &flushed {
+                // What reached the disk is unknown, which is why these appends are reported as
+                // unacknowledged (a retry with the same key after the restart is safe).
+                for (answer, result) in groups.into_iter().flat_map(|g| g.answers) {
+                    let result = match result {
+                        Ok(acks) if acks.iter().any(|a| !a.duplicate) => {
+                            Err(AppendError::Unacknowledged(reason.clone()))
+                        }
+                        other => other,
+                    };
+                    let _ = answer.send(result);
+                }
+                continue;
+            }
+            if last_seq > *self.durable.borrow() {
+                // Fixed width, so an overwrite in place never leaves a longer old value behind.
+                let mark = format!("{last_seq:020}\n");
+                if let Err(e) =
+                    std::os::unix::fs::FileExt::write_all_at(&self.high_water, mark.as_bytes(), 0)
+                {
+                    tracing::warn!(error = %e, "cannot record the log's high-water mark");
+                }
+                self.durable.send_replace(last_seq);
+            }
+            for (answer, result) in groups.into_iter().flat_map(|g| g.answers) {
+                let _ = answer.send(result);
+            }
+        }
+    }
 }
 
 /// What a group has written so far, on top of the durable log.
@@ -248,7 +327,8 @@ impl Writer {
     }
 
     fn commit(&mut self, group: Vec<(Vec<Append>, Answer)>) {
-        if let Some(reason) = &self.failed {
+        let stopped = self.failed.lock().expect("never poisoned").clone();
+        if let Some(reason) = stopped {
             for (_, answer) in group {
                 let _ = answer.send(Err(AppendError::Unavailable(reason.clone())));
             }
@@ -292,41 +372,29 @@ impl Writer {
             for (subject, seq) in &overlay.subjects {
                 batch.insert(prefixed(b's', subject.as_bytes()), &seq.to_be_bytes());
             }
-            let written = self
-                .tree
-                .apply_batch(batch)
-                .and_then(|()| self.db.flush().map(|_| ()));
-            if let Err(e) = written {
-                let reason =
-                    format!("writing to disk failed ({e}); free disk space and restart fairledger");
-                // The log stops here: what it holds on disk is what it held before this group,
-                // perhaps with some of this group, which is why these appends are reported as
-                // unacknowledged (a retry with the same key after the restart is safe).
-                self.failed = Some(reason.clone());
-                for (answer, result) in answers {
-                    let result = match result {
-                        Ok(acks) if acks.iter().any(|a| !a.duplicate) => {
-                            Err(AppendError::Unacknowledged(reason.clone()))
-                        }
-                        other => other,
-                    };
-                    let _ = answer.send(result);
-                }
-                return;
+            if let Err(e) = self.tree.apply_batch(batch) {
+                // The log stops here; the flusher reports this group's appends (and those
+                // written before it but not yet flushed) as unacknowledged.
+                *self.failed.lock().expect("never poisoned") = Some(format!(
+                    "writing to disk failed ({e}); free disk space and restart fairledger"
+                ));
+            } else {
+                self.last_seq = next;
+                self.subjects.extend(overlay.subjects);
             }
-            self.last_seq = next;
-            // Fixed width, so an overwrite in place never leaves a longer old value behind.
-            let mark = format!("{next:020}\n");
-            if let Err(e) =
-                std::os::unix::fs::FileExt::write_all_at(&self.high_water, mark.as_bytes(), 0)
-            {
-                tracing::warn!(error = %e, "cannot record the log's high-water mark");
-            }
-            self.subjects.extend(overlay.subjects);
-            self.durable.send_replace(next);
         }
-        for (answer, result) in answers {
-            let _ = answer.send(result);
+        // Every answer waits for the flush, even one that wrote nothing: a duplicate's original
+        // or a conflict's sequence may be in a group not yet flushed.
+        let written = Written {
+            last_seq: self.last_seq,
+            answers,
+        };
+        if let Err(unsent) = self.flusher.send(written) {
+            for (answer, _) in unsent.0.answers {
+                let _ = answer.send(Err(AppendError::Unacknowledged(
+                    "the event log's flusher stopped".into(),
+                )));
+            }
         }
     }
 
