@@ -812,6 +812,7 @@ pub async fn follow<L: EventLog>(
             };
             let mut batch = Vec::new();
             let mut failed = false;
+            let mut yielded = false;
             let mut item = first;
             loop {
                 match item {
@@ -831,6 +832,16 @@ pub async fn follow<L: EventLog>(
                 }
                 match events.next().now_or_never() {
                     Some(next) => item = next,
+                    None if !yielded => {
+                        // Let the tasks that feed the subscription run once, so events arriving
+                        // one by one (as from JetStream) fold in batches rather than singly.
+                        yielded = true;
+                        tokio::task::yield_now().await;
+                        match events.next().now_or_never() {
+                            Some(next) => item = next,
+                            None => break,
+                        }
+                    }
                     None => break,
                 }
             }
