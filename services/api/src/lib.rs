@@ -681,13 +681,6 @@ async fn cancel(State(app): State<App>, Path(id): Path<String>) -> Result<Respon
 /// landing first turns the cancel of a pending workload into a stop request on the next try.
 /// Anything else that lands first and makes the cancel moot (the workload ended, a preemption
 /// began) gets it rejected by the fold, which answers 409 naming the rule.
-fn starts_fence(state: &ledger::State) -> eventlog::Expect {
-    eventlog::Expect::LastSubjectSequence {
-        filter: eventlog::subject::STARTS.to_owned(),
-        seq: state.last_start_seq,
-    }
-}
-
 async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
     let (event, allocation, action, fence) = {
         let p = app.inner.projection.read().await;
@@ -711,7 +704,7 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
                 }),
                 allocation,
                 "stop_requested",
-                starts_fence(state),
+                scheduler::Fence::Starts.expect(state),
             ),
             _ => (
                 Event::WorkloadCancelled(WorkloadCancelled {
@@ -720,7 +713,7 @@ async fn try_cancel(app: &App, id: Uuid) -> Result<Option<Response>, Problem> {
                 }),
                 allocation,
                 "cancelled",
-                starts_fence(state),
+                scheduler::Fence::Starts.expect(state),
             ),
         }
     };

@@ -97,7 +97,9 @@ impl Fence {
         }
     }
 
-    fn expect(self, state: &State) -> Expect {
+    /// The condition an append fenced this way on `state` puts to the log (the API's cancels
+    /// use the starts fence too).
+    pub fn expect(self, state: &State) -> Expect {
         match self {
             Fence::Starts => Expect::LastSubjectSequence {
                 filter: eventlog::subject::STARTS.to_owned(),
