@@ -451,9 +451,14 @@ impl<'s> Scratch<'s> {
             ))
         };
         let mut best: Option<(Cost, Vec<NodeIdx>, Vec<WorkloadId>)> = None;
+        // Buffers kept across nodes and groups: a search visits every preemptible node.
+        let mut holders: Vec<(Cost, WorkloadId, u32)> = Vec::new();
+        let mut chosen: Vec<WorkloadId> = Vec::new();
+        // Per node that could host `w`: (cost, node, its victims as a range of `chosen`).
+        let mut options: Vec<(Cost, NodeIdx, std::ops::Range<usize>)> = Vec::new();
         for group in self.groups_for(w) {
-            // Per node: (cost, node, victims).
-            let mut options: Vec<(Cost, NodeIdx, Vec<WorkloadId>)> = Vec::new();
+            options.clear();
+            chosen.clear();
             let mut nodes: Vec<NodeIdx> = victim_nodes
                 .iter()
                 .copied()
@@ -473,11 +478,11 @@ impl<'s> Scratch<'s> {
                 let node = state.cluster.node(i);
                 let mut have = self.free[i as usize].count_ones();
                 if have >= need {
-                    options.push(((0, 0), i, Vec::new()));
+                    options.push(((0, 0), i, 0..0));
                     continue;
                 }
                 // Distinct holders on this node with the healthy GPUs each would free here.
-                let mut holders: Vec<(Cost, WorkloadId, u32)> = Vec::new();
+                holders.clear();
                 for g in 0..node.gpu_count {
                     let bit = 1u64 << g;
                     if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {
@@ -498,26 +503,35 @@ impl<'s> Scratch<'s> {
                 }
                 holders.sort_unstable();
                 let mut cost = (0u32, 0u64);
-                let mut victims = Vec::new();
-                for (c, h, gpus) in holders {
+                let from = chosen.len();
+                for &(c, h, gpus) in &holders {
                     if have >= need {
                         break;
                     }
                     have += gpus;
                     cost = (cost.0 + c.0, cost.1 + c.1);
-                    victims.push(h);
+                    chosen.push(h);
                 }
                 if have >= need {
-                    options.push((cost, i, victims));
+                    options.push((cost, i, from..chosen.len()));
+                } else {
+                    chosen.truncate(from);
                 }
             }
             if options.len() < w.nodes as usize {
                 continue;
             }
+            // The cheapest `nodes` options, in order (each node once, so the keys are distinct).
+            let n = w.nodes as usize;
+            if options.len() > n {
+                options.select_nth_unstable_by_key(n - 1, |o| (o.0, o.1));
+                options.truncate(n);
+            }
             options.sort_unstable_by_key(|o| (o.0, o.1));
-            options.truncate(w.nodes as usize);
-            let mut victims: Vec<WorkloadId> =
-                options.iter().flat_map(|o| o.2.iter().copied()).collect();
+            let mut victims: Vec<WorkloadId> = options
+                .iter()
+                .flat_map(|o| chosen[o.2.clone()].iter().copied())
+                .collect();
             if victims.is_empty() {
                 continue; // it fits without preemption: not a case for this plan
             }
