@@ -63,6 +63,9 @@ pub struct EmbeddedLog {
     writer: mpsc::Sender<(Vec<Append>, Answer)>,
     durable: watch::Receiver<u64>,
     _db: Arc<sled::Db>,
+    /// Makes every flush from now on fail, as a full or broken disk would.
+    #[cfg(test)]
+    fail_flushes: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl EmbeddedLog {
@@ -122,11 +125,15 @@ impl EmbeddedLog {
         let db = Arc::new(db);
         let failed = Arc::new(std::sync::Mutex::new(None));
         let (to_flusher, written) = std::sync::mpsc::sync_channel(FLUSH_QUEUE);
+        #[cfg(test)]
+        let fail_flushes = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flusher = Flusher {
             db: db.clone(),
             durable: durable_tx,
             failed: failed.clone(),
             high_water,
+            #[cfg(test)]
+            fail: fail_flushes.clone(),
         };
         let state = Writer {
             tree: tree.clone(),
@@ -152,6 +159,8 @@ impl EmbeddedLog {
             writer,
             durable,
             _db: db,
+            #[cfg(test)]
+            fail_flushes,
         })
     }
 
@@ -250,9 +259,19 @@ struct Flusher {
     durable: watch::Sender<u64>,
     failed: Arc<std::sync::Mutex<Option<String>>>,
     high_water: std::fs::File,
+    #[cfg(test)]
+    fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Flusher {
+    fn flush(&self) -> sled::Result<()> {
+        #[cfg(test)]
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(sled::Error::Io(std::io::Error::other("injected")));
+        }
+        self.db.flush().map(|_| ())
+    }
+
     fn run(self, written: std::sync::mpsc::Receiver<Written>) {
         while let Ok(first) = written.recv() {
             // One flush covers every group written so far.
@@ -262,7 +281,7 @@ impl Flusher {
             let stopped = self.failed.lock().expect("never poisoned").clone();
             let flushed = match stopped {
                 Some(reason) => Err(reason),
-                None => self.db.flush().map(|_| ()).map_err(|e| {
+                None => self.flush().map_err(|e| {
                     let reason = format!(
                         "writing to disk failed ({e}); free disk space and restart fairledger"
                     );
@@ -272,12 +291,11 @@ impl Flusher {
             };
             if let Err(reason) = &flushed {
                 // What reached the disk is unknown, which is why these appends are reported as
-                // unacknowledged (a retry with the same key after the restart is safe).
+                // unacknowledged (a retry with the same key after the restart is safe). So is
+                // a duplicate: its original may be one of the appends whose flush failed.
                 for (answer, result) in groups.into_iter().flat_map(|g| g.answers) {
                     let result = match result {
-                        Ok(acks) if acks.iter().any(|a| !a.duplicate) => {
-                            Err(AppendError::Unacknowledged(reason.clone()))
-                        }
+                        Ok(_) => Err(AppendError::Unacknowledged(reason.clone())),
                         other => other,
                     };
                     let _ = answer.send(result);
@@ -618,6 +636,42 @@ mod tests {
         }
         let db = open_sled(sled::Config::new().path(dir.path())).unwrap();
         assert_eq!(db.len(), 20);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_flush_acknowledges_nothing_and_stops_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        let append = |key: &str| Append::new("fairledger.ledger.test", "x").with_msg_id(key);
+        let first = log.append(append("a")).await.unwrap();
+        assert_eq!((first.seq, first.duplicate), (1, false));
+        log.fail_flushes
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Written but not known to be durable: unacknowledged, and so is a retry of it sent
+        // alongside (its original is the append whose flush failed), never a duplicate's Ok.
+        let (lost, retry) = tokio::join!(log.append(append("b")), log.append(append("b")));
+        assert!(
+            matches!(lost, Err(AppendError::Unacknowledged(_))),
+            "{lost:?}"
+        );
+        assert!(
+            matches!(
+                retry,
+                Err(AppendError::Unacknowledged(_) | AppendError::Unavailable(_))
+            ),
+            "{retry:?}"
+        );
+        // ... and from then on the log refuses appends, saying why.
+        let refused = log.append(append("c")).await;
+        match refused {
+            Err(AppendError::Unavailable(reason)) => {
+                assert!(reason.contains("writing to disk failed"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Readers still see only what was acknowledged.
+        assert_eq!(log.last_seq().await.unwrap(), 1);
+        assert_eq!(log.read(1, 10).await.unwrap().len(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
