@@ -830,18 +830,16 @@ pub async fn follow<L: EventLog>(
                 if batch.len() >= BATCH {
                     break;
                 }
-                match events.next().now_or_never() {
+                let mut next = events.next().now_or_never();
+                if next.is_none() && !yielded {
+                    // Let the tasks that feed the subscription run once, so events arriving one
+                    // by one (as from JetStream) fold in batches rather than singly.
+                    yielded = true;
+                    tokio::task::yield_now().await;
+                    next = events.next().now_or_never();
+                }
+                match next {
                     Some(next) => item = next,
-                    None if !yielded => {
-                        // Let the tasks that feed the subscription run once, so events arriving
-                        // one by one (as from JetStream) fold in batches rather than singly.
-                        yielded = true;
-                        tokio::task::yield_now().await;
-                        match events.next().now_or_never() {
-                            Some(next) => item = next,
-                            None => break,
-                        }
-                    }
                     None => break,
                 }
             }

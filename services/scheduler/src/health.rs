@@ -9,10 +9,10 @@
 //! silent node whose grace period is over: with no agent to report, the scheduler reports them
 //! as the node's agent would have.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use ledger::event::{Event, GpuHealthChanged, GpuHeartbeat};
-use ledger::{Phase, State};
+use ledger::State;
 
 /// Utilization moves smaller than this are not sampled into the ledger.
 pub const UTILIZATION_STEP_PCT: u8 = 10;
@@ -250,11 +250,11 @@ impl HealthMonitor {
     /// For runs asked to stop whose grace period ended at least a timeout ago on a node that has
     /// fallen silent, what its agent would have reported: nobody else will.
     pub fn lost_run_reports(&self, state: &State, now_ms: u64) -> Vec<Event> {
+        // The preempting index holds running workloads only, in id order.
         let mut out = Vec::new();
-        let mut ids: BTreeSet<_> = BTreeSet::new();
         for w in state.preempting.iter().map(|id| &state.workloads[id]) {
             let Some(p) = w.preempting else { continue };
-            if w.phase != Phase::Running || p.grace_until_ms + self.timeout_ms > now_ms {
+            if p.grace_until_ms + self.timeout_ms > now_ms {
                 continue;
             }
             let first = w
@@ -262,11 +262,8 @@ impl HealthMonitor {
                 .first()
                 .map(|p| &state.cluster.node(p.node).name);
             if first.is_some_and(|n| self.silent(n, now_ms)) {
-                ids.insert(w.id);
+                out.extend(state.grace_end_reports(w.id, now_ms));
             }
-        }
-        for id in ids {
-            out.extend(state.grace_end_reports(id, now_ms));
         }
         out
     }

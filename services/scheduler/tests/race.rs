@@ -12,53 +12,65 @@ use scheduler::{appends, pass, step, Fence, SchedulerConfig};
 use tokio::sync::RwLock;
 use uuid::Uuid;
 
-async fn setup<L: EventLog>(log: &L) {
-    let mut events = Vec::new();
-    for n in 0..2 {
-        events.push(Event::NodeRegistered(NodeRegistered {
-            node: format!("n{n}"),
-            gpus: 8,
-            model: "H100".into(),
-            labels: Default::default(),
-        }));
-    }
-    events.push(Event::AllocationSet(AllocationSet {
+/// The append of `event` at `at_ms`, written by a test, about the allocation `team`.
+fn append(at_ms: u64, event: Event) -> Append {
+    Append::event(
+        &Envelope::new(Uuid::now_v7(), at_ms, "test", event),
+        Some("team"),
+        None,
+    )
+}
+
+/// `nodes` nodes of 8 GPUs and the allocation `team`.
+async fn cluster<L: EventLog>(log: &L, nodes: u32) {
+    let mut events: Vec<Append> = (0..nodes)
+        .map(|n| {
+            let node = NodeRegistered {
+                node: format!("n{n}"),
+                gpus: 8,
+                model: "H100".into(),
+                labels: Default::default(),
+            };
+            append(1_000, Event::NodeRegistered(node))
+        })
+        .collect();
+    let team = AllocationSet {
         path: "team".into(),
         weight: 1,
         max_gpus: None,
-    }));
-    for i in 0..12u64 {
-        events.push(Event::WorkloadSubmitted(WorkloadSubmitted::new(
-            Uuid::from_u64_pair(7, i),
-            Some("team".into()),
-            [1, 2, 4][i as usize % 3],
-            1,
-        )));
-    }
-    let appends: Vec<Append> = events
-        .into_iter()
-        .map(|e| {
-            Append::event(
-                &Envelope::new(Uuid::now_v7(), 1_000, "test", e),
-                Some("team"),
-                None,
-            )
-        })
-        .collect();
-    log.append_batch(appends).await.unwrap();
+    };
+    events.push(append(1_000, Event::AllocationSet(team)));
+    log.append_batch(events).await.unwrap();
+}
+
+/// A projection of the whole log in `dir`.
+async fn caught_up<L: EventLog>(log: &L, dir: &std::path::Path) -> Projector {
+    let mut p = Projector::open(dir, StateConfig::default(), log)
+        .await
+        .unwrap();
+    p.catch_up(log).await.unwrap();
+    p
 }
 
 async fn race<L: EventLog>(log: &L, dir: &std::path::Path) {
-    setup(log).await;
+    cluster(log, 2).await;
+    let submissions: Vec<Append> = (0..12u64)
+        .map(|i| {
+            let w = WorkloadSubmitted::new(
+                Uuid::from_u64_pair(7, i),
+                Some("team".into()),
+                [1, 2, 4][i as usize % 3],
+                1,
+            );
+            append(1_000, Event::WorkloadSubmitted(w))
+        })
+        .collect();
+    log.append_batch(submissions).await.unwrap();
     let config = SchedulerConfig::default();
-    let open = |name: &'static str| async move {
-        let mut p = Projector::open(&dir.join(name), StateConfig::default(), log)
-            .await
-            .unwrap();
-        p.catch_up(log).await.unwrap();
-        RwLock::new(p)
-    };
-    let (a, b) = (open("a").await, open("b").await);
+    let (a, b) = (
+        RwLock::new(caught_up(log, &dir.join("a")).await),
+        RwLock::new(caught_up(log, &dir.join("b")).await),
+    );
     let mut conflicts = 0;
     let mut appended = 0;
     for round in 0..10u64 {
@@ -98,10 +110,7 @@ async fn decide_then_append<L: EventLog>(
     meanwhile: Append,
     fence: Fence,
 ) -> bool {
-    let mut p = Projector::open(dir, StateConfig::default(), log)
-        .await
-        .unwrap();
-    p.catch_up(log).await.unwrap();
+    let mut p = caught_up(log, dir).await;
     let config = SchedulerConfig::default();
     let events = pass(p.state(), 2_000, &config);
     assert!(!events.is_empty(), "nothing to decide");
@@ -120,48 +129,19 @@ async fn decide_then_append<L: EventLog>(
 }
 
 fn submission(i: u64) -> Append {
-    let e = Event::WorkloadSubmitted(WorkloadSubmitted::new(
-        Uuid::from_u64_pair(8, i),
-        Some("team".into()),
-        1,
-        1,
-    ));
-    Append::event(&Envelope::new(Uuid::now_v7(), 1_500, "test", e), None, None)
+    let w = WorkloadSubmitted::new(Uuid::from_u64_pair(8, i), Some("team".into()), 1, 1);
+    append(1_500, Event::WorkloadSubmitted(w))
 }
 
 async fn fences<L: EventLog>(log: &L, dir: &std::path::Path) {
-    let mut setup: Vec<Append> = (0..4)
-        .map(|n| {
-            let e = Event::NodeRegistered(NodeRegistered {
-                node: format!("n{n}"),
-                gpus: 8,
-                model: "H100".into(),
-                labels: Default::default(),
-            });
-            Append::event(&Envelope::new(Uuid::now_v7(), 1_000, "test", e), None, None)
-        })
-        .collect();
-    let team = Event::AllocationSet(AllocationSet {
-        path: "team".into(),
-        weight: 1,
-        max_gpus: None,
-    });
-    setup.push(Append::event(
-        &Envelope::new(Uuid::now_v7(), 1_000, "test", team),
-        None,
-        None,
-    ));
-    log.append_batch(setup).await.unwrap();
+    cluster(log, 4).await;
     // Each round places a fresh 1-GPU submission, with another one arriving in between.
     log.append(submission(1)).await.unwrap();
     assert!(!decide_then_append(log, &dir.join("a"), submission(2), Fence::Log).await);
     assert!(decide_then_append(log, &dir.join("b"), submission(3), Fence::Starts).await);
     // A cancel in between: the start lands, and the fold rejects it (the cancel won).
     log.append(submission(5)).await.unwrap();
-    let mut p = Projector::open(&dir.join("e"), StateConfig::default(), log)
-        .await
-        .unwrap();
-    p.catch_up(log).await.unwrap();
+    let mut p = caught_up(log, &dir.join("e")).await;
     let config = SchedulerConfig::default();
     let events = pass(p.state(), 2_500, &config);
     let five = Uuid::from_u64_pair(8, 5);
@@ -169,16 +149,13 @@ async fn fences<L: EventLog>(log: &L, dir: &std::path::Path) {
         .iter()
         .any(|e| matches!(e, Event::WorkloadStarted(s) if s.workload == five)));
     let decisions = appends(p.state(), events, 2_500, "scheduler", Fence::Starts);
-    let cancel = Event::WorkloadCancelled(WorkloadCancelled {
+    let cancel = WorkloadCancelled {
         workload: five,
         reason: None,
-    });
-    let cancel = Append::event(
-        &Envelope::new(Uuid::now_v7(), 2_400, "test", cancel),
-        Some("team"),
-        None,
-    );
-    log.append(cancel).await.unwrap();
+    };
+    log.append(append(2_400, Event::WorkloadCancelled(cancel)))
+        .await
+        .unwrap();
     log.append_batch(decisions).await.unwrap();
     p.catch_up(log).await.unwrap();
     let rejected = p.rejected().unwrap();
@@ -192,12 +169,7 @@ async fn fences<L: EventLog>(log: &L, dir: &std::path::Path) {
     log.append(submission(6)).await.unwrap();
     let odd = Append::new("fairledger.ledger.workload.started.team", "not an event");
     assert!(!decide_then_append(log, &dir.join("c"), odd, Fence::Starts).await);
-    let mut p = Projector::open(&dir.join("d"), StateConfig::default(), log)
-        .await
-        .unwrap();
-    p.catch_up(log).await.unwrap();
-    let p = RwLock::new(p);
-    let config = SchedulerConfig::default();
+    let p = RwLock::new(caught_up(log, &dir.join("d")).await);
     let mut conflicts = 0;
     let landed = loop {
         let passed = step(log, &p, &config, 3_000, Fence::after_conflicts(conflicts))
@@ -230,36 +202,27 @@ fn the_fence_falls_back_to_the_log_every_other_pass_from_the_second_conflict() {
     assert_eq!(fences, [Starts, Starts, Log, Starts, Log, Starts]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fences_on_the_embedded_log() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
-    fences(&log, dir.path()).await;
+/// One test of `scenario` on the embedded log and one on JetStream.
+macro_rules! on_both_logs {
+    ($scenario:ident: $embedded:ident, $jetstream:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $embedded() {
+            let dir = tempfile::tempdir().unwrap();
+            let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+            $scenario(&log, dir.path()).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $jetstream() {
+            let server = NatsServer::start();
+            let log = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
+                .await
+                .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            $scenario(&log, dir.path()).await;
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fences_on_jetstream() {
-    let server = NatsServer::start();
-    let log = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    fences(&log, dir.path()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_schedulers_on_the_embedded_log() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
-    race(&log, dir.path()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_schedulers_on_jetstream() {
-    let server = NatsServer::start();
-    let log = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    race(&log, dir.path()).await;
-}
+on_both_logs!(fences: fences_on_the_embedded_log, fences_on_jetstream);
+on_both_logs!(race: two_schedulers_on_the_embedded_log, two_schedulers_on_jetstream);
