@@ -187,7 +187,7 @@ async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
     };
     // Damage the checkpoint.
     {
-        let db = sled::open(&pdir).unwrap();
+        let db = eventlog::embedded::open_sled(sled::Config::new().path(&pdir)).unwrap();
         let tree = db.open_tree("projection").unwrap();
         tree.insert(b"s/state", b"garbage".to_vec()).unwrap();
         db.flush().unwrap();
