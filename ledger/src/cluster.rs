@@ -37,8 +37,8 @@ pub struct Node {
     pub used: u64,
     /// Holder of each GPU.
     pub holders: Vec<Option<WorkloadId>>,
-    /// Index of its first GPU in [`Cluster::holds`].
-    pub first_gpu: u32,
+    /// The workloads running here, each once, with what a scheduling pass needs to know of them.
+    pub tenants: Vec<Tenant>,
     /// Last reported utilization of each GPU, 0 to 100.
     pub utilization_pct: Vec<u8>,
 }
@@ -60,8 +60,7 @@ impl Node {
     }
 }
 
-/// When the holder of a GPU gives it back, as far as the ledger knows: kept beside the GPU so a
-/// scheduling pass works out its reservation from the nodes alone.
+/// When a holder gives its GPUs back, as far as the ledger knows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Hold {
     /// The holder's allocation (`None`: unallocated work).
@@ -73,6 +72,24 @@ pub struct Hold {
     pub ends_ms: Option<u64>,
     /// End of the grace period of a preemption under way.
     pub grace_until_ms: Option<u64>,
+}
+
+/// A workload's part of one node, kept beside the node so that a scheduling pass times and prices
+/// the node's GPUs (reservations, victim searches) from the nodes alone, looking no workload up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tenant {
+    /// The workload.
+    pub workload: WorkloadId,
+    /// Its GPUs on this node.
+    pub gpus: u64,
+    /// When it gives them back.
+    pub hold: Hold,
+    /// Start of its current run.
+    pub started_at_ms: u64,
+    /// Its checkpoint interval, if it gave one.
+    pub checkpoint_ms: Option<u64>,
+    /// GPUs it holds in all, over every node.
+    pub total_gpus: u64,
 }
 
 /// A mask with the low `n` bits set.
@@ -105,9 +122,6 @@ pub struct Cluster {
     /// One group per model, in first-seen order.
     pub models: Vec<ModelGroup>,
     by_name: FxHashMap<String, NodeIdx>,
-    /// What a scheduling pass needs to know of the holder of every GPU (meaningful where the GPU
-    /// is used), the nodes' GPUs one after another: a pass reads them in one sweep.
-    pub holds: Vec<Hold>,
     /// GPUs registered.
     pub total_gpus: u64,
     /// Healthy GPUs.
@@ -129,23 +143,6 @@ impl Cluster {
     /// The node with index `idx`.
     pub fn node(&self, idx: NodeIdx) -> &Node {
         &self.nodes[idx as usize]
-    }
-
-    /// The holds of node `idx`'s GPUs.
-    pub fn holds_of(&self, idx: NodeIdx) -> &[Hold] {
-        let n = &self.nodes[idx as usize];
-        &self.holds[n.first_gpu as usize..(n.first_gpu + n.gpu_count) as usize]
-    }
-
-    /// Sets the holds of the GPUs of `mask` on node `idx`.
-    pub(crate) fn set_holds(&mut self, idx: NodeIdx, mask: u64, change: impl Fn(&mut Hold)) {
-        let n = &self.nodes[idx as usize];
-        let (first, count) = (n.first_gpu as usize, n.gpu_count as usize);
-        for (g, hold) in self.holds[first..first + count].iter_mut().enumerate() {
-            if mask & (1 << g) != 0 {
-                change(hold);
-            }
-        }
     }
 
     /// The group of `model`.
@@ -223,7 +220,7 @@ impl Cluster {
             healthy: mask_of(gpus),
             used: 0,
             holders: vec![None; gpus as usize],
-            first_gpu: self.holds.len() as u32,
+            tenants: Vec::new(),
             utilization_pct: vec![0; gpus as usize],
         };
         let idx = self.nodes.len() as NodeIdx;
@@ -232,8 +229,6 @@ impl Cluster {
             .entry(gpus)
             .or_insert(0) += 1;
         self.total_gpus += u64::from(gpus);
-        self.holds
-            .extend(std::iter::repeat_n(Hold::default(), gpus as usize));
         self.nodes.push(node);
         self.by_name.insert(name.to_string(), idx);
         self.count(idx, 1);

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::alloc::{AllocId, AllocationTree};
-use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, GPUS_PER_NODE_MAX};
+use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, Tenant, GPUS_PER_NODE_MAX};
 use crate::event::*;
 use crate::metrics::Counters;
 use crate::rejection::Rejection;
@@ -963,6 +963,7 @@ impl State {
                 .map(|d| self.now_ms.saturating_add(d).saturating_sub(w.work_done_ms)),
             grace_until_ms: None,
         };
+        let checkpoint_ms = w.checkpoint_ms;
         self.dequeue(id);
         for part in &parts {
             self.cluster.update(part.node, |n| {
@@ -972,8 +973,15 @@ impl State {
                         n.holders[g as usize] = Some(id);
                     }
                 }
+                n.tenants.push(Tenant {
+                    workload: id,
+                    gpus: part.gpus,
+                    hold,
+                    started_at_ms: self.now_ms,
+                    checkpoint_ms,
+                    total_gpus: gpus,
+                });
             });
-            self.cluster.set_holds(part.node, part.gpus, |h| *h = hold);
         }
         match alloc {
             Some(a) => self.allocations.node_mut(a).held_gpus += gpus,
@@ -1029,9 +1037,10 @@ impl State {
             beneficiary: e.beneficiary,
         });
         for part in &w.placement {
-            self.cluster.set_holds(part.node, part.gpus, |h| {
-                h.grace_until_ms = Some(grace_until_ms)
-            });
+            let node = &mut self.cluster.nodes[part.node as usize];
+            for t in node.tenants.iter_mut().filter(|t| t.workload == w.id) {
+                t.hold.grace_until_ms = Some(grace_until_ms);
+            }
         }
         if let Some(a) = alloc {
             self.allocations.node_mut(a).preemptions += 1;
@@ -1063,9 +1072,8 @@ impl State {
                         n.holders[g as usize] = None;
                     }
                 }
+                n.tenants.retain(|t| t.workload != id);
             });
-            self.cluster
-                .set_holds(part.node, part.gpus, |h| *h = Hold::default());
         }
         match alloc {
             Some(a) => self.allocations.node_mut(a).held_gpus -= gpus,

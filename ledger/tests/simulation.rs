@@ -189,8 +189,11 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         at()
     );
 
-    // No GPU double-booked: running placements are disjoint and match the nodes' books.
+    // No GPU double-booked: running placements are disjoint and match the nodes' books, and
+    // each node's tenants are the workloads running there, as they are.
     let mut used: Vec<u64> = vec![0; state.cluster.nodes.len()];
+    let mut tenants: Vec<Vec<ledger::cluster::Tenant>> =
+        vec![Vec::new(); state.cluster.nodes.len()];
     for id in &state.running {
         let w = &state.workloads[id];
         assert_eq!(w.phase, Phase::Running, "{}", at());
@@ -216,9 +219,16 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
             for g in 0..node.gpu_count {
                 if p.gpus & (1 << g) != 0 {
                     assert_eq!(node.holders[g as usize], Some(*id), "{}", at());
-                    assert_eq!(state.cluster.holds_of(p.node)[g as usize], hold, "{}", at());
                 }
             }
+            tenants[p.node as usize].push(ledger::cluster::Tenant {
+                workload: *id,
+                gpus: p.gpus,
+                hold,
+                started_at_ms: w.started_at_ms,
+                checkpoint_ms: w.checkpoint_ms,
+                total_gpus: w.gpus(),
+            });
         }
     }
     // The fold's index of running work by contract end matches the running work.
@@ -291,16 +301,10 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         at()
     );
     for (i, n) in state.cluster.nodes.iter().enumerate() {
-        for g in 0..n.gpu_count {
-            if n.used & (1 << g) == 0 {
-                assert_eq!(
-                    state.cluster.holds_of(i as u32)[g as usize],
-                    Default::default(),
-                    "{}",
-                    at()
-                );
-            }
-        }
+        let mut kept = n.tenants.clone();
+        kept.sort_unstable_by_key(|t| t.workload);
+        tenants[i].sort_unstable_by_key(|t| t.workload);
+        assert_eq!(kept, tenants[i], "node {} tenants drifted {}", n.name, at());
         assert_eq!(
             n.used,
             used[i],

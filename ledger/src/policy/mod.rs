@@ -568,20 +568,22 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
+        // Preemptible at all: not leaving already, and unallocated or past its contract.
+        let preemptible = |h: &Hold| {
+            h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
+        };
         let nodes = self.nodes.get_or_insert_with(|| {
-            let mut nodes: Vec<u32> = state
-                .contracts
-                .preemptible(now_ms)
-                .flat_map(|id| state.workloads[&id].placement.iter().map(|p| p.node))
-                .collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            nodes
+            (0..state.cluster.nodes.len() as u32)
+                .filter(|&i| {
+                    state.cluster.nodes[i as usize]
+                        .tenants
+                        .iter()
+                        .any(|t| preemptible(&t.hold))
+                })
+                .collect()
         });
-        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |v| {
-            v.preempting.is_none()
-                && (v.allocation.is_none() || now_ms >= v.protected_until_ms)
-                && may_take(v.allocation)
+        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+            preemptible(&t.hold) && may_take(t.hold.allocation)
         });
         match found {
             Ok((nodes, victims)) => {

@@ -12,7 +12,7 @@ use std::cmp::Reverse;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::cluster::{Cluster, Hold, NodeIdx};
+use crate::cluster::{Cluster, Hold, NodeIdx, Tenant};
 use crate::event::WorkloadId;
 use crate::state::{Part, State, Workload};
 
@@ -40,9 +40,8 @@ pub struct Scratch<'s> {
     cluster: &'s Cluster,
     topology_label: &'s str,
     free: Vec<u64>,
-    /// Each node's healthy and used GPUs, as the ledger has them.
+    /// Each node's healthy GPUs, as the ledger has them.
     healthy: Vec<u64>,
-    used: Vec<u64>,
     withheld: Vec<bool>,
     /// The withheld nodes, in the order they were withheld.
     withheld_list: Vec<NodeIdx>,
@@ -65,7 +64,6 @@ impl<'s> Scratch<'s> {
             topology_label,
             free: nodes.iter().map(|n| n.free_mask()).collect(),
             healthy: nodes.iter().map(|n| n.healthy).collect(),
-            used: nodes.iter().map(|n| n.used).collect(),
             withheld: vec![false; nodes.len()],
             withheld_list: Vec::new(),
             pos: vec![0; nodes.len()],
@@ -368,48 +366,62 @@ impl<'s> Scratch<'s> {
         mut release: impl FnMut(&Hold) -> u64,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node;
-        let mut times: Vec<u64> = Vec::with_capacity(64);
+        // (when, GPUs) per tenant of a node.
+        let mut times: Vec<(u64, u32)> = Vec::with_capacity(64);
+        let n = w.nodes as usize;
         let mut best: Option<(u64, Vec<NodeIdx>)> = None;
+        // The `n` soonest nodes so far, by (ready at, most free GPUs, index).
+        let mut soonest: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(n + 1);
+        let keep = |soonest: &mut Vec<_>, key| {
+            if soonest.len() == n && soonest.last().is_some_and(|last| key >= *last) {
+                return;
+            }
+            let at = soonest.partition_point(|k| *k < key);
+            soonest.insert(at, key);
+            soonest.truncate(n);
+        };
         for group in self.groups_for(w) {
-            let mut ready: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(self.free.len());
+            soonest.clear();
+            let mut eligible = 0usize;
             for i in self.eligible_nodes(w, group) {
+                eligible += 1;
                 let free = self.free[i as usize];
                 let free_count = free.count_ones();
                 if free_count >= need {
-                    ready.push((now_ms, Reverse(free_count), i));
+                    keep(&mut soonest, (now_ms, Reverse(free_count), i));
                     continue;
                 }
-                // Free GPUs are ready now; the others when their holder leaves (GPUs placed
-                // earlier in this pass have no holder yet and stay u64::MAX).
-                let holds = state.cluster.holds_of(i);
+                // Free GPUs are ready now; the others when their holder leaves. GPUs placed
+                // earlier in this pass have no holder yet: as far as this pass knows, never.
+                let healthy = self.healthy[i as usize];
                 times.clear();
-                let used = self.used[i as usize];
-                let mut waiting = self.healthy[i as usize] & !free;
-                while waiting != 0 {
-                    let g = waiting.trailing_zeros() as usize;
-                    waiting &= waiting - 1;
-                    times.push(if used & (1 << g) == 0 {
-                        u64::MAX
-                    } else {
-                        release(&holds[g])
-                    });
+                for t in &state.cluster.node(i).tenants {
+                    let gpus = (t.gpus & healthy).count_ones();
+                    if gpus > 0 {
+                        times.push((release(&t.hold), gpus));
+                    }
                 }
                 times.sort_unstable();
-                let nth = times[(need - free_count - 1) as usize];
-                ready.push((nth, Reverse(free_count), i));
+                let mut short = need - free_count;
+                let nth = times
+                    .iter()
+                    .find_map(|&(at, gpus)| {
+                        if gpus >= short {
+                            return Some(at);
+                        }
+                        short -= gpus;
+                        None
+                    })
+                    .unwrap_or(u64::MAX);
+                keep(&mut soonest, (nth, Reverse(free_count), i));
             }
-            if ready.len() < w.nodes as usize {
+            if eligible < n {
                 continue;
             }
-            let n = w.nodes as usize;
-            if ready.len() > n {
-                ready.select_nth_unstable(n - 1);
-                ready.truncate(n);
-            }
-            ready.sort_unstable();
-            let start = ready.iter().map(|c| c.0).max().unwrap_or(u64::MAX);
+            // In order, so the last is ready last.
+            let start = soonest.last().map_or(u64::MAX, |c| c.0);
             if best.as_ref().is_none_or(|b| start < b.0) {
-                best = Some((start, ready.into_iter().map(|c| c.2).collect()));
+                best = Some((start, soonest.iter().map(|c| c.2).collect()));
             }
         }
         match best {
@@ -420,9 +432,9 @@ impl<'s> Scratch<'s> {
 
     /// Victims whose preemption makes room for `w` at least cost, and the nodes it would use.
     /// Only `victim_nodes` (nodes holding work that may be preemptible at all) and nodes with
-    /// room to spare are looked at. `eligible` says whether a running workload may be preempted
-    /// for `w`. The cost prefers unallocated victims, then the fewest GPU-milliseconds of work
-    /// lost since checkpoints.
+    /// room to spare are looked at. `eligible` says whether a running workload, seen as a tenant
+    /// of a node, may be preempted for `w`. The cost prefers unallocated victims, then the fewest
+    /// GPU-milliseconds of work lost since checkpoints.
     pub fn plan_preemption(
         &self,
         state: &State,
@@ -430,24 +442,22 @@ impl<'s> Scratch<'s> {
         now_ms: u64,
         claimed: &FxHashSet<WorkloadId>,
         victim_nodes: &[NodeIdx],
-        mut eligible: impl FnMut(&Workload) -> bool,
+        mut eligible: impl FnMut(&Tenant) -> bool,
     ) -> Result<(Vec<NodeIdx>, Vec<WorkloadId>), NoPlan> {
         let mut any_eligible = false;
         let need = w.gpus_per_node;
-        // Asked once per holder on each node: a lookup costs no more than remembering.
-        let mut cost_of = |id: WorkloadId| -> Option<Cost> {
-            let v = &state.workloads[&id];
-            if claimed.contains(&id) || !eligible(v) {
+        let mut cost_of = |t: &Tenant| -> Option<Cost> {
+            if !eligible(t) || !claimed.is_empty() && claimed.contains(&t.workload) {
                 return None;
             }
-            let ran = now_ms.saturating_sub(v.started_at_ms);
-            let lost = match v.checkpoint_ms {
+            let ran = now_ms.saturating_sub(t.started_at_ms);
+            let lost = match t.checkpoint_ms {
                 Some(c) if c > 0 => ran % c,
                 _ => ran,
             };
             Some((
-                u32::from(v.allocation.is_some()),
-                lost.saturating_mul(v.gpus()),
+                u32::from(t.hold.allocation.is_some()),
+                lost.saturating_mul(t.total_gpus),
             ))
         };
         let mut best: Option<(Cost, Vec<NodeIdx>, Vec<WorkloadId>)> = None;
@@ -481,24 +491,16 @@ impl<'s> Scratch<'s> {
                     options.push(((0, 0), i, 0..0));
                     continue;
                 }
-                // Distinct holders on this node with the healthy GPUs each would free here.
+                // The holders on this node with the healthy GPUs each would free here.
                 holders.clear();
-                for g in 0..node.gpu_count {
-                    let bit = 1u64 << g;
-                    if node.healthy & bit == 0 || self.free[i as usize] & bit != 0 {
+                for t in &node.tenants {
+                    let gpus = (t.gpus & node.healthy).count_ones();
+                    if gpus == 0 {
                         continue;
                     }
-                    let Some(h) = node.holders[g as usize] else {
-                        continue;
-                    };
-                    match holders.iter_mut().find(|x| x.1 == h) {
-                        Some(x) => x.2 += 1,
-                        None => {
-                            if let Some(c) = cost_of(h) {
-                                any_eligible = true;
-                                holders.push((c, h, 1));
-                            }
-                        }
+                    if let Some(c) = cost_of(t) {
+                        any_eligible = true;
+                        holders.push((c, t.workload, gpus));
                     }
                 }
                 holders.sort_unstable();
