@@ -299,6 +299,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         allocs: state.contracts.preemptible_allocations(now_ms),
         no_victims: FxHashSet::default(),
         failed_shapes: FxHashSet::default(),
+        failed: Vec::new(),
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -520,6 +521,9 @@ struct VictimSearch {
     left: u32,
     no_victims: FxHashSet<Option<u32>>,
     failed_shapes: FxHashSet<(Option<u32>, u32, u32)>,
+    /// Every search that failed: what it might take (see [`takes`]), the model it was held to,
+    /// GPUs per node and nodes.
+    failed: Vec<(Vec<u64>, Option<u32>, u32, u32)>,
     claimed: FxHashSet<WorkloadId>,
 }
 
@@ -532,7 +536,12 @@ impl VictimSearch {
     /// Whether to look for victims for blocked `w`; each call spends one search of the budget.
     /// A search that already failed for `w`'s allocation (for want of any victim) or for its
     /// very shape would fail again and is skipped, as is one for an allocation that may take
-    /// work from none of the allocations holding preemptible work.
+    /// work from none of the allocations holding preemptible work. So is one that an earlier
+    /// failure covers: within a pass room only shrinks (placements take free GPUs, nodes are
+    /// withheld, victims claimed), so a search that may take from no more allocations, on no
+    /// more models, for no fewer GPUs per node and no fewer nodes than one that failed, fails
+    /// too. In a pass the queue is walked from the most under-served allocation, which may take
+    /// from the most, so later searches are often covered.
     fn worth_searching(
         &mut self,
         state: &State,
@@ -550,7 +559,22 @@ impl VictimSearch {
             self.no_victims.insert(w.allocation);
         }
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        !self.no_victims.contains(&w.allocation) && !self.failed_shapes.contains(&shape)
+        if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
+            return false;
+        }
+        if self.failed.is_empty() {
+            return true;
+        }
+        let mine = takes(state, &mut may_take);
+        !self
+            .failed
+            .iter()
+            .any(|(theirs, model, gpus_per_node, nodes)| {
+                model.is_none_or(|m| w.model == Some(m))
+                    && w.gpus_per_node >= *gpus_per_node
+                    && w.nodes >= *nodes
+                    && mine.iter().zip(theirs).all(|(m, t)| m & !t == 0)
+            })
     }
 
     /// Victims whose preemption makes room for blocked `w`, and the nodes it would use, once
@@ -590,12 +614,13 @@ impl VictimSearch {
                 self.claimed.extend(victims.iter().copied());
                 Some((nodes, victims))
             }
-            Err(placement::NoPlan::NoVictims) => {
-                self.no_victims.insert(w.allocation);
-                None
-            }
-            Err(placement::NoPlan::NotEnough) => {
-                self.failed_shapes.insert(shape);
+            Err(why) => {
+                match why {
+                    placement::NoPlan::NoVictims => self.no_victims.insert(w.allocation),
+                    placement::NoPlan::NotEnough => self.failed_shapes.insert(shape),
+                };
+                let mine = takes(state, &mut may_take);
+                self.failed.push((mine, w.model, w.gpus_per_node, w.nodes));
                 None
             }
         }
@@ -675,6 +700,22 @@ fn may_take_from<'a>(
             may_preempt_allocation(state, rank, policy, cfg, beneficiary, victim)
         })
     }
+}
+
+/// The allocations whose work `may_take` allows taking, as a bit set: bit 0 for unallocated
+/// work, bit `a + 1` for allocation `a`.
+fn takes(state: &State, may_take: &mut impl FnMut(Option<u32>) -> bool) -> Vec<u64> {
+    let n = state.allocations.nodes.len() + 1;
+    let mut bits = vec![0u64; n.div_ceil(64)];
+    for (bit, victim) in std::iter::once(None)
+        .chain((0..n as u32 - 1).map(Some))
+        .enumerate()
+    {
+        if may_take(victim) {
+            bits[bit / 64] |= 1 << (bit % 64);
+        }
+    }
+    bits
 }
 
 /// Whether work of allocation `beneficiary` may take post-contract work of allocation `victim`:
