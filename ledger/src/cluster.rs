@@ -122,6 +122,13 @@ pub struct Cluster {
     /// One group per model, in first-seen order.
     pub models: Vec<ModelGroup>,
     by_name: FxHashMap<String, NodeIdx>,
+    /// Each node's free GPUs ([`Node::free_mask`]), healthy GPUs and model, by node index: what a
+    /// scheduling pass copies to start from, without visiting every node.
+    pub free_masks: Vec<u64>,
+    /// See [`Cluster::free_masks`].
+    pub healthy_masks: Vec<u64>,
+    /// See [`Cluster::free_masks`].
+    pub model_of: Vec<u32>,
     /// GPUs registered.
     pub total_gpus: u64,
     /// Healthy GPUs.
@@ -224,6 +231,9 @@ impl Cluster {
             utilization_pct: vec![0; gpus as usize],
         };
         let idx = self.nodes.len() as NodeIdx;
+        self.free_masks.push(node.free_mask());
+        self.healthy_masks.push(node.healthy);
+        self.model_of.push(model_idx);
         *self.models[model_idx as usize]
             .nodes_by_size
             .entry(gpus)
@@ -263,7 +273,10 @@ impl Cluster {
     /// Applies `change` to node `idx`, keeping the totals right.
     pub(crate) fn update<R>(&mut self, idx: NodeIdx, change: impl FnOnce(&mut Node) -> R) -> R {
         self.count(idx, -1);
-        let r = change(&mut self.nodes[idx as usize]);
+        let n = &mut self.nodes[idx as usize];
+        let r = change(n);
+        self.free_masks[idx as usize] = n.free_mask();
+        self.healthy_masks[idx as usize] = n.healthy;
         self.count(idx, 1);
         r
     }
@@ -282,6 +295,9 @@ impl Cluster {
         for idx in 0..fresh.nodes.len() {
             fresh.count(idx as NodeIdx, 1);
         }
+        fresh.free_masks = fresh.nodes.iter().map(Node::free_mask).collect();
+        fresh.healthy_masks = fresh.nodes.iter().map(|n| n.healthy).collect();
+        fresh.model_of = fresh.nodes.iter().map(|n| n.model_idx).collect();
         fresh
     }
 }

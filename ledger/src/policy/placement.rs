@@ -58,16 +58,17 @@ pub struct Scratch<'s> {
 impl<'s> Scratch<'s> {
     /// Reads the cluster.
     pub fn new(state: &'s State, topology_label: &'s str) -> Self {
-        let nodes = &state.cluster.nodes;
+        let c = &state.cluster;
+        let n = c.nodes.len();
         let mut s = Scratch {
-            cluster: &state.cluster,
+            cluster: c,
             topology_label,
-            free: nodes.iter().map(|n| n.free_mask()).collect(),
-            healthy: nodes.iter().map(|n| n.healthy).collect(),
-            withheld: vec![false; nodes.len()],
+            free: c.free_masks.clone(),
+            healthy: c.healthy_masks.clone(),
+            withheld: vec![false; n],
             withheld_list: Vec::new(),
-            pos: vec![0; nodes.len()],
-            model: nodes.iter().map(|n| n.model_idx).collect(),
+            pos: vec![0; n],
+            model: c.model_of.clone(),
             // Sized from the cluster's own count of nodes by free GPUs.
             groups: state
                 .cluster
@@ -84,9 +85,13 @@ impl<'s> Scratch<'s> {
             rack: OnceCell::new(),
             free_total: 0,
         };
-        s.free_total = s.free.iter().map(|f| u64::from(f.count_ones())).sum();
-        for idx in 0..nodes.len() {
-            s.index(idx as NodeIdx);
+        s.free_total = c.healthy_gpus - c.allocated_gpus;
+        // Every node into its bucket, in index order (the buckets were sized from the cluster's
+        // own counts).
+        for (idx, (&free, &model)) in s.free.iter().zip(&s.model).enumerate() {
+            let bucket = &mut s.groups[model as usize].buckets[free.count_ones() as usize];
+            s.pos[idx] = bucket.len() as u32;
+            bucket.push(idx as NodeIdx);
         }
         s
     }
