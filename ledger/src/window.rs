@@ -4,7 +4,9 @@
 //! amount spread over an interval splits it exactly across the buckets it covers; a query sums
 //! the buckets still inside the lookback, so it costs O(buckets) whatever the number of events.
 //! The window seen at time `t` is the buckets whose index lies in `(t/bucket_ms - bucket_count,
-//! t/bucket_ms]`: the lookback, rounded out to whole buckets.
+//! t/bucket_ms]`: the lookback, rounded out to whole buckets. Sums add the buckets oldest first;
+//! the sum of all but the newest is kept as the buckets change, so a query in the newest bucket
+//! (a scheduling pass asks every leaf, every pass) costs one addition.
 
 /// Shape of every window in a ledger.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -38,10 +40,13 @@ pub struct Window {
     newest: u64,
     delivered: Vec<f64>,
     owed: Vec<f64>,
+    /// The sums of the buckets before the newest that a window ending in the newest bucket
+    /// sees, oldest first.
+    closed: WindowSums,
 }
 
 /// Sums over a window.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WindowSums {
     /// Delivered GPU-milliseconds.
     pub delivered_gpu_ms: f64,
@@ -57,6 +62,7 @@ impl Window {
             newest: 0,
             delivered: vec![0.0; n],
             owed: vec![0.0; n],
+            closed: WindowSums::default(),
         }
     }
 
@@ -78,6 +84,9 @@ impl Window {
             self.delivered[slot] += delivered * dt;
             self.owed[slot] += owed * dt;
         }
+        if first < self.newest {
+            self.close(shape);
+        }
     }
 
     /// Adds amounts (GPU-milliseconds) to one bucket: the fast path of [`Window::add`] when an
@@ -94,6 +103,9 @@ impl Window {
         if bucket + u64::from(shape.bucket_count) > self.newest {
             self.delivered[slot] += delivered_gpu_ms;
             self.owed[slot] += owed_gpu_ms;
+            if bucket < self.newest {
+                self.close(shape);
+            }
         }
     }
 
@@ -110,27 +122,57 @@ impl Window {
             self.owed[slot] = 0.0;
         }
         self.newest = bucket;
+        self.close(shape);
     }
 
-    /// Sums of the buckets inside the lookback that ends at `now_ms`. O(buckets).
+    /// Sums the slots of buckets `from..=to` that are still kept, oldest first.
+    fn sum_range(&self, shape: WindowShape, from: u64, to: u64) -> WindowSums {
+        let n = u64::from(shape.bucket_count);
+        let mut sums = WindowSums::default();
+        let mut slot = (from % n) as usize;
+        for _ in from..=to {
+            sums.delivered_gpu_ms += self.delivered[slot];
+            sums.owed_gpu_ms += self.owed[slot];
+            slot += 1;
+            if slot == n as usize {
+                slot = 0;
+            }
+        }
+        sums
+    }
+
+    /// Recomputes [`Window::closed`] after a bucket before the newest changed.
+    fn close(&mut self, shape: WindowShape) {
+        let oldest = self
+            .newest
+            .saturating_sub(u64::from(shape.bucket_count) - 1);
+        self.closed = if oldest < self.newest {
+            self.sum_range(shape, oldest, self.newest - 1)
+        } else {
+            WindowSums::default()
+        };
+    }
+
+    /// Sums of the buckets inside the lookback that ends at `now_ms`, oldest first (the order
+    /// of the additions is part of the result). One addition when `now_ms` lies in the newest
+    /// bucket, O(buckets) otherwise.
     pub fn sums(&self, shape: WindowShape, now_ms: u64) -> WindowSums {
         let n = u64::from(shape.bucket_count);
         let now_b = shape.bucket_of(now_ms);
-        let oldest_kept = now_b.saturating_sub(n - 1);
-        let mut sums = WindowSums::default();
+        if now_b == self.newest {
+            let slot = (self.newest % n) as usize;
+            return WindowSums {
+                delivered_gpu_ms: self.closed.delivered_gpu_ms + self.delivered[slot],
+                owed_gpu_ms: self.closed.owed_gpu_ms + self.owed[slot],
+            };
+        }
+        let oldest_kept = now_b
+            .saturating_sub(n - 1)
+            .max(self.newest.saturating_sub(n - 1));
         if self.newest < oldest_kept {
-            return sums;
+            return WindowSums::default();
         }
-        // Slots hold buckets newest, newest-1, ... newest-(n-1); keep those >= oldest_kept,
-        // newest first (the order of the additions is part of the result).
-        let valid = (self.newest - oldest_kept + 1).min(n);
-        let mut slot = (self.newest % n) as usize;
-        for _ in 0..valid {
-            sums.delivered_gpu_ms += self.delivered[slot];
-            sums.owed_gpu_ms += self.owed[slot];
-            slot = slot.checked_sub(1).unwrap_or(n as usize - 1);
-        }
-        sums
+        self.sum_range(shape, oldest_kept, self.newest)
     }
 }
 
@@ -164,6 +206,41 @@ mod tests {
         assert_eq!(w.sums(shape, 999).delivered_gpu_ms, 40.0);
         // At 1000 bucket 100 opens and bucket 96 leaves the window.
         assert_eq!(w.sums(shape, 1_000).delivered_gpu_ms, 30.0);
+    }
+
+    proptest::proptest! {
+        /// The kept sum of the closed buckets gives what adding every bucket in the lookback,
+        /// oldest first, gives: to the bit.
+        #[test]
+        fn window_sums_match_a_recount(
+            adds in proptest::collection::vec((0u64..200, 0u64..60, 0.0f64..8.0, 0.0f64..8.0, proptest::bool::ANY), 1..40),
+            ask in 0u64..60,
+        ) {
+            let shape = WindowShape::new(40, 4);
+            let mut w = Window::new(shape);
+            let mut t = 0;
+            for (gap, len, d, o, one_bucket) in adds {
+                t += gap;
+                if one_bucket {
+                    let b = shape.bucket_of(t);
+                    w.add_to_bucket(shape, b, (b % 4) as usize, d, o);
+                } else {
+                    w.add(shape, t, t + len, d, o);
+                    t += len;
+                }
+                for now in [t, t + ask] {
+                    let now_b = shape.bucket_of(now);
+                    let mut recount = WindowSums::default();
+                    for b in now_b.saturating_sub(3)..=now_b {
+                        if b <= w.newest && b + 4 > w.newest {
+                            recount.delivered_gpu_ms += w.delivered[(b % 4) as usize];
+                            recount.owed_gpu_ms += w.owed[(b % 4) as usize];
+                        }
+                    }
+                    proptest::prop_assert_eq!(w.sums(shape, now), recount, "at {}", now);
+                }
+            }
+        }
     }
 
     #[test]
