@@ -46,8 +46,8 @@ enum Timer {
     Finish(WorkloadId, u32),
     /// A preempted workload's grace ends.
     GraceEnds(WorkloadId, u32),
-    /// Something may be decided differently now (a contract ended).
-    Wake,
+    /// A run's contract ends: from now on it may be preempted.
+    ContractEnds(WorkloadId, u32),
     /// Fault number `n` strikes or is repaired.
     Fail(usize),
     Repair(usize),
@@ -169,14 +169,17 @@ impl Engine {
     }
 
     /// Everything that happens at instant `t`, then one scheduling pass (repeated while it starts
-    /// or preempts with no grace, so the instant settles).
+    /// or preempts with no grace, so the instant settles). An instant where only timers of runs
+    /// that are over come due (a finished workload's contract end, the end of a run that was
+    /// preempted) is no occasion to decide: nothing happened.
     pub fn step(&mut self, t: u64, observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome)) {
+        let mut happened = false;
         while let Some(Reverse((at, timer))) = self.timers.peek().copied() {
             if at != t {
                 break;
             }
             self.timers.pop();
-            self.fire(t, timer, observe);
+            happened |= self.fire(t, timer, observe);
         }
         while let Some(entry) = self.submissions.first_entry() {
             if entry.key().0 != t {
@@ -184,6 +187,7 @@ impl Engine {
             }
             let w = entry.remove();
             self.submit(t, w, observe);
+            happened = true;
         }
         while let Some(w) = self
             .source
@@ -191,6 +195,10 @@ impl Engine {
             .and_then(|s| s.next_if(|w| w.submit_ms <= t))
         {
             self.submit(t, w, observe);
+            happened = true;
+        }
+        if !happened {
+            return;
         }
         for _ in 0..4 {
             let plan = decide(&self.state, t, &self.policy);
@@ -213,8 +221,11 @@ impl Engine {
                         let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
                         self.timers
                             .push(Reverse((t + left, Timer::Finish(workload, w.starts))));
-                        if protected_until_ms > t {
-                            self.timers.push(Reverse((protected_until_ms, Timer::Wake)));
+                        if protected_until_ms > t && t + left > protected_until_ms {
+                            self.timers.push(Reverse((
+                                protected_until_ms,
+                                Timer::ContractEnds(workload, w.starts),
+                            )));
                         }
                     }
                     Decision::Preempt {
@@ -259,15 +270,18 @@ impl Engine {
             .is_some_and(|w| w.phase == Phase::Running && w.starts == starts)
     }
 
+    /// Fires a timer; whether it was still relevant (an event was written, or a running
+    /// workload's contract ended).
     fn fire(
         &mut self,
         t: u64,
         timer: Timer,
         observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome),
-    ) {
+    ) -> bool {
         match timer {
             Timer::Finish(id, starts) => {
-                if self.running_run(id, starts) {
+                let running = self.running_run(id, starts);
+                if running {
                     self.write(
                         t,
                         Event::WorkloadFinished(WorkloadFinished {
@@ -279,16 +293,20 @@ impl Engine {
                     );
                     self.work_ms.remove(&id);
                 }
+                running
             }
             Timer::GraceEnds(id, starts) => {
                 if !self.running_run(id, starts) {
-                    return;
+                    return false;
                 }
                 for event in self.state.grace_end_reports(id, t) {
                     self.write(t, event, observe);
                 }
+                true
             }
-            Timer::Wake => {}
+            Timer::ContractEnds(id, starts) => {
+                self.running_run(id, starts) && self.state.workloads[&id].preempting.is_none()
+            }
             Timer::Fail(i) | Timer::Repair(i) => {
                 let f = &self.faults[i];
                 let event = Event::GpuHealthChanged(GpuHealthChanged {
@@ -302,6 +320,7 @@ impl Engine {
                     },
                 });
                 self.write(t, event, observe);
+                true
             }
         }
     }
