@@ -351,15 +351,6 @@ impl<'s> Scratch<'s> {
             && self.healthy[i as usize].count_ones() >= w.gpus_per_node
     }
 
-    /// Indexed nodes of model group `group` with enough healthy GPUs for one member of `w`.
-    fn eligible_nodes<'a>(
-        &'a self,
-        w: &'a Workload,
-        group: usize,
-    ) -> impl Iterator<Item = NodeIdx> + 'a {
-        (0..self.free.len() as NodeIdx).filter(move |&i| self.eligible(w, group, i))
-    }
-
     /// The reservation for `w`: the nodes where it could start soonest, given when the holder of
     /// each held GPU gives it back (`release`, `u64::MAX` for unknown), and that start time if
     /// known. Reads the nodes only: what is known of each holder is kept beside its GPUs.
@@ -388,9 +379,13 @@ impl<'s> Scratch<'s> {
         for group in self.groups_for(w) {
             soonest.clear();
             let mut eligible = 0usize;
-            for i in self.eligible_nodes(w, group) {
+            let nodes = self.free.iter().zip(&self.healthy).zip(&self.model);
+            for (i, ((&free, &healthy), &model)) in nodes.enumerate() {
+                if model as usize != group || healthy.count_ones() < need || self.withheld[i] {
+                    continue;
+                }
                 eligible += 1;
-                let free = self.free[i as usize];
+                let i = i as NodeIdx;
                 let free_count = free.count_ones();
                 if free_count >= need {
                     keep(&mut soonest, (now_ms, Reverse(free_count), i));
@@ -398,26 +393,33 @@ impl<'s> Scratch<'s> {
                 }
                 // Free GPUs are ready now; the others when their holder leaves. GPUs placed
                 // earlier in this pass have no holder yet: as far as this pass knows, never.
-                let healthy = self.healthy[i as usize];
-                times.clear();
-                for t in &state.cluster.node(i).tenants {
-                    let gpus = (t.gpus & healthy).count_ones();
-                    if gpus > 0 {
-                        times.push((release(&t.hold), gpus));
-                    }
-                }
-                times.sort_unstable();
-                let mut short = need - free_count;
-                let nth = times
-                    .iter()
-                    .find_map(|&(at, gpus)| {
-                        if gpus >= short {
-                            return Some(at);
+                let short = need - free_count;
+                let nth = match state.cluster.nodes[i as usize].tenants.as_slice() {
+                    // Most often one workload holds the node.
+                    [t] if (t.gpus & healthy).count_ones() >= short => release(&t.hold),
+                    [_] | [] => u64::MAX,
+                    tenants => {
+                        times.clear();
+                        for t in tenants {
+                            let gpus = (t.gpus & healthy).count_ones();
+                            if gpus > 0 {
+                                times.push((release(&t.hold), gpus));
+                            }
                         }
-                        short -= gpus;
-                        None
-                    })
-                    .unwrap_or(u64::MAX);
+                        times.sort_unstable();
+                        let mut short = short;
+                        times
+                            .iter()
+                            .find_map(|&(at, gpus)| {
+                                if gpus >= short {
+                                    return Some(at);
+                                }
+                                short -= gpus;
+                                None
+                            })
+                            .unwrap_or(u64::MAX)
+                    }
+                };
                 keep(&mut soonest, (nth, Reverse(free_count), i));
             }
             if eligible < n {
