@@ -1,8 +1,9 @@
 //! `report.html` and `compare.html`: self-contained pages (inline SVG, no network) a manager can
 //! read. Charts are drawn with plotters; the page around them is plain HTML.
 //!
-//! The pictures are built from `events.jsonl` after the run, folded again, so they show what the
-//! ledger says and memory stays bounded by the picture, not by the trace:
+//! The pictures are gathered by a [`Timeline`] from the ledger's events as the run folds them, so
+//! they show what the ledger says (rejected events draw nothing) and memory stays bounded by the
+//! picture, not by the trace:
 //! - every GPU over time, coloured by the allocation holding it (Ai2's picture), downsampled to at
 //!   most 120 rows of GPUs and 480 time bins, each cell showing its dominant holder;
 //! - owed versus delivered GPU-hours per allocation;
@@ -10,7 +11,6 @@
 //! - occupancy over time.
 
 use std::collections::BTreeMap;
-use std::io::BufRead;
 use std::path::Path;
 use std::sync::Once;
 
@@ -82,94 +82,97 @@ fn hex(c: &RGBColor) -> String {
     format!("#{:02x}{:02x}{:02x}", c.0, c.1, c.2)
 }
 
-/// What the pictures need, read back from the ledger.
-struct Timeline {
+/// What the pictures need, gathered from the ledger's events as they are folded
+/// ([`Timeline::observe`]). Time is cut into at most 480 bins: of `until / 480` when the run's
+/// end is known, otherwise of a width that doubles (merging neighbours) whenever the run outgrows
+/// them, so the picture covers the run in 240 to 480 bins.
+pub struct Timeline {
     rows: usize,
     gpus_per_row: usize,
     bin_ms: f64,
+    /// Bins drawn, once the run is over.
+    bins: usize,
     /// `cells[(row * BINS + bin) * k + colour]`: GPU-milliseconds.
     cells: Vec<f32>,
     k: usize,
     busy: Vec<f64>,
     total_gpus: usize,
     waits_h: BTreeMap<String, Vec<f64>>,
+    until_ms: Option<f64>,
+    first_gpu: BTreeMap<String, usize>,
+    /// Colour of each leaf allocation, in the report's order (by path), read from the ledger
+    /// at the first start.
+    colour_of: Option<BTreeMap<String, usize>>,
+    running: BTreeMap<WorkloadId, (usize, Vec<usize>, u64)>,
+    submitted: BTreeMap<WorkloadId, (u64, Option<String>)>,
 }
 
-fn read_timeline(
-    events: &Path,
-    scenario: &Prepared,
-    report: &Report,
-) -> Result<Timeline, SimError> {
-    let colour_of: BTreeMap<String, usize> = report
-        .allocations
-        .iter()
-        .enumerate()
-        .map(|(i, a)| (a.path.clone(), i.min(PALETTE.len())))
-        .collect();
-    let unallocated = PALETTE.len() + 1;
-    let k = PALETTE.len() + 2;
-    let total_gpus: usize = scenario.nodes.iter().map(|n| n.1 as usize).sum();
-    let mut first_gpu: BTreeMap<String, usize> = BTreeMap::new();
-    let mut next = 0;
-    for (name, gpus) in &scenario.nodes {
-        first_gpu.insert(name.clone(), next);
-        next += *gpus as usize;
-    }
-    let rows = total_gpus.clamp(1, ROWS_MAX);
-    let gpus_per_row = total_gpus.div_ceil(rows).max(1);
-    let rows = total_gpus.div_ceil(gpus_per_row).max(1);
-    let horizon_ms = (report.sim.horizon_s * 1000.0).max(1.0);
-    let bin_ms = horizon_ms / BINS as f64;
-    let mut t = Timeline {
-        rows,
-        gpus_per_row,
-        bin_ms,
-        cells: vec![0.0; rows * BINS * k],
-        k,
-        busy: vec![0.0; BINS],
-        total_gpus,
-        waits_h: BTreeMap::new(),
-    };
-    let mut state = State::new(scenario.state_config);
-    let mut running: BTreeMap<WorkloadId, (usize, Vec<usize>, u64)> = BTreeMap::new();
-    let mut submitted: BTreeMap<WorkloadId, (u64, Option<String>)> = BTreeMap::new();
-    let file = std::fs::File::open(events).map_err(|e| SimError::Io(events.to_path_buf(), e))?;
-    let add = |t: &mut Timeline, colour: usize, gpus: &[usize], from: u64, to: u64| {
-        let to = (to as f64).min(horizon_ms);
-        for &g in gpus {
-            let row = g / t.gpus_per_row;
-            let mut s = from as f64;
-            while s < to {
-                let bin = ((s / t.bin_ms) as usize).min(BINS - 1);
-                let e = ((bin + 1) as f64 * t.bin_ms).min(to);
-                let dt = (e - s).max(0.0);
-                t.cells[(row * BINS + bin) * t.k + colour] += dt as f32;
-                t.busy[bin] += dt;
-                if e <= s {
-                    break;
-                }
-                s = e;
-            }
+impl Timeline {
+    /// An empty picture of the scenario's cluster; `until_ms` is the end of the run, if known.
+    pub fn new(scenario: &Prepared, until_ms: Option<u64>) -> Self {
+        let k = PALETTE.len() + 2;
+        let total_gpus: usize = scenario.nodes.iter().map(|n| n.1 as usize).sum();
+        let mut first_gpu: BTreeMap<String, usize> = BTreeMap::new();
+        let mut next = 0;
+        for (name, gpus) in &scenario.nodes {
+            first_gpu.insert(name.clone(), next);
+            next += *gpus as usize;
         }
-    };
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| SimError::Io(events.to_path_buf(), e))?;
-        let env: Envelope = serde_json::from_str(&line)
-            .map_err(|e| SimError::Invalid(format!("{}:{}: {e}", events.display(), i + 1)))?;
-        if state.apply(i as u64 + 1, &env) != Outcome::Applied {
-            continue;
+        let rows = total_gpus.clamp(1, ROWS_MAX);
+        let gpus_per_row = total_gpus.div_ceil(rows).max(1);
+        let rows = total_gpus.div_ceil(gpus_per_row).max(1);
+        let until_ms = until_ms.map(|u| (u as f64).max(1.0));
+        Timeline {
+            rows,
+            gpus_per_row,
+            // Without a known end, start at one second a bin and double as needed.
+            bin_ms: until_ms.map_or(1000.0, |u| u / BINS as f64),
+            bins: BINS,
+            cells: vec![0.0; rows * BINS * k],
+            k,
+            busy: vec![0.0; BINS],
+            total_gpus,
+            waits_h: BTreeMap::new(),
+            until_ms,
+            first_gpu,
+            colour_of: None,
+            running: BTreeMap::new(),
+            submitted: BTreeMap::new(),
+        }
+    }
+
+    /// Takes in one event and its outcome, after the fold.
+    pub fn observe(&mut self, state: &State, env: &Envelope, outcome: &Outcome) {
+        if *outcome != Outcome::Applied {
+            return;
         }
         let at = env.occurred_at_ms;
         match &env.event {
             Event::WorkloadSubmitted(s) => {
-                submitted.insert(s.workload, (at, s.allocation.clone()));
+                self.submitted
+                    .insert(s.workload, (at, s.allocation.clone()));
             }
             Event::WorkloadStarted(s) => {
+                let colour_of = self.colour_of.get_or_insert_with(|| {
+                    let mut leaves: Vec<&str> = state
+                        .allocations
+                        .nodes
+                        .iter()
+                        .filter(|a| !a.removed && a.is_leaf())
+                        .map(|a| a.path.as_str())
+                        .collect();
+                    leaves.sort_unstable();
+                    leaves
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, p)| (p.to_string(), i.min(PALETTE.len())))
+                        .collect()
+                });
                 let colour = state
                     .workloads
                     .get(&s.workload)
                     .and_then(|w| w.allocation)
-                    .map_or(unallocated, |a| {
+                    .map_or(PALETTE.len() + 1, |a| {
                         let path = &state.allocations.node(a).path;
                         colour_of.get(path).copied().unwrap_or(PALETTE.len())
                     });
@@ -177,36 +180,91 @@ fn read_timeline(
                     .placement
                     .iter()
                     .flat_map(|p| {
-                        p.gpus
-                            .iter()
-                            .map(|&g| first_gpu.get(&p.node).copied().unwrap_or(0) + g as usize)
+                        let first = self.first_gpu.get(&p.node).copied().unwrap_or(0);
+                        p.gpus.iter().map(move |&g| first + g as usize)
                     })
                     .collect();
-                running.insert(s.workload, (colour, gpus, at));
-                if let Some((submit, Some(path))) = submitted.remove(&s.workload) {
-                    t.waits_h
+                self.running.insert(s.workload, (colour, gpus, at));
+                if let Some((submit, Some(path))) = self.submitted.remove(&s.workload) {
+                    self.waits_h
                         .entry(path)
                         .or_default()
                         .push((at - submit) as f64 / 3_600_000.0);
                 }
             }
-            Event::WorkloadStopped(e) => {
-                if let Some((c, gpus, from)) = running.remove(&e.workload) {
-                    add(&mut t, c, &gpus, from, at);
+            Event::WorkloadStopped(ledger::event::WorkloadStopped { workload, .. })
+            | Event::WorkloadFinished(ledger::event::WorkloadFinished { workload, .. }) => {
+                if let Some((c, gpus, from)) = self.running.remove(workload) {
+                    self.add(c, &gpus, from, at as f64);
                 }
             }
-            Event::WorkloadFinished(e) => {
-                if let Some((c, gpus, from)) = running.remove(&e.workload) {
-                    add(&mut t, c, &gpus, from, at);
-                }
+            Event::WorkloadCancelled(e) => {
+                self.submitted.remove(&e.workload);
             }
             _ => {}
         }
     }
-    for (c, gpus, from) in running.into_values() {
-        add(&mut t, c, &gpus, from, horizon_ms as u64);
+
+    /// Doubles the width of the bins, merging neighbours.
+    fn coarsen(&mut self) {
+        let k = self.k;
+        for row in 0..self.rows {
+            let cells = &mut self.cells[row * BINS * k..(row + 1) * BINS * k];
+            for bin in 0..BINS / 2 {
+                for c in 0..k {
+                    cells[bin * k + c] = cells[2 * bin * k + c] + cells[(2 * bin + 1) * k + c];
+                }
+            }
+            cells[BINS / 2 * k..].iter_mut().for_each(|v| *v = 0.0);
+        }
+        for bin in 0..BINS / 2 {
+            self.busy[bin] = self.busy[2 * bin] + self.busy[2 * bin + 1];
+        }
+        self.busy[BINS / 2..].iter_mut().for_each(|v| *v = 0.0);
+        self.bin_ms *= 2.0;
     }
-    Ok(t)
+
+    /// Adds a run of `colour` on `gpus` over `[from, to)`.
+    fn add(&mut self, colour: usize, gpus: &[usize], from: u64, to: f64) {
+        let to = self.until_ms.map_or(to, |u| to.min(u));
+        while self.until_ms.is_none() && to > BINS as f64 * self.bin_ms {
+            self.coarsen();
+        }
+        for &g in gpus {
+            let row = g / self.gpus_per_row;
+            let mut s = from as f64;
+            while s < to {
+                let bin = ((s / self.bin_ms) as usize).min(BINS - 1);
+                let e = ((bin + 1) as f64 * self.bin_ms).min(to);
+                let dt = (e - s).max(0.0);
+                self.cells[(row * BINS + bin) * self.k + colour] += dt as f32;
+                self.busy[bin] += dt;
+                if e <= s {
+                    break;
+                }
+                s = e;
+            }
+        }
+    }
+
+    /// Ends the picture at `horizon_ms`: work still running is drawn up to it.
+    fn finish(&mut self, horizon_ms: f64) {
+        let running = std::mem::take(&mut self.running);
+        for (c, gpus, from) in running.into_values() {
+            self.add(c, &gpus, from, horizon_ms);
+        }
+        let horizon_ms = horizon_ms.max(1.0);
+        while self.until_ms.is_none() && horizon_ms > BINS as f64 * self.bin_ms {
+            self.coarsen();
+        }
+        self.bins = ((horizon_ms / self.bin_ms).ceil() as usize).clamp(1, BINS);
+    }
+
+    /// Width of bin `bin`, the last one cut at `horizon_ms`.
+    fn width_ms(&self, bin: usize, horizon_ms: f64) -> f64 {
+        let start = bin as f64 * self.bin_ms;
+        ((start + self.bin_ms).min(horizon_ms.max(start + 1.0)) - start).max(1.0)
+    }
 }
 
 fn timeline_svg(
@@ -234,14 +292,14 @@ fn timeline_svg(
             .y_desc("GPU")
             .draw()
             .map_err(svg_err)?;
-        let cell_capacity = t.gpus_per_row as f64 * t.bin_ms;
+        let horizon_ms = horizon_h * 3_600_000.0;
         let bin_h = t.bin_ms / 3_600_000.0;
         let mut rects = Vec::new();
         for row in 0..t.rows {
             // Run-length merge of equal dominant colours along the row.
             let mut run: Option<(usize, usize)> = None; // (colour or k for idle, first bin)
-            for bin in 0..=BINS {
-                let here = (bin < BINS).then(|| {
+            for bin in 0..=t.bins {
+                let here = (bin < t.bins).then(|| {
                     let cell = &t.cells[(row * BINS + bin) * t.k..(row * BINS + bin + 1) * t.k];
                     let (best, v) = cell.iter().enumerate().fold((t.k, 0.0f32), |acc, (i, &v)| {
                         if v > acc.1 {
@@ -250,7 +308,7 @@ fn timeline_svg(
                             acc
                         }
                     });
-                    if (v as f64) < 0.5 * cell_capacity / t.gpus_per_row as f64 {
+                    if (v as f64) < 0.5 * t.width_ms(bin, horizon_ms) {
                         t.k
                     } else {
                         best
@@ -271,7 +329,10 @@ fn timeline_svg(
                             rects.push(Rectangle::new(
                                 [
                                     (start as f64 * bin_h, y0),
-                                    (bin as f64 * bin_h, y0 + t.gpus_per_row as f64),
+                                    (
+                                        (bin as f64 * bin_h).min(horizon_h),
+                                        y0 + t.gpus_per_row as f64,
+                                    ),
                                 ],
                                 colour.filled(),
                             ));
@@ -408,11 +469,12 @@ td:first-child,th:first-child{text-align:left}.legend span{margin-right:1em;whit
 .legend i{display:inline-block;width:.9em;height:.9em;margin-right:.3em;vertical-align:middle}\
 .note{color:#666;font-size:90%}";
 
-/// Writes `report.html` for one run from its `events.jsonl` and report.
-pub fn write_report(out_dir: &Path, scenario: &Prepared, report: &Report) -> Result<(), SimError> {
+/// Writes `report.html` for one run from its report and the timeline gathered from its ledger.
+pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<(), SimError> {
     register_font();
     let colours = colours(report);
-    let t = read_timeline(&out_dir.join("events.jsonl"), scenario, report)?;
+    let horizon_ms = (report.sim.horizon_s * 1000.0).max(1.0);
+    t.finish(horizon_ms);
     let horizon_h = report.sim.horizon_s / 3600.0;
     let timeline = timeline_svg(&t, &colours, horizon_h)?;
     let bars = bars_svg(report, &colours)?;
@@ -436,14 +498,14 @@ pub fn write_report(out_dir: &Path, scenario: &Prepared, report: &Report) -> Res
         ));
     }
     let waits = lines_svg(&cdfs, "wait (hours)", "fraction started", 1.0)?;
-    let occupancy: Vec<(f64, f64)> = t
-        .busy
+    let occupancy: Vec<(f64, f64)> = t.busy[..t.bins]
         .iter()
         .enumerate()
         .map(|(b, busy)| {
+            let width = t.width_ms(b, horizon_ms);
             (
-                (b as f64 + 0.5) * t.bin_ms / 3_600_000.0,
-                busy / (t.total_gpus.max(1) as f64 * t.bin_ms),
+                (b as f64 * t.bin_ms + width / 2.0) / 3_600_000.0,
+                busy / (t.total_gpus.max(1) as f64 * width),
             )
         })
         .collect();

@@ -169,10 +169,12 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         spec.scenario.policy.clone(),
     );
     let mut collector = Collector::default();
+    let mut timeline = html::Timeline::new(&spec.scenario, spec.until_s.map(|u| u * 1000));
     let mut io_error: Option<std::io::Error> = None;
     {
-        let mut observe = |_: &State, _: u64, env: &Envelope, outcome: &Outcome| {
+        let mut observe = |state: &State, _: u64, env: &Envelope, outcome: &Outcome| {
             collector.observe(env, outcome);
+            timeline.observe(state, env, outcome);
             if io_error.is_none() {
                 let written = serde_json::to_writer(&mut writer, env)
                     .map_err(std::io::Error::other)
@@ -204,7 +206,7 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         started.elapsed().as_secs_f64(),
     );
     write_json(&spec.out.join("report.json"), &report)?;
-    html::write_report(&spec.out, &spec.scenario, &report)?;
+    html::write_report(&spec.out, timeline, &report)?;
     Ok(RunResult {
         report,
         bad_rows,
