@@ -31,7 +31,9 @@ pub enum NoPlan {
 
 /// Per-model index of nodes by free GPU count.
 struct FreeIndex {
-    /// `buckets[k]`: nodes with exactly `k` free GPUs.
+    /// `buckets[k]`: nodes with exactly `k` free GPUs. Bucket 0 stays empty: every workload
+    /// asks for at least one GPU per node, so full nodes are never looked up (on a busy cluster,
+    /// most nodes).
     buckets: Vec<Vec<NodeIdx>>,
 }
 
@@ -78,7 +80,8 @@ impl<'s> Scratch<'s> {
                     buckets: m
                         .free_hist
                         .iter()
-                        .map(|&n| Vec::with_capacity(n as usize))
+                        .enumerate()
+                        .map(|(k, &n)| Vec::with_capacity(if k == 0 { 0 } else { n as usize }))
                         .collect(),
                 })
                 .collect(),
@@ -86,12 +89,14 @@ impl<'s> Scratch<'s> {
             free_total: 0,
         };
         s.free_total = c.healthy_gpus - c.allocated_gpus;
-        // Every node into its bucket, in index order (the buckets were sized from the cluster's
-        // own counts).
+        // Every node with a free GPU into its bucket, in index order (the buckets were sized
+        // from the cluster's own counts).
         for (idx, (&free, &model)) in s.free.iter().zip(&s.model).enumerate() {
-            let bucket = &mut s.groups[model as usize].buckets[free.count_ones() as usize];
-            s.pos[idx] = bucket.len() as u32;
-            bucket.push(idx as NodeIdx);
+            if free != 0 {
+                let bucket = &mut s.groups[model as usize].buckets[free.count_ones() as usize];
+                s.pos[idx] = bucket.len() as u32;
+                bucket.push(idx as NodeIdx);
+            }
         }
         s
     }
@@ -116,6 +121,9 @@ impl<'s> Scratch<'s> {
 
     fn index(&mut self, node: NodeIdx) {
         let k = self.free[node as usize].count_ones() as usize;
+        if k == 0 {
+            return; // see `FreeIndex::buckets`
+        }
         let g = &mut self.groups[self.model[node as usize] as usize];
         if g.buckets.len() <= k {
             g.buckets.resize_with(k + 1, Vec::new);
@@ -126,6 +134,9 @@ impl<'s> Scratch<'s> {
 
     fn unindex(&mut self, node: NodeIdx) {
         let k = self.free[node as usize].count_ones() as usize;
+        if k == 0 {
+            return;
+        }
         let bucket = &mut self.groups[self.model[node as usize] as usize].buckets[k];
         let at = self.pos[node as usize] as usize;
         bucket.swap_remove(at);
