@@ -271,6 +271,9 @@ pub struct State {
         FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), BTreeSet<QueueKey>>>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
     pub pending_with_estimate: u64,
+    /// Running workloads with a duration estimate (whose GPUs have a known return even if no
+    /// one may preempt them).
+    pub running_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
     pub running: BTreeSet<WorkloadId>,
     /// Running workloads no preemption is under way for, by the end of their contract.
@@ -307,6 +310,7 @@ impl State {
             pending_shapes: std::collections::BTreeMap::new(),
             queue_shapes: FxHashMap::default(),
             pending_with_estimate: 0,
+            running_with_estimate: 0,
             running: BTreeSet::new(),
             contracts: Contracts::default(),
             preempting: BTreeSet::new(),
@@ -989,6 +993,7 @@ impl State {
         }
         self.adjust_delivering(alloc, gpus as i64);
         self.running.insert(id);
+        self.running_with_estimate += u64::from(hold.ends_ms.is_some());
         let now = self.now_ms;
         let w = self.workloads.get_mut(&id).expect("checked");
         w.phase = Phase::Running;
@@ -1081,6 +1086,7 @@ impl State {
         }
         self.adjust_delivering(alloc, -(healthy_held as i64));
         self.running.remove(&id);
+        self.running_with_estimate -= u64::from(self.workloads[&id].duration_estimate_ms.is_some());
     }
 
     fn workload_stopped(&mut self, e: &WorkloadStopped) -> Result<Outcome, Rejection> {

@@ -231,6 +231,16 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
             });
         }
     }
+    assert_eq!(
+        state.running_with_estimate,
+        state
+            .running
+            .iter()
+            .filter(|id| state.workloads[*id].duration_estimate_ms.is_some())
+            .count() as u64,
+        "running work with estimates miscounted {}",
+        at()
+    );
     // The fold's index of running work by contract end matches the running work.
     let mut contracts = ledger::state::Contracts::default();
     let mut preempting = std::collections::BTreeSet::new();

@@ -650,7 +650,17 @@ impl Deferred<'_> {
         let w = &state.workloads[&holder];
         // The nodes where it could start soonest, from when each holder gives its GPUs back.
         let mut may_take = may_take_from(state, rank, self.policy, cfg, w.allocation);
-        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, |hold| {
+        // Whether only the GPUs of workloads already leaving have a known return: no running
+        // work has an estimate, and the holder may preempt none of the work running.
+        let only_leaving = state.running_with_estimate == 0
+            && (state.unallocated_held_gpus == 0 || !may_take(None))
+            && state
+                .allocations
+                .nodes
+                .iter()
+                .enumerate()
+                .all(|(a, node)| node.held_gpus == 0 || !may_take(Some(a as u32)));
+        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, only_leaving, |hold| {
             release_ms(cfg, may_take(hold.allocation), hold, now_ms)
         });
         scratch.withhold_nodes(&nodes);

@@ -365,75 +365,147 @@ impl<'s> Scratch<'s> {
     /// The reservation for `w`: the nodes where it could start soonest, given when the holder of
     /// each held GPU gives it back (`release`, `u64::MAX` for unknown), and that start time if
     /// known. Reads the nodes only: what is known of each holder is kept beside its GPUs.
+    ///
+    /// With `only_leaving`, the caller knows that no held GPU has a known return unless its
+    /// holder is leaving already (no running work has an estimate, and `w` may preempt none).
+    /// Then every other full node is ready "never", and only the nodes with free GPUs or with a
+    /// workload leaving are timed; the rest rank by index. On a busy cluster the head of the
+    /// queue holds the reservation because it may preempt nothing, so that is most reservations.
     pub fn reserve(
         &self,
         state: &State,
         w: &Workload,
         now_ms: u64,
+        only_leaving: bool,
         mut release: impl FnMut(&Hold) -> u64,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node;
+        let n = w.nodes as usize;
         // (when, GPUs) per tenant of a node.
         let mut times: Vec<(u64, u32)> = Vec::with_capacity(64);
-        let n = w.nodes as usize;
-        let mut best: Option<(u64, Vec<NodeIdx>)> = None;
-        // The `n` soonest nodes so far, by (ready at, most free GPUs, index).
-        let mut soonest: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(n + 1);
-        let keep = |soonest: &mut Vec<_>, key| {
+        let eligible = |group: usize, i: NodeIdx| {
+            self.model[i as usize] as usize == group
+                && self.healthy[i as usize].count_ones() >= need
+                && !self.withheld[i as usize]
+        };
+        // When eligible node `i` is ready for one member of `w`, by (ready at, most free GPUs,
+        // index).
+        let mut key_of = |i: NodeIdx| {
+            let (free, healthy) = (self.free[i as usize], self.healthy[i as usize]);
+            let free_count = free.count_ones();
+            if free_count >= need {
+                return (now_ms, Reverse(free_count), i);
+            }
+            // Free GPUs are ready now; the others when their holder leaves. GPUs placed earlier
+            // in this pass have no holder yet: as far as this pass knows, never.
+            let short = need - free_count;
+            let nth = match state.cluster.nodes[i as usize].tenants.as_slice() {
+                // Most often one workload holds the node.
+                [t] if (t.gpus & healthy).count_ones() >= short => release(&t.hold),
+                [_] | [] => u64::MAX,
+                tenants => {
+                    times.clear();
+                    for t in tenants {
+                        let gpus = (t.gpus & healthy).count_ones();
+                        if gpus > 0 {
+                            times.push((release(&t.hold), gpus));
+                        }
+                    }
+                    times.sort_unstable();
+                    let mut short = short;
+                    times
+                        .iter()
+                        .find_map(|&(at, gpus)| {
+                            if gpus >= short {
+                                return Some(at);
+                            }
+                            short -= gpus;
+                            None
+                        })
+                        .unwrap_or(u64::MAX)
+                }
+            };
+            (nth, Reverse(free_count), i)
+        };
+        // Keeps the `n` soonest keys, in order.
+        let keep = |soonest: &mut Vec<(u64, Reverse<u32>, NodeIdx)>, key| {
             if soonest.len() == n && soonest.last().is_some_and(|last| key >= *last) {
-                return;
+                return false;
             }
             let at = soonest.partition_point(|k| *k < key);
             soonest.insert(at, key);
             soonest.truncate(n);
+            true
         };
+        // Nodes with a workload leaving, whatever their group.
+        let leaving: Vec<NodeIdx> = if only_leaving {
+            let mut nodes: Vec<NodeIdx> = state
+                .preempting
+                .iter()
+                .flat_map(|id| state.workloads[id].placement.iter().map(|p| p.node))
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            nodes
+        } else {
+            Vec::new()
+        };
+        let mut best: Option<(u64, Vec<NodeIdx>)> = None;
+        let mut soonest: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(n + 1);
         for group in self.groups_for(w) {
             soonest.clear();
-            let mut eligible = 0usize;
-            let nodes = self.free.iter().zip(&self.healthy).zip(&self.model);
-            for (i, ((&free, &healthy), &model)) in nodes.enumerate() {
-                if model as usize != group || healthy.count_ones() < need || self.withheld[i] {
-                    continue;
+            let mut count = 0usize;
+            if only_leaving {
+                // The nodes that may be ready at all: with free GPUs, or a workload leaving.
+                let mut timed: Vec<NodeIdx> = self.groups[group]
+                    .buckets
+                    .iter()
+                    .skip(1)
+                    .flatten()
+                    .copied()
+                    .chain(leaving.iter().copied())
+                    .filter(|&i| eligible(group, i))
+                    .collect();
+                timed.sort_unstable();
+                timed.dedup();
+                for &i in &timed {
+                    count += 1;
+                    keep(&mut soonest, key_of(i));
                 }
-                eligible += 1;
-                let i = i as NodeIdx;
-                let free_count = free.count_ones();
-                if free_count >= need {
-                    keep(&mut soonest, (now_ms, Reverse(free_count), i));
-                    continue;
-                }
-                // Free GPUs are ready now; the others when their holder leaves. GPUs placed
-                // earlier in this pass have no holder yet: as far as this pass knows, never.
-                let short = need - free_count;
-                let nth = match state.cluster.nodes[i as usize].tenants.as_slice() {
-                    // Most often one workload holds the node.
-                    [t] if (t.gpus & healthy).count_ones() >= short => release(&t.hold),
-                    [_] | [] => u64::MAX,
-                    tenants => {
-                        times.clear();
-                        for t in tenants {
-                            let gpus = (t.gpus & healthy).count_ones();
-                            if gpus > 0 {
-                                times.push((release(&t.hold), gpus));
-                            }
-                        }
-                        times.sort_unstable();
-                        let mut short = short;
-                        times
-                            .iter()
-                            .find_map(|&(at, gpus)| {
-                                if gpus >= short {
-                                    return Some(at);
-                                }
-                                short -= gpus;
-                                None
-                            })
-                            .unwrap_or(u64::MAX)
+                // Every other node is full and ready never: (never, no free GPU, index), in
+                // index order, so the first that does not make the cut ends the search.
+                for i in 0..self.free.len() as NodeIdx {
+                    if !eligible(group, i) || timed.binary_search(&i).is_ok() {
+                        continue;
                     }
-                };
-                keep(&mut soonest, (nth, Reverse(free_count), i));
+                    debug_assert_eq!(key_of(i), (u64::MAX, Reverse(0), i));
+                    count += 1;
+                    if !keep(&mut soonest, (u64::MAX, Reverse(0), i)) {
+                        break; // `n` kept already
+                    }
+                }
+                #[cfg(debug_assertions)]
+                {
+                    let (mut all, mut all_count) = (Vec::new(), 0usize);
+                    for i in (0..self.free.len() as NodeIdx).filter(|&i| eligible(group, i)) {
+                        all_count += 1;
+                        keep(&mut all, key_of(i));
+                    }
+                    assert_eq!(
+                        (&all, all_count.min(n)),
+                        (&soonest, count.min(n)),
+                        "the reservation timing only the nodes that may be ready"
+                    );
+                }
+            } else {
+                for i in 0..self.free.len() as NodeIdx {
+                    if eligible(group, i) {
+                        count += 1;
+                        keep(&mut soonest, key_of(i));
+                    }
+                }
             }
-            if eligible < n {
+            if count < n {
                 continue;
             }
             // In order, so the last is ready last.
