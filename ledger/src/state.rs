@@ -209,18 +209,6 @@ impl Contracts {
             )
             .collect()
     }
-
-    /// The workloads whose contract has ended at `now_ms`, unallocated ones first.
-    pub fn preemptible(&self, now_ms: u64) -> impl Iterator<Item = WorkloadId> + '_ {
-        self.unallocated
-            .iter()
-            .copied()
-            .chain(self.allocated.values().flat_map(move |set| {
-                set.iter()
-                    .take_while(move |&&(until, _)| until <= now_ms)
-                    .map(|&(_, id)| id)
-            }))
-    }
 }
 
 /// The answer of [`State::apply`].

@@ -383,11 +383,7 @@ impl<'s> Scratch<'s> {
         let n = w.nodes as usize;
         // (when, GPUs) per tenant of a node.
         let mut times: Vec<(u64, u32)> = Vec::with_capacity(64);
-        let eligible = |group: usize, i: NodeIdx| {
-            self.model[i as usize] as usize == group
-                && self.healthy[i as usize].count_ones() >= need
-                && !self.withheld[i as usize]
-        };
+        let eligible = |group: usize, i: NodeIdx| self.eligible(w, group, i);
         // When eligible node `i` is ready for one member of `w`, by (ready at, most free GPUs,
         // index).
         let mut key_of = |i: NodeIdx| {
