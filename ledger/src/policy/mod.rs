@@ -300,6 +300,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         no_victims: FxHashSet::default(),
         failed_shapes: FxHashSet::default(),
         failed: Vec::new(),
+        takes: FxHashMap::default(),
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -524,10 +525,35 @@ struct VictimSearch {
     /// Every search that failed: what it might take (see [`takes`]), the model it was held to,
     /// GPUs per node and nodes.
     failed: Vec<(Vec<u64>, Option<u32>, u32, u32)>,
+    /// What each beneficiary allocation may take (see [`takes`]), with the ranking's version it
+    /// was worked out at.
+    takes: FxHashMap<Option<u32>, (u64, Vec<u64>)>,
     claimed: FxHashSet<WorkloadId>,
 }
 
 impl VictimSearch {
+    /// Which allocations' work `beneficiary` may take now (see [`takes`]), remembered while the
+    /// ranking's keys stay the same.
+    fn takes_of(
+        &mut self,
+        state: &State,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        beneficiary: Option<u32>,
+    ) -> Vec<u64> {
+        let version = rank.version();
+        match self.takes.get(&beneficiary) {
+            Some((v, bits)) if *v == version => bits.clone(),
+            _ => {
+                let mut may_take = may_take_from(state, rank, policy, cfg, beneficiary);
+                let bits = takes(state, &mut may_take);
+                self.takes.insert(beneficiary, (version, bits.clone()));
+                bits
+            }
+        }
+    }
+
     /// No search may succeed any more in this pass.
     fn exhausted(&self) -> bool {
         self.left == 0 || self.allocs.is_empty()
@@ -554,18 +580,15 @@ impl VictimSearch {
             return false;
         }
         self.left -= 1;
-        let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
-        if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| may_take(va)) {
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        if !self.no_victims.contains(&w.allocation) && !self.allocs.iter().any(|&va| has(&mine, va))
+        {
             self.no_victims.insert(w.allocation);
         }
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
         if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
             return false;
         }
-        if self.failed.is_empty() {
-            return true;
-        }
-        let mine = takes(state, &mut may_take);
         !self
             .failed
             .iter()
@@ -590,7 +613,7 @@ impl VictimSearch {
         w: &Workload,
         now_ms: u64,
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
-        let mut may_take = may_take_from(state, rank, policy, cfg, w.allocation);
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
         // Preemptible at all: not leaving already, and unallocated or past its contract.
         let preemptible = |h: &Hold| {
@@ -607,7 +630,7 @@ impl VictimSearch {
                 .collect()
         });
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-            preemptible(&t.hold) && may_take(t.hold.allocation)
+            preemptible(&t.hold) && has(&mine, t.hold.allocation)
         });
         match found {
             Ok((nodes, victims)) => {
@@ -619,7 +642,6 @@ impl VictimSearch {
                     placement::NoPlan::NoVictims => self.no_victims.insert(w.allocation),
                     placement::NoPlan::NotEnough => self.failed_shapes.insert(shape),
                 };
-                let mine = takes(state, &mut may_take);
                 self.failed.push((mine, w.model, w.gpus_per_node, w.nodes));
                 None
             }
@@ -726,6 +748,12 @@ fn takes(state: &State, may_take: &mut impl FnMut(Option<u32>) -> bool) -> Vec<u
         }
     }
     bits
+}
+
+/// Whether the bit set of [`takes`] holds `victim`.
+fn has(bits: &[u64], victim: Option<u32>) -> bool {
+    let bit = victim.map_or(0, |v| v as usize + 1);
+    bits[bit / 64] >> (bit % 64) & 1 == 1
 }
 
 /// Whether work of allocation `beneficiary` may take post-contract work of allocation `victim`:

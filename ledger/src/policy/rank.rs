@@ -56,6 +56,8 @@ pub struct Rank<'s> {
     policy: &'s dyn Policy,
     tau_ms: f64,
     mode: Ranking,
+    /// How many times the keys changed in this pass.
+    version: u64,
     /// Per allocation: subtree usage and key.
     usage: Vec<Usage>,
     key: Vec<f64>,
@@ -83,6 +85,7 @@ impl<'s> Rank<'s> {
             usage: vec![Usage::default(); n],
             key: vec![0.0; n],
             left: vec![0; n],
+            version: 0,
             queue: (0..n).map(|_| None).collect(),
             flat: Vec::new().into_iter(),
             unallocated: state.unallocated_queue.iter(),
@@ -258,7 +261,14 @@ impl<'s> Rank<'s> {
                 let kids = self.children(parent).to_vec();
                 self.rekey_level(&kids);
             }
+            self.version += 1;
         }
+    }
+
+    /// Changes whenever the keys change within the pass (what was worked out from them holds
+    /// while it stays the same).
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// The capped allocation that `w` would push over its cap, if any.
