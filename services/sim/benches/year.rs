@@ -6,6 +6,10 @@
 //! simulated year; fewer workloads keep the same load by shortening the year).
 
 use std::io::Write;
+
+// The allocator the `fairledger` binary runs (and so simulates) with.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::path::Path;
 use std::time::Instant;
 
