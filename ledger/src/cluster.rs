@@ -35,8 +35,6 @@ pub struct Node {
     pub healthy: u64,
     /// Bit i set: GPU i is held by a workload.
     pub used: u64,
-    /// Holder of each GPU.
-    pub holders: Vec<Option<WorkloadId>>,
     /// The workloads running here, each once, with what a scheduling pass needs to know of them.
     pub tenants: Vec<Tenant>,
     /// Last reported utilization of each GPU, 0 to 100.
@@ -47,6 +45,14 @@ impl Node {
     /// Healthy GPUs not held by anyone.
     pub fn free_mask(&self) -> u64 {
         self.healthy & !self.used
+    }
+
+    /// The workload holding GPU `gpu`, if any.
+    pub fn holder(&self, gpu: u32) -> Option<WorkloadId> {
+        self.tenants
+            .iter()
+            .find(|t| t.gpus & (1 << gpu) != 0)
+            .map(|t| t.workload)
     }
 
     /// Number of healthy free GPUs.
@@ -226,7 +232,6 @@ impl Cluster {
             gpu_count: gpus,
             healthy: mask_of(gpus),
             used: 0,
-            holders: vec![None; gpus as usize],
             tenants: Vec::new(),
             utilization_pct: vec![0; gpus as usize],
         };

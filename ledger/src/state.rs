@@ -576,7 +576,7 @@ impl State {
         if (node.healthy & bit != 0) == e.healthy {
             return Ok(Outcome::Applied); // already so
         }
-        if let Some(holder) = node.holders[e.gpu as usize] {
+        if let Some(holder) = node.holder(e.gpu) {
             let alloc = self.workloads[&holder].allocation;
             self.adjust_delivering(alloc, if e.healthy { 1 } else { -1 });
         }
@@ -897,7 +897,7 @@ impl State {
                 return Err(Rejection::GpuTaken {
                     node: p.node.clone(),
                     gpu: g,
-                    holder: node.holders[g as usize].expect("used GPUs have holders"),
+                    holder: node.holder(g).expect("used GPUs have holders"),
                 });
             }
             if let Some(g) = (0..node.gpu_count).find(|&g| mask & !node.healthy & (1 << g) != 0) {
@@ -960,11 +960,6 @@ impl State {
         for part in &parts {
             self.cluster.update(part.node, |n| {
                 n.used |= part.gpus;
-                for g in 0..n.gpu_count {
-                    if part.gpus & (1 << g) != 0 {
-                        n.holders[g as usize] = Some(id);
-                    }
-                }
                 n.tenants.push(Tenant {
                     workload: id,
                     gpus: part.gpus,
@@ -1060,11 +1055,6 @@ impl State {
                 u64::from((part.gpus & self.cluster.node(part.node).healthy).count_ones());
             self.cluster.update(part.node, |n| {
                 n.used &= !part.gpus;
-                for g in 0..n.gpu_count {
-                    if part.gpus & (1 << g) != 0 {
-                        n.holders[g as usize] = None;
-                    }
-                }
                 n.tenants.retain(|t| t.workload != id);
             });
         }

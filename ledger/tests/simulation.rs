@@ -218,7 +218,7 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
             };
             for g in 0..node.gpu_count {
                 if p.gpus & (1 << g) != 0 {
-                    assert_eq!(node.holders[g as usize], Some(*id), "{}", at());
+                    assert_eq!(node.holder(g), Some(*id), "{}", at());
                 }
             }
             tenants[p.node as usize].push(ledger::cluster::Tenant {

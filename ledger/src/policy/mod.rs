@@ -497,14 +497,9 @@ fn on_failed_gpus(state: &State) -> Vec<WorkloadId> {
         return failed;
     }
     for n in &state.cluster.nodes {
-        let mut held_failed = n.used & !n.healthy;
-        while held_failed != 0 {
-            let g = held_failed.trailing_zeros() as usize;
-            held_failed &= held_failed - 1;
-            if let Some(h) = n.holders[g] {
-                if !state.preempting.contains(&h) {
-                    failed.push(h);
-                }
+        for t in &n.tenants {
+            if t.gpus & !n.healthy != 0 && !state.preempting.contains(&t.workload) {
+                failed.push(t.workload);
             }
         }
     }

@@ -383,7 +383,6 @@ impl<'s> Scratch<'s> {
         let n = w.nodes as usize;
         // (when, GPUs) per tenant of a node.
         let mut times: Vec<(u64, u32)> = Vec::with_capacity(64);
-        let eligible = |group: usize, i: NodeIdx| self.eligible(w, group, i);
         // When eligible node `i` is ready for one member of `w`, by (ready at, most free GPUs,
         // index).
         let mut key_of = |i: NodeIdx| {
@@ -433,6 +432,17 @@ impl<'s> Scratch<'s> {
             soonest.truncate(n);
             true
         };
+        // Times those of `nodes` that could host a member into `soonest`; how many could.
+        let mut sweep = |group: usize,
+                         nodes: &mut dyn Iterator<Item = NodeIdx>,
+                         soonest: &mut Vec<(u64, Reverse<u32>, NodeIdx)>| {
+            let mut count = 0usize;
+            for i in nodes.filter(|&i| self.eligible(w, group, i)) {
+                count += 1;
+                keep(soonest, key_of(i));
+            }
+            count
+        };
         // Nodes with a workload leaving, whatever their group.
         let leaving: Vec<NodeIdx> = if only_leaving {
             let mut nodes: Vec<NodeIdx> = state
@@ -450,31 +460,26 @@ impl<'s> Scratch<'s> {
         let mut soonest: Vec<(u64, Reverse<u32>, NodeIdx)> = Vec::with_capacity(n + 1);
         for group in self.groups_for(w) {
             soonest.clear();
-            let mut count = 0usize;
-            if only_leaving {
+            let all = 0..self.free.len() as NodeIdx;
+            let count = if only_leaving {
                 // The nodes that may be ready at all: with free GPUs, or a workload leaving.
                 let mut timed: Vec<NodeIdx> = self.groups[group]
                     .buckets
                     .iter()
                     .skip(1)
                     .flatten()
+                    .chain(&leaving)
                     .copied()
-                    .chain(leaving.iter().copied())
-                    .filter(|&i| eligible(group, i))
                     .collect();
                 timed.sort_unstable();
                 timed.dedup();
-                for &i in &timed {
-                    count += 1;
-                    keep(&mut soonest, key_of(i));
-                }
+                let mut count = sweep(group, &mut timed.iter().copied(), &mut soonest);
                 // Every other node is full and ready never: (never, no free GPU, index), in
                 // index order, so the first that does not make the cut ends the search.
-                for i in 0..self.free.len() as NodeIdx {
-                    if !eligible(group, i) || timed.binary_search(&i).is_ok() {
+                for i in all.clone() {
+                    if !self.eligible(w, group, i) || timed.binary_search(&i).is_ok() {
                         continue;
                     }
-                    debug_assert_eq!(key_of(i), (u64::MAX, Reverse(0), i));
                     count += 1;
                     if !keep(&mut soonest, (u64::MAX, Reverse(0), i)) {
                         break; // `n` kept already
@@ -482,25 +487,18 @@ impl<'s> Scratch<'s> {
                 }
                 #[cfg(debug_assertions)]
                 {
-                    let (mut all, mut all_count) = (Vec::new(), 0usize);
-                    for i in (0..self.free.len() as NodeIdx).filter(|&i| eligible(group, i)) {
-                        all_count += 1;
-                        keep(&mut all, key_of(i));
-                    }
+                    let mut swept = Vec::new();
+                    let swept_count = sweep(group, &mut all.clone(), &mut swept);
                     assert_eq!(
-                        (&all, all_count.min(n)),
+                        (&swept, swept_count.min(n)),
                         (&soonest, count.min(n)),
                         "the reservation timing only the nodes that may be ready"
                     );
                 }
+                count
             } else {
-                for i in 0..self.free.len() as NodeIdx {
-                    if eligible(group, i) {
-                        count += 1;
-                        keep(&mut soonest, key_of(i));
-                    }
-                }
-            }
+                sweep(group, &mut all.clone(), &mut soonest)
+            };
             if count < n {
                 continue;
             }

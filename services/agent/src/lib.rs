@@ -520,7 +520,7 @@ impl<L: EventLog> Agent<L> {
         };
         let node = self.state.cluster.node(idx);
         (0..node.gpu_count)
-            .filter(|g| node.holders[*g as usize].is_some())
+            .filter(|g| node.holder(*g).is_some())
             .collect()
     }
 

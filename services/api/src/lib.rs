@@ -1148,7 +1148,7 @@ async fn nodes(State(app): State<App>) -> Response {
                     json!({
                         "gpu": g,
                         "healthy": n.healthy & (1u64 << g) != 0,
-                        "workload": n.holders[g as usize],
+                        "workload": n.holder(g),
                         "utilization_pct": n.utilization_pct[g as usize],
                     })
                 })
