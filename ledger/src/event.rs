@@ -11,6 +11,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+pub use crate::identity::{PrincipalGranted, PrincipalRevoked, Role};
+
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u16 = 1;
 
@@ -34,7 +36,8 @@ pub struct Envelope {
     /// Groups the events of one workflow, for tracing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub correlation_id: Option<Uuid>,
-    /// Who wrote the event: `scheduler`, `agent:<node>`, `api:<user>`, `sim`.
+    /// Who caused the event: the authenticated principal (`user:<name>`, `agent:<name>`), or a
+    /// role of the service itself (`scheduler`, `serve`); `sim` in simulations.
     pub actor: String,
     /// The fact itself.
     #[serde(flatten)]
@@ -84,6 +87,10 @@ pub enum Event {
     WorkloadFinished(WorkloadFinished),
     /// A stopped workload went back to the queue with its remaining work.
     WorkloadRequeued(WorkloadRequeued),
+    /// A principal was given a role and a token.
+    PrincipalGranted(PrincipalGranted),
+    /// A principal's token was revoked.
+    PrincipalRevoked(PrincipalRevoked),
 }
 
 impl Event {
@@ -102,6 +109,8 @@ impl Event {
             Event::WorkloadStopped(_) => "workload_stopped",
             Event::WorkloadFinished(_) => "workload_finished",
             Event::WorkloadRequeued(_) => "workload_requeued",
+            Event::PrincipalGranted(_) => "principal_granted",
+            Event::PrincipalRevoked(_) => "principal_revoked",
         }
     }
 
@@ -119,7 +128,9 @@ impl Event {
             | Event::AllocationRemoved(_)
             | Event::NodeRegistered(_)
             | Event::GpuHeartbeat(_)
-            | Event::GpuHealthChanged(_) => None,
+            | Event::GpuHealthChanged(_)
+            | Event::PrincipalGranted(_)
+            | Event::PrincipalRevoked(_) => None,
         }
     }
 }

@@ -10,6 +10,7 @@
 //! - [`alloc`]: the allocation tree and the hierarchical max-min split that defines *owed*.
 //! - [`window`]: windowed usage in time buckets.
 //! - [`metrics`]: availability, occupancy, impact, utilization and fragmentation for any period.
+//! - [`identity`]: principals, roles and the rules of who may do what.
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
 //!   starts, preemptions, the reservation and why each pending workload waits.
 //!
@@ -48,6 +49,7 @@ pub mod alloc;
 pub mod audit;
 pub mod cluster;
 pub mod event;
+pub mod identity;
 pub mod metrics;
 pub mod policy;
 pub mod rejection;

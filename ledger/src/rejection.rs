@@ -247,6 +247,26 @@ pub enum Rejection {
         /// The cap.
         cap_s: u64,
     },
+    /// A grant's field is invalid.
+    #[error("the grant's {field} is invalid: {reason}")]
+    InvalidGrant {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// A live principal already has the name.
+    #[error("a principal named {name:?} exists; revoke it first or pick another name")]
+    PrincipalExists {
+        /// The name.
+        name: String,
+    },
+    /// No live principal has the name.
+    #[error("no live principal is named {name:?}")]
+    UnknownPrincipal {
+        /// The name.
+        name: String,
+    },
 }
 
 impl Rejection {
@@ -282,6 +302,9 @@ impl Rejection {
             Rejection::AlreadyPreempting { .. } => "already_preempting",
             Rejection::ProtectedUntilBeforeStart { .. } => "protected_until_before_start",
             Rejection::ProtectionAboveCap { .. } => "protection_above_cap",
+            Rejection::InvalidGrant { .. } => "invalid_grant",
+            Rejection::PrincipalExists { .. } => "principal_exists",
+            Rejection::UnknownPrincipal { .. } => "unknown_principal",
         }
     }
 }

@@ -131,6 +131,8 @@ pub struct Workload {
     pub work_done_ms: u64,
     /// Runs started.
     pub starts: u32,
+    /// Who submitted it: an index into [`State::actors`].
+    pub submitted_by: u32,
 }
 
 impl Workload {
@@ -276,6 +278,12 @@ pub struct State {
     pub counters: Counters,
     /// Rejections by rule code.
     pub rejections: std::collections::BTreeMap<String, u64>,
+    /// The live principals: who may do what.
+    pub principals: crate::identity::Principals,
+    /// Every actor that submitted a workload, in order of first submission
+    /// ([`Workload::submitted_by`] indexes it).
+    pub actors: Vec<String>,
+    actor_ids: FxHashMap<String, u32>,
     owed_stale: bool,
 }
 
@@ -306,6 +314,9 @@ impl State {
             unallocated_delivering_gpus: 0,
             counters: Counters::default(),
             rejections: std::collections::BTreeMap::new(),
+            principals: crate::identity::Principals::default(),
+            actors: Vec::new(),
+            actor_ids: FxHashMap::default(),
             owed_stale: false,
         }
     }
@@ -367,13 +378,17 @@ impl State {
             Event::NodeRegistered(e) => self.node_registered(e),
             Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
             Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
-            Event::WorkloadSubmitted(e) => self.workload_submitted(seq, e),
+            Event::WorkloadSubmitted(e) => self.workload_submitted(seq, e, &env.actor),
             Event::WorkloadCancelled(e) => self.workload_cancelled(e),
             Event::WorkloadStarted(e) => self.workload_started(e),
             Event::PreemptionRequested(e) => self.preemption_requested(e),
             Event::WorkloadStopped(e) => self.workload_stopped(e),
             Event::WorkloadFinished(e) => self.workload_finished(e),
             Event::WorkloadRequeued(e) => self.workload_requeued(e),
+            Event::PrincipalGranted(e) => self.principal_granted(seq, e, &env.actor),
+            Event::PrincipalRevoked(e) => {
+                self.principals.revoke(&e.name).map(|()| Outcome::Applied)
+            }
         };
         match result {
             Ok(outcome) => outcome,
@@ -423,6 +438,13 @@ impl State {
             }
         }
         self.now_ms = t_ms;
+    }
+
+    /// Who submitted `w`: the actor of its submission (`user:alice`).
+    pub fn submitter(&self, w: &Workload) -> &str {
+        self.actors
+            .get(w.submitted_by as usize)
+            .map_or("", String::as_str)
     }
 
     /// The path of the allocation workload `w` is charged to; `None` for unallocated work.
@@ -642,6 +664,7 @@ impl State {
         &mut self,
         seq: u64,
         e: &WorkloadSubmitted,
+        actor: &str,
     ) -> Result<Outcome, Rejection> {
         if let Some(key) = &e.idempotency_key {
             if let Some(&original) = self.idempotency.get(key) {
@@ -726,6 +749,7 @@ impl State {
             preempting: None,
             work_done_ms: 0,
             starts: 0,
+            submitted_by: self.actor_id(actor),
         };
         if let Some(key) = &e.idempotency_key {
             self.idempotency.insert(key.clone(), e.workload);
@@ -736,6 +760,29 @@ impl State {
         }
         self.enqueue(&w);
         self.workloads.insert(e.workload, w);
+        Ok(Outcome::Applied)
+    }
+
+    fn actor_id(&mut self, actor: &str) -> u32 {
+        if let Some(&id) = self.actor_ids.get(actor) {
+            return id;
+        }
+        let id = self.actors.len() as u32;
+        self.actors.push(actor.to_owned());
+        self.actor_ids.insert(actor.to_owned(), id);
+        id
+    }
+
+    // ---- principals --------------------------------------------------------------------------
+
+    fn principal_granted(
+        &mut self,
+        seq: u64,
+        e: &PrincipalGranted,
+        actor: &str,
+    ) -> Result<Outcome, Rejection> {
+        self.principals.check_grant(e, &self.allocations)?;
+        self.principals.grant(e, actor, self.now_ms, seq);
         Ok(Outcome::Applied)
     }
 

@@ -30,6 +30,8 @@ fn payload_schema(e: &Event) -> Schema {
         Event::WorkloadStopped(_) => schema_for!(WorkloadStopped),
         Event::WorkloadFinished(_) => schema_for!(WorkloadFinished),
         Event::WorkloadRequeued(_) => schema_for!(WorkloadRequeued),
+        Event::PrincipalGranted(_) => schema_for!(PrincipalGranted),
+        Event::PrincipalRevoked(_) => schema_for!(PrincipalRevoked),
     }
 }
 
@@ -117,6 +119,18 @@ fn samples() -> Vec<Event> {
             workload: w,
             work_lost_s: 120,
         }),
+        Event::PrincipalGranted(PrincipalGranted {
+            name: "nlp-bot".into(),
+            role: Role::Submitter,
+            allocations: vec!["uw/nlp".into()],
+            node: None,
+            token_sha256: "0f".repeat(32),
+            expires_at_ms: Some(1_800_000_000_000),
+        }),
+        Event::PrincipalRevoked(PrincipalRevoked {
+            name: "nlp-bot".into(),
+            reason: Some("rotated".into()),
+        }),
     ]
 }
 
@@ -158,7 +172,7 @@ fn schemas_checked_in_match_the_code() {
 #[test]
 fn samples_cover_every_kind() {
     let kinds: BTreeSet<&str> = samples().iter().map(|e| e.kind()).collect();
-    assert_eq!(kinds.len(), 12);
+    assert_eq!(kinds.len(), 14);
 }
 
 #[test]

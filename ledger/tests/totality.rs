@@ -162,6 +162,29 @@ fn event() -> impl Strategy<Value = Event> {
                 work_lost_s
             }
         )),
+        (
+            prop::sample::select(vec!["alice", "bot", "", "a.b"]),
+            prop::sample::select(ledger::identity::Role::ALL.to_vec()),
+            prop::collection::vec(path(), 0..2),
+            prop::option::of(name()),
+            prop::sample::select(vec!["0".repeat(64), "1".repeat(64), "x".into()]),
+        )
+            .prop_map(|(name, role, allocations, node, token_sha256)| {
+                Event::PrincipalGranted(PrincipalGranted {
+                    name: name.into(),
+                    role,
+                    allocations,
+                    node,
+                    token_sha256,
+                    expires_at_ms: None,
+                })
+            }),
+        prop::sample::select(vec!["alice", "bot", ""]).prop_map(|name| Event::PrincipalRevoked(
+            PrincipalRevoked {
+                name: name.into(),
+                reason: None
+            }
+        )),
     ]
 }
 

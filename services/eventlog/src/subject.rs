@@ -7,6 +7,8 @@
 //! fairledger.ledger.gpu.health_changed.<node>        gpu_health_changed
 //! fairledger.ledger.gpu.utilization.<node>           gpu_heartbeat sampled into the ledger for
 //!                                                    the utilization metric
+//! fairledger.ledger.principal.granted.<name>         principal_granted
+//! fairledger.ledger.principal.revoked.<name>         principal_revoked
 //! fairledger.ledger.workload.<verb>.<path>           workload_submitted, _cancelled, _started,
 //!                                                    _stopped, _finished, _requeued and
 //!                                                    preemption_requested (verb
@@ -63,6 +65,8 @@ pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
         Event::WorkloadStopped(_) => ("workload", "stopped", path_tokens(allocation)),
         Event::WorkloadFinished(_) => ("workload", "finished", path_tokens(allocation)),
         Event::WorkloadRequeued(_) => ("workload", "requeued", path_tokens(allocation)),
+        Event::PrincipalGranted(e) => ("principal", "granted", token(&e.name)),
+        Event::PrincipalRevoked(e) => ("principal", "revoked", token(&e.name)),
     };
     format!("{LEDGER_PREFIX}.{category}.{verb}.{scope}")
 }

@@ -37,7 +37,7 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 5;
+const FORMAT: u32 = 6;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"s/seq";
 const CHECKPOINT_STATE: &[u8] = b"s/state";
@@ -78,6 +78,8 @@ pub struct WorkloadRow {
     pub id: WorkloadId,
     /// Allocation path; `None` for unallocated work.
     pub allocation: Option<String>,
+    /// Who submitted it: the actor of its submission (`user:alice`).
+    pub user: String,
     /// `pending`, `running`, `stopped`, `finished` or `cancelled`.
     pub phase: String,
     /// GPUs per node.
@@ -741,6 +743,7 @@ impl Projector {
         Some(WorkloadRow {
             id,
             allocation: self.state.allocation_path(w).map(str::to_owned),
+            user: self.state.submitter(w).to_owned(),
             phase: w.phase.name().to_owned(),
             gpus_per_node: w.gpus_per_node,
             nodes: w.nodes,

@@ -1,0 +1,544 @@
+//! Identity: who may write what, and who wrote it.
+//!
+//! A *principal* is a person, agent or service the ledger knows by name. It holds one [`Role`],
+//! scoped where the role needs it (a submitter to allocation subtrees, an agent to one node), and
+//! proves who it is with a bearer token of which the ledger keeps only the SHA-256 digest. Grants
+//! and revocations are events ([`PrincipalGranted`], [`PrincipalRevoked`]), so who could do what,
+//! and when, is folded, replayed and audited like every other fact, and reaches every replica.
+//!
+//! The rules of what each role may do live here as pure functions: a service maps a request to an
+//! [`Action`] and asks [`Principal::allows`]. The *actor* of every event a principal causes is
+//! [`Principal::actor`] (`user:alice`, `agent:gpu-17`), never a name the writer chose.
+//!
+//! | role | may |
+//! | --- | --- |
+//! | `admin` | everything: the allocation tree, tokens, any workload, every read |
+//! | `operator` | register nodes, cancel any workload, read (events without `command`/`env`) |
+//! | `submitter` | submit into, cancel and stop in its allocation subtrees; read (events without `command`/`env`) |
+//! | `agent` | its node's registration, heartbeats and the ends of runs placed on it; read the events (it launches their commands) |
+//! | `auditor` | every read, the audit and events included |
+//! | `viewer` | read (events without `command`/`env`) |
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::alloc::AllocationTree;
+use crate::rejection::Rejection;
+
+/// The scope that lets a submitter charge any allocation, or none (unallocated work).
+pub const ANY_ALLOCATION: &str = "*";
+
+/// What a principal is for.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The allocation tree, tokens, any workload, every read.
+    Admin,
+    /// Nodes (registration), cancelling any workload, reads.
+    Operator,
+    /// Submitting into, cancelling and stopping in its allocation subtrees; reads.
+    Submitter,
+    /// One node: its registration, heartbeats and the ends of the runs placed on it.
+    Agent,
+    /// Every read, the audit and the events included.
+    Auditor,
+    /// Reads, without submissions' `command` and `env`.
+    Viewer,
+}
+
+impl Role {
+    /// Every role, in the order of the table above.
+    pub const ALL: [Role; 6] = [
+        Role::Admin,
+        Role::Operator,
+        Role::Submitter,
+        Role::Agent,
+        Role::Auditor,
+        Role::Viewer,
+    ];
+
+    /// The role's name, as in JSON and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Operator => "operator",
+            Role::Submitter => "submitter",
+            Role::Agent => "agent",
+            Role::Auditor => "auditor",
+            Role::Viewer => "viewer",
+        }
+    }
+
+    /// The role named `name`.
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// Whether the role may ever take an action of `kind`, whatever its scope.
+    pub fn may(self, kind: ActionKind) -> bool {
+        use ActionKind::*;
+        use Role::*;
+        match kind {
+            WhoAmI => true,
+            Read => self != Agent,
+            ReadEvents => true,
+            ReadAudit => matches!(self, Admin | Auditor),
+            SetAllocations | ManageTokens => self == Admin,
+            Submit => matches!(self, Admin | Submitter),
+            Cancel => matches!(self, Admin | Operator | Submitter),
+            RegisterNode => matches!(self, Admin | Operator | Agent),
+            ReportForNode => self == Agent,
+        }
+    }
+
+    /// Whether events read by this role show submissions' `command` and `env` (an agent
+    /// launches them; an auditor and an admin see everything).
+    pub fn sees_commands(self) -> bool {
+        matches!(self, Role::Admin | Role::Auditor | Role::Agent)
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A request, as the rules see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action<'a> {
+    /// Ask who one is.
+    WhoAmI,
+    /// Read the cluster: workloads, the queue, allocations, nodes, cluster metrics.
+    Read,
+    /// Read the ledger's events.
+    ReadEvents,
+    /// Read the audit: owed and delivered per period, a workload's every event.
+    ReadAudit,
+    /// Create, change or remove allocations.
+    SetAllocations,
+    /// Create, list or revoke tokens.
+    ManageTokens,
+    /// Submit a workload charged to `allocation` (`None`: unallocated work).
+    Submit {
+        /// The leaf charged.
+        allocation: Option<&'a str>,
+    },
+    /// Cancel, or ask to stop, a workload charged to `allocation`.
+    Cancel {
+        /// The leaf the workload is charged to.
+        allocation: Option<&'a str>,
+    },
+    /// Register `node`.
+    RegisterNode {
+        /// The node.
+        node: &'a str,
+    },
+    /// Report for `node`: heartbeats, the ends of runs placed on it.
+    ReportForNode {
+        /// The node.
+        node: &'a str,
+    },
+}
+
+/// The kind of an [`Action`], without its scope: what a route needs before its body is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActionKind {
+    /// [`Action::WhoAmI`].
+    WhoAmI,
+    /// [`Action::Read`].
+    Read,
+    /// [`Action::ReadEvents`].
+    ReadEvents,
+    /// [`Action::ReadAudit`].
+    ReadAudit,
+    /// [`Action::SetAllocations`].
+    SetAllocations,
+    /// [`Action::ManageTokens`].
+    ManageTokens,
+    /// [`Action::Submit`].
+    Submit,
+    /// [`Action::Cancel`].
+    Cancel,
+    /// [`Action::RegisterNode`].
+    RegisterNode,
+    /// [`Action::ReportForNode`].
+    ReportForNode,
+}
+
+impl ActionKind {
+    /// The roles that may take actions of this kind, for messages.
+    pub fn roles(self) -> Vec<Role> {
+        Role::ALL.into_iter().filter(|r| r.may(self)).collect()
+    }
+}
+
+impl Action<'_> {
+    /// Its kind.
+    pub fn kind(&self) -> ActionKind {
+        match self {
+            Action::WhoAmI => ActionKind::WhoAmI,
+            Action::Read => ActionKind::Read,
+            Action::ReadEvents => ActionKind::ReadEvents,
+            Action::ReadAudit => ActionKind::ReadAudit,
+            Action::SetAllocations => ActionKind::SetAllocations,
+            Action::ManageTokens => ActionKind::ManageTokens,
+            Action::Submit { .. } => ActionKind::Submit,
+            Action::Cancel { .. } => ActionKind::Cancel,
+            Action::RegisterNode { .. } => ActionKind::RegisterNode,
+            Action::ReportForNode { .. } => ActionKind::ReportForNode,
+        }
+    }
+}
+
+/// Why a principal may not take an action: what it would need.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Denied(pub String);
+
+/// A principal granted and not revoked.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Principal {
+    /// Its name, unique among live principals.
+    pub name: String,
+    /// Its role.
+    pub role: Role,
+    /// A submitter's allocation subtrees.
+    pub allocations: Vec<String>,
+    /// An agent's node.
+    pub node: Option<String>,
+    /// SHA-256 of its token, lower-case hex.
+    pub token_sha256: String,
+    /// After this instant its token is refused.
+    pub expires_at_ms: Option<u64>,
+    /// The actor that granted it.
+    pub granted_by: String,
+    /// When it was granted.
+    pub granted_at_ms: u64,
+    /// The sequence of the grant.
+    pub granted_seq: u64,
+}
+
+/// Whether `path` is `scope` or lies below it.
+fn under(path: &str, scope: &str) -> bool {
+    path == scope
+        || path
+            .strip_prefix(scope)
+            .is_some_and(|rest| rest.starts_with('/'))
+}
+
+impl Principal {
+    /// The actor of every event this principal causes: `agent:<name>` for agents, else
+    /// `user:<name>`.
+    pub fn actor(&self) -> String {
+        actor_of(self.role, &self.name)
+    }
+
+    /// Whether its token is refused at `now_ms` because it expired.
+    pub fn expired_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms.is_some_and(|t| now_ms >= t)
+    }
+
+    /// Whether it may take `action` with the allocation tree as it is: `Err` says what it would
+    /// need. Scopes name subtrees; an allocation removed since the grant no longer grants
+    /// anything.
+    pub fn allows(&self, action: &Action, tree: &AllocationTree) -> Result<(), Denied> {
+        let kind = action.kind();
+        if !self.role.may(kind) {
+            let roles: Vec<&str> = kind.roles().iter().map(|r| r.name()).collect();
+            return Err(Denied(format!(
+                "this needs the role {}; {:?} is {}",
+                roles.join(" or "),
+                self.name,
+                self.role
+            )));
+        }
+        match *action {
+            Action::Submit { allocation } | Action::Cancel { allocation }
+                if self.role == Role::Submitter =>
+            {
+                self.covers(allocation, tree)
+            }
+            Action::RegisterNode { node } | Action::ReportForNode { node }
+                if self.role == Role::Agent =>
+            {
+                match &self.node {
+                    Some(own) if own == node => Ok(()),
+                    own => Err(Denied(format!(
+                        "this needs the agent token of node {node:?}; {:?} is the agent of node {:?}",
+                        self.name,
+                        own.as_deref().unwrap_or("-")
+                    ))),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a submitter's scopes cover `allocation`.
+    fn covers(&self, allocation: Option<&str>, tree: &AllocationTree) -> Result<(), Denied> {
+        if self.allocations.iter().any(|s| s == ANY_ALLOCATION) {
+            return Ok(());
+        }
+        let scopes = self.allocations.join(", ");
+        let Some(path) = allocation else {
+            return Err(Denied(format!(
+                "unallocated work needs a submitter scoped to {ANY_ALLOCATION:?}; {:?} is scoped to {scopes}",
+                self.name
+            )));
+        };
+        let live = |scope: &str| tree.get(scope).is_some_and(|id| !tree.node(id).removed);
+        match self.allocations.iter().find(|s| under(path, s)) {
+            Some(scope) if live(scope) => Ok(()),
+            Some(scope) => Err(Denied(format!(
+                "the allocation {scope:?} that {:?} is scoped to was removed; ask an admin for a token of a live allocation",
+                self.name
+            ))),
+            None => Err(Denied(format!(
+                "this needs a submitter scoped to {path:?} or above; {:?} is scoped to {scopes}",
+                self.name
+            ))),
+        }
+    }
+}
+
+/// The actor string of a principal of `role` named `name`.
+pub fn actor_of(role: Role, name: &str) -> String {
+    let kind = if role == Role::Agent { "agent" } else { "user" };
+    format!("{kind}:{name}")
+}
+
+/// A principal was granted a role and a token (of which only the digest is recorded). Who
+/// granted it is the envelope's actor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalGranted {
+    /// Its name: 1 to 64 letters, digits, `-` or `_`, starting with a letter or digit; unique
+    /// among live principals.
+    pub name: String,
+    /// Its role.
+    pub role: Role,
+    /// A submitter's allocation subtrees (at least one; `*` for all and unallocated work);
+    /// empty for every other role.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allocations: Vec<String>,
+    /// An agent's node; absent for every other role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// SHA-256 of the token, 64 lower-case hex digits. The token itself is never recorded.
+    pub token_sha256: String,
+    /// After this instant (milliseconds since the epoch) the token is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
+}
+
+/// A principal's token was revoked: it is refused from the moment this event is folded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalRevoked {
+    /// The principal's name.
+    pub name: String,
+    /// Why, for the audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Checks a principal's name: 1 to 64 ASCII letters, digits, `-` or `_`, starting with a letter
+/// or digit (it becomes a subject token and an actor).
+pub fn validate_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > 64 {
+        return Err("a name has 1 to 64 characters");
+    }
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err("a name starts with a letter or digit");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err("a name holds only letters, digits, '-' and '_'");
+    }
+    Ok(())
+}
+
+/// Checks a node's name: 1 to 128 ASCII letters, digits, `-` or `_` (it becomes a subject
+/// token, a key and a directory name).
+pub fn validate_node_name(node: &str) -> Result<(), &'static str> {
+    if node.is_empty() || node.len() > 128 {
+        return Err("a node name has 1 to 128 characters");
+    }
+    if !node
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err("a node name holds only letters, digits, '-' and '_'");
+    }
+    Ok(())
+}
+
+/// The live principals, by name and by token digest.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Principals {
+    by_name: BTreeMap<String, Principal>,
+    by_token: BTreeMap<String, String>,
+}
+
+impl Principals {
+    /// The live principal named `name`.
+    pub fn get(&self, name: &str) -> Option<&Principal> {
+        self.by_name.get(name)
+    }
+
+    /// The live principal whose token has SHA-256 `digest` (lower-case hex).
+    pub fn by_token_sha256(&self, digest: &str) -> Option<&Principal> {
+        self.by_name.get(self.by_token.get(digest)?)
+    }
+
+    /// Every live principal, by name.
+    pub fn iter(&self) -> impl Iterator<Item = &Principal> {
+        self.by_name.values()
+    }
+
+    /// How many are live.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+
+    /// Checks a grant against the principals and the tree as they stand.
+    pub fn check_grant(
+        &self,
+        e: &PrincipalGranted,
+        tree: &AllocationTree,
+    ) -> Result<(), Rejection> {
+        let invalid =
+            |field: &'static str, reason: String| Err(Rejection::InvalidGrant { field, reason });
+        if let Err(reason) = validate_name(&e.name) {
+            return invalid("name", reason.into());
+        }
+        if self.by_name.contains_key(&e.name) {
+            return Err(Rejection::PrincipalExists {
+                name: e.name.clone(),
+            });
+        }
+        let hex = e.token_sha256.len() == 64
+            && e.token_sha256
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !hex {
+            return invalid(
+                "token_sha256",
+                "the SHA-256 of the token, as 64 lower-case hex digits".into(),
+            );
+        }
+        if self.by_token.contains_key(&e.token_sha256) {
+            return invalid(
+                "token_sha256",
+                "another principal holds this token; make a new one".into(),
+            );
+        }
+        match (e.role, e.allocations.is_empty(), &e.node) {
+            (Role::Submitter, true, _) => {
+                return invalid(
+                    "allocations",
+                    format!("a submitter needs at least one allocation subtree ({ANY_ALLOCATION:?} for all)"),
+                )
+            }
+            (Role::Submitter, false, None) => {
+                for path in e.allocations.iter().filter(|p| *p != ANY_ALLOCATION) {
+                    crate::alloc::validate_path(path)?;
+                    let live = tree.get(path).is_some_and(|id| !tree.node(id).removed);
+                    if !live {
+                        return Err(Rejection::UnknownAllocation { path: path.clone() });
+                    }
+                }
+            }
+            (Role::Agent, true, Some(node)) => {
+                if let Err(reason) = validate_node_name(node) {
+                    return invalid("node", reason.into());
+                }
+            }
+            (Role::Agent, _, None) => {
+                return invalid("node", "an agent is scoped to one node; name it".into())
+            }
+            (role, false, _) => {
+                return invalid(
+                    "allocations",
+                    format!("only a submitter is scoped to allocations, not a {role}"),
+                )
+            }
+            (role, true, Some(_)) if role != Role::Agent => {
+                return invalid("node", format!("only an agent is scoped to a node, not a {role}"))
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Records a checked grant made by `actor` at `now_ms`, sequence `seq`.
+    pub fn grant(&mut self, e: &PrincipalGranted, actor: &str, now_ms: u64, seq: u64) {
+        self.by_token.insert(e.token_sha256.clone(), e.name.clone());
+        self.by_name.insert(
+            e.name.clone(),
+            Principal {
+                name: e.name.clone(),
+                role: e.role,
+                allocations: e.allocations.clone(),
+                node: e.node.clone(),
+                token_sha256: e.token_sha256.clone(),
+                expires_at_ms: e.expires_at_ms,
+                granted_by: actor.to_owned(),
+                granted_at_ms: now_ms,
+                granted_seq: seq,
+            },
+        );
+    }
+
+    /// Revokes the live principal `name`.
+    pub fn revoke(&mut self, name: &str) -> Result<(), Rejection> {
+        let p = self
+            .by_name
+            .remove(name)
+            .ok_or_else(|| Rejection::UnknownPrincipal {
+                name: name.to_owned(),
+            })?;
+        self.by_token.remove(&p.token_sha256);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_are_subtrees_not_prefixes() {
+        assert!(under("ai2/olmo", "ai2"));
+        assert!(under("ai2", "ai2"));
+        assert!(
+            !under("ai22", "ai2"),
+            "a sibling sharing a prefix is not below"
+        );
+        assert!(!under("ai2", "ai2/olmo"));
+    }
+
+    #[test]
+    fn names_that_could_become_subjects_or_paths_are_refused() {
+        for bad in ["", "a.b", "a/b", "-a", "a b", "a*", &"x".repeat(65)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["alice", "nlp-bot", "gpu_17", "A1"] {
+            assert!(validate_name(good).is_ok(), "{good:?}");
+        }
+        assert!(validate_node_name("gpu.1").is_err());
+        assert!(validate_node_name(&"n".repeat(129)).is_err());
+    }
+}
