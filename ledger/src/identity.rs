@@ -284,7 +284,8 @@ impl Principal {
         if self.allocations.iter().any(|s| s == ANY_ALLOCATION) {
             return Ok(());
         }
-        let scopes = self.allocations.join(", ");
+        let scopes: Vec<String> = self.allocations.iter().map(|s| format!("{s:?}")).collect();
+        let scopes = scopes.join(", ");
         let Some(path) = allocation else {
             return Err(Denied(format!(
                 "unallocated work needs a submitter scoped to {ANY_ALLOCATION:?}; {:?} is scoped to {scopes}",
@@ -380,11 +381,14 @@ pub fn validate_node_name(node: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// The live principals, by name and by token digest.
+/// The live principals, by name and by token digest, and the digests of revoked tokens.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Principals {
     by_name: BTreeMap<String, Principal>,
     by_token: BTreeMap<String, String>,
+    /// Digests of revoked tokens, with their principal's name: a revoked token is told apart
+    /// from an unknown one, and never granted again.
+    revoked: BTreeMap<String, String>,
 }
 
 impl Principals {
@@ -396,6 +400,11 @@ impl Principals {
     /// The live principal whose token has SHA-256 `digest` (lower-case hex).
     pub fn by_token_sha256(&self, digest: &str) -> Option<&Principal> {
         self.by_name.get(self.by_token.get(digest)?)
+    }
+
+    /// The name of the principal whose token with SHA-256 `digest` was revoked.
+    pub fn revoked_token(&self, digest: &str) -> Option<&str> {
+        self.revoked.get(digest).map(String::as_str)
     }
 
     /// Every live principal, by name.
@@ -439,10 +448,11 @@ impl Principals {
                 "the SHA-256 of the token, as 64 lower-case hex digits".into(),
             );
         }
-        if self.by_token.contains_key(&e.token_sha256) {
+        if self.by_token.contains_key(&e.token_sha256) || self.revoked.contains_key(&e.token_sha256)
+        {
             return invalid(
                 "token_sha256",
-                "another principal holds this token; make a new one".into(),
+                "this token was granted before; make a new one".into(),
             );
         }
         match (e.role, e.allocations.is_empty(), &e.node) {
@@ -502,15 +512,23 @@ impl Principals {
         );
     }
 
-    /// Revokes the live principal `name`.
+    /// Revokes the live principal `name`; never the last admin, so someone can always grant.
     pub fn revoke(&mut self, name: &str) -> Result<(), Rejection> {
-        let p = self
+        let target = self
             .by_name
-            .remove(name)
+            .get(name)
             .ok_or_else(|| Rejection::UnknownPrincipal {
                 name: name.to_owned(),
             })?;
+        if target.role == Role::Admin && self.iter().filter(|p| p.role == Role::Admin).count() == 1
+        {
+            return Err(Rejection::LastAdmin {
+                name: name.to_owned(),
+            });
+        }
+        let p = self.by_name.remove(name).expect("looked up above");
         self.by_token.remove(&p.token_sha256);
+        self.revoked.insert(p.token_sha256, p.name);
         Ok(())
     }
 }

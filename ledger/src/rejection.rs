@@ -267,6 +267,12 @@ pub enum Rejection {
         /// The name.
         name: String,
     },
+    /// The last admin cannot be revoked: nobody could grant anything again.
+    #[error("{name:?} is the last admin; grant another admin before revoking it")]
+    LastAdmin {
+        /// The name.
+        name: String,
+    },
 }
 
 impl Rejection {
@@ -305,6 +311,7 @@ impl Rejection {
             Rejection::InvalidGrant { .. } => "invalid_grant",
             Rejection::PrincipalExists { .. } => "principal_exists",
             Rejection::UnknownPrincipal { .. } => "unknown_principal",
+            Rejection::LastAdmin { .. } => "last_admin",
         }
     }
 }

@@ -87,6 +87,13 @@ fn a_grant_records_role_scope_digest_and_granter_and_a_revocation_forgets_it() {
     l.ok(6 * S, revoke("nlp-bot"));
     assert!(l.state.principals.get("nlp-bot").is_none());
     assert!(l.state.principals.by_token_sha256(&digest(1)).is_none());
+    assert_eq!(
+        l.state.principals.revoked_token(&digest(1)),
+        Some("nlp-bot")
+    );
+    // A revoked token is never granted again.
+    let r = rejected(l.apply(6 * S, grant("other", Role::Viewer, &[], None, 1)));
+    assert_eq!(r.code(), "invalid_grant");
     // The name is free again: a rotated token is a new grant under the same name.
     l.ok(
         7 * S,
@@ -100,7 +107,6 @@ fn a_grant_records_role_scope_digest_and_granter_and_a_revocation_forgets_it() {
 fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
     let mut l = cluster();
     l.ok(0, grant("alice", Role::Viewer, &[], None, 1));
-    let before = l.state.principals.clone();
     let cases: Vec<(Event, &str)> = vec![
         (
             grant("alice", Role::Viewer, &[], None, 2),
@@ -132,6 +138,13 @@ fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
         ),
         (revoke("nobody"), "unknown_principal"),
     ];
+    // The one admin cannot be revoked; once another exists, it can.
+    l.ok(0, grant("root", Role::Admin, &[], None, 9));
+    assert_eq!(rejected(l.apply(S, revoke("root"))).code(), "last_admin");
+    l.ok(S, grant("root2", Role::Admin, &[], None, 10));
+    l.ok(S, revoke("root"));
+    assert_eq!(rejected(l.apply(S, revoke("root2"))).code(), "last_admin");
+    let before = l.state.principals.clone();
     for (event, code) in cases {
         let r = rejected(l.apply(S, event.clone()));
         assert_eq!(r.code(), code, "{event:?}: {r}");

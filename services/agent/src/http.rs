@@ -18,14 +18,17 @@ pub struct HttpLog {
     base: String,
     node: String,
     agent: ureq::Agent,
+    /// `Bearer <token>`: the node's agent token.
+    authorization: std::sync::Arc<str>,
 }
 
 /// What a call answered: the status and the JSON body.
 type Answer = (u16, Value);
 
 impl HttpLog {
-    /// The API at `base` (e.g. `http://10.0.0.1:8080`), for node `node`.
-    pub fn new(base: &str, node: &str) -> Self {
+    /// The API at `base` (e.g. `http://10.0.0.1:8080`), for node `node`, whose agent token is
+    /// `token`.
+    pub fn new(base: &str, node: &str, token: &str) -> Self {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(30)))
@@ -35,6 +38,7 @@ impl HttpLog {
             base: base.trim_end_matches('/').to_owned(),
             node: node.to_owned(),
             agent,
+            authorization: format!("Bearer {}", token.trim()).into(),
         }
     }
 
@@ -43,11 +47,13 @@ impl HttpLog {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let url = format!("{}{path}", this.base);
+            let auth = &*this.authorization;
             let sent = match body {
-                None => this.agent.get(&url).call(),
+                None => this.agent.get(&url).header("authorization", auth).call(),
                 Some(b) => this
                     .agent
                     .post(&url)
+                    .header("authorization", auth)
                     .header("content-type", "application/json")
                     .send(b.to_string()),
             };
@@ -65,6 +71,24 @@ impl HttpLog {
         })
         .await
         .map_err(|e| e.to_string())?
+    }
+
+    /// The actor the token stands for (`agent:<name>`), checked to be the agent of this node.
+    pub async fn whoami(&self) -> Result<String, String> {
+        let (status, answer) = self.call("/v1/whoami".into(), None).await?;
+        if status != 200 {
+            return Err(problem(&answer));
+        }
+        if answer["role"] != "agent" || answer["node"] != self.node.as_str() {
+            return Err(format!(
+                "the token is {}'s ({} of node {}), not the agent token of node {:?}; make one with `fairledger token create --role agent --node {}`",
+                answer["name"], answer["role"], answer["node"], self.node, self.node
+            ));
+        }
+        answer["actor"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("the server does not say who the token is: {answer}"))
     }
 
     /// The server's clock (milliseconds since the epoch) as it answered.

@@ -47,6 +47,9 @@ pub use gpu::{FakeGpus, Fault, GpuSource, Nvml};
 pub struct AgentConfig {
     /// The node's name in the cluster.
     pub node: String,
+    /// The actor of its events: its principal's (`agent:<name>`; the server refuses reports
+    /// claiming another).
+    pub actor: String,
     /// Topology labels, e.g. `rack=r1`.
     pub labels: BTreeMap<String, String>,
     /// The model to register, instead of the one derived from the GPUs' names.
@@ -72,6 +75,7 @@ impl AgentConfig {
     pub fn new(node: &str, work_dir: PathBuf, shim: Vec<OsString>) -> Self {
         AgentConfig {
             node: node.to_owned(),
+            actor: format!("agent:{node}"),
             labels: BTreeMap::new(),
             model: None,
             heartbeat: Duration::from_secs(5),
@@ -284,6 +288,7 @@ impl<L: EventLog> Agent<L> {
             source,
             self.telemetry.clone(),
             self.config.node.clone(),
+            self.config.actor.clone(),
             self.config.heartbeat,
             self.clock.clone(),
             busy_rx,
@@ -447,7 +452,7 @@ impl<L: EventLog> Agent<L> {
         Envelope::new(
             Uuid::now_v7(),
             self.clock().now_ms(),
-            format!("agent:{}", self.config.node),
+            self.config.actor.clone(),
             event,
         )
     }
@@ -871,12 +876,8 @@ impl<L: EventLog> Agent<L> {
                 .iter()
                 .enumerate()
                 .map(|(i, e)| {
-                    let env = Envelope::new(
-                        Uuid::now_v7(),
-                        stamp,
-                        format!("agent:{}", self.config.node),
-                        e.clone(),
-                    );
+                    let env =
+                        Envelope::new(Uuid::now_v7(), stamp, self.config.actor.clone(), e.clone());
                     if i == 0 {
                         self.sent.insert(env.id, key);
                     }
@@ -919,6 +920,7 @@ async fn heartbeats(
     mut source: Box<dyn GpuSource>,
     telemetry: Telemetry,
     node: String,
+    actor: String,
     interval: Duration,
     clock: Arc<std::sync::Mutex<Clock>>,
     busy: tokio::sync::watch::Receiver<Vec<u32>>,
@@ -963,7 +965,7 @@ async fn heartbeats(
         let env = Envelope::new(
             Uuid::now_v7(),
             now().now_ms(),
-            format!("agent:{node}"),
+            actor.clone(),
             Event::GpuHeartbeat(hb),
         );
         let sent = now().local_ms();

@@ -47,6 +47,16 @@ impl Problem {
         Problem::new(StatusCode::NOT_FOUND, "not-found", detail)
     }
 
+    /// No token, or one that is unknown, revoked or expired (401; the answer says which).
+    pub fn unauthenticated(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", detail)
+    }
+
+    /// A known caller that may not do this (403; the detail names the role or scope needed).
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::FORBIDDEN, "forbidden", detail)
+    }
+
     /// The event log could not take or give the data.
     pub fn unavailable(detail: impl Into<String>) -> Self {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "log-unavailable", detail)
@@ -57,12 +67,20 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = serde_json::to_vec(&self).expect("a problem serializes");
-        (
+        let mut response = (
             status,
             [(header::CONTENT_TYPE, "application/problem+json")],
             body,
         )
-            .into_response()
+            .into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            // RFC 6750: a 401 names the scheme it wants.
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer realm=\"fairledger\""),
+            );
+        }
+        response
     }
 }
 

@@ -26,6 +26,10 @@ pub struct AgentArgs {
     /// then: run one agent per node).
     #[arg(long, env = "FAIRLEDGER_API", conflicts_with = "nats")]
     pub api: Option<String>,
+    /// With --api: a file holding this node's agent token (`fairledger token create --role
+    /// agent --node NODE`); else the FAIRLEDGER_TOKEN variable.
+    #[arg(long, env = "FAIRLEDGER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
     /// The node's name in the cluster (default: this machine's host name).
     #[arg(long, env = "FAIRLEDGER_NODE")]
     pub node: Option<String>,
@@ -143,8 +147,10 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     if !(args.heartbeat_s.is_finite() && args.heartbeat_s > 0.0) {
         return Err("--heartbeat-s must be a positive number of seconds".into());
     }
-    let source = source(&args)?;
     let node = args.node.clone().unwrap_or_else(host_name);
+    ledger::identity::validate_node_name(&node)
+        .map_err(|reason| format!("node name {node:?}: {reason}; pass --node"))?;
+    let source = source(&args)?;
     let shim = shim()?;
     let mut config = AgentConfig::new(&node, args.work_dir.clone(), shim);
     config.labels = args.label.iter().cloned().collect::<BTreeMap<_, _>>();
@@ -152,8 +158,18 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     config.heartbeat = Duration::from_secs_f64(args.heartbeat_s);
     config.clock_skew_ms = args.clock_skew_ms;
     if let Some(api) = args.api.clone() {
+        let token = match &args.token_file {
+            Some(path) => crate::client::read_token_file(path)?,
+            None => std::env::var("FAIRLEDGER_TOKEN")
+                .ok()
+                .filter(|t| !t.trim().is_empty())
+                .ok_or_else(|| {
+                    format!("an agent over --api needs this node's agent token: pass --token-file (make one with `fairledger token create --name {node} --role agent --node {node} --out FILE`) or set FAIRLEDGER_TOKEN")
+                })?,
+        };
         return runtime()?.block_on(async move {
-            let log = agent::http::HttpLog::new(&api, &node);
+            let log = agent::http::HttpLog::new(&api, &node, &token);
+            config.actor = log.whoami().await.map_err(|e| format!("{e} (API {api})"))?;
             let telemetry = Telemetry::Http(log.clone());
             let agent = agent::Agent::new(log, telemetry, source, config);
             agent

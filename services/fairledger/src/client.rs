@@ -3,57 +3,146 @@
 //! people by default, in the shape squeue, sshare and sreport users know; `--json` for scripts.
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-/// Where the API is, and how to print.
+/// The API every client command talks to when none is named.
+pub const LOCAL_API: &str = "http://127.0.0.1:8080";
+
+/// Where the API is, who is asking, and how to print.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ClientArgs {
     /// The API's base URL.
-    #[arg(
-        long,
-        env = "FAIRLEDGER_API",
-        default_value = "http://127.0.0.1:8080",
-        global = true
-    )]
+    #[arg(long, env = "FAIRLEDGER_API", default_value = LOCAL_API, global = true)]
     pub api: String,
+    /// A file holding the token to send (else the FAIRLEDGER_TOKEN variable; else, for a server
+    /// on this machine, the first admin's token in DATA/admin.token).
+    #[arg(long, env = "FAIRLEDGER_TOKEN_FILE", global = true)]
+    pub token_file: Option<PathBuf>,
     /// Print the API's JSON instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+/// Reads a token from `path`: its first line, trimmed.
+pub fn read_token_file(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                eprintln!(
+                    "warning: the token file {} can be read by others; chmod 600 it",
+                    path.display()
+                );
+            }
+        }
+    }
+    let token = text.lines().next().unwrap_or("").trim().to_owned();
+    if token.is_empty() {
+        return Err(format!("the token file {} is empty", path.display()));
+    }
+    Ok(token)
+}
+
+/// Whether `api` is a server on this machine.
+fn is_local(api: &str) -> bool {
+    let host = api
+        .split("://")
+        .nth(1)
+        .unwrap_or(api)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or("");
+    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    matches!(host, "127.0.0.1" | "localhost" | "[::1]")
+}
+
+/// The token to send: `--token-file`, else `FAIRLEDGER_TOKEN`, else, for a server on this
+/// machine, the first admin's token that `serve` wrote to `DATA/admin.token` (DATA from
+/// `FAIRLEDGER_DATA`, default `fairledger-data`). `None` when there is none.
+pub fn token(api: &str, token_file: Option<&Path>) -> Result<Option<String>, String> {
+    if let Some(path) = token_file {
+        return read_token_file(path).map(Some);
+    }
+    if let Ok(token) = std::env::var("FAIRLEDGER_TOKEN") {
+        let token = token.trim().to_owned();
+        if !token.is_empty() {
+            return Ok(Some(token));
+        }
+    }
+    if is_local(api) {
+        let data = std::env::var_os("FAIRLEDGER_DATA")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("fairledger-data"));
+        let path = data.join(api::application::ADMIN_TOKEN_FILE);
+        if path.exists() {
+            return read_token_file(&path).map(Some);
+        }
+    }
+    Ok(None)
 }
 
 /// A thin HTTP client that turns problem+json answers into one-line errors.
 struct Api {
     base: String,
     agent: ureq::Agent,
+    authorization: Option<String>,
 }
 
 impl Api {
-    fn new(base: &str) -> Self {
+    fn new(args: &ClientArgs) -> Result<Self, String> {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .build();
-        Api {
-            base: base.trim_end_matches('/').to_owned(),
+        let token = token(&args.api, args.token_file.as_deref())?;
+        Ok(Api {
+            base: args.api.trim_end_matches('/').to_owned(),
             agent: config.into(),
+            authorization: token.map(|t| format!("Bearer {t}")),
+        })
+    }
+
+    /// A request of `method` to `url`, with the token when there is one.
+    fn request(
+        &self,
+        method: &str,
+        url: &str,
+    ) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+        let builder = match method {
+            "GET" => self.agent.get(url),
+            _ => self.agent.delete(url),
+        };
+        match &self.authorization {
+            Some(a) => builder.header("authorization", a),
+            None => builder,
+        }
+    }
+
+    fn request_with_body(
+        &self,
+        method: &str,
+        url: &str,
+    ) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let builder = match method {
+            "POST" => self.agent.post(url),
+            _ => self.agent.put(url),
+        };
+        let builder = builder.header("content-type", "application/json");
+        match &self.authorization {
+            Some(a) => builder.header("authorization", a),
+            None => builder,
         }
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, String> {
         let url = format!("{}{path}", self.base);
         let sent = match (method, body) {
-            ("GET", _) => self.agent.get(&url).call(),
-            ("DELETE", _) => self.agent.delete(&url).call(),
-            ("POST", Some(b)) => self
-                .agent
-                .post(&url)
-                .header("content-type", "application/json")
-                .send(b.to_string()),
-            ("PUT", Some(b)) => self
-                .agent
-                .put(&url)
-                .header("content-type", "application/json")
-                .send(b.to_string()),
+            ("GET" | "DELETE", None) => self.request(method, &url).call(),
+            ("POST" | "PUT", Some(b)) => self.request_with_body(method, &url).send(b.to_string()),
             _ => unreachable!("{method} with {body:?}"),
         };
         let mut response = sent.map_err(|e| {
@@ -72,6 +161,11 @@ impl Api {
             let detail = value["detail"]
                 .as_str()
                 .unwrap_or("the API refused the request");
+            if status == 401 && self.authorization.is_none() {
+                return Err(format!(
+                    "{detail}; set FAIRLEDGER_TOKEN or pass --token-file (a local server's first admin token is in fairledger-data/admin.token)"
+                ));
+            }
             return Err(match value["field"].as_str() {
                 Some(field) => format!("{detail} (field {field})"),
                 None => detail.to_owned(),
@@ -192,7 +286,7 @@ fn columns(header: &[&str], rows: Vec<Vec<String>>) -> String {
 }
 
 pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
-    let api = Api::new(&args.api);
+    let api = Api::new(args)?;
     let body = json!({
         "allocation": s.allocation, "gpus_per_node": s.gpus, "nodes": s.nodes, "name": s.name,
         "model": s.model, "priority": s.priority, "min_runtime_s": s.min_runtime,
@@ -214,7 +308,7 @@ pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
 }
 
 pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
-    let v = Api::new(&args.api).call("GET", &format!("/v1/workloads/{id}"), None)?;
+    let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}"), None)?;
     print(args, &v, |w| {
         let placement: Vec<String> = w["placement"]
             .as_array()
@@ -223,10 +317,11 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
             .map(|p| format!("{}:{}", text(&p["node"]), text(&p["gpus"])))
             .collect();
         format!(
-            "id          {}\nphase       {}\nallocation  {}\ngpus        {} x {}\nplacement   {}\nprotected   {}\nstarts      {}\n",
+            "id          {}\nphase       {}\nallocation  {}\nuser        {}\ngpus        {} x {}\nplacement   {}\nprotected   {}\nstarts      {}\n",
             text(&w["id"]),
             text(&w["phase"]),
             text(&w["allocation"]),
+            text(&w["user"]),
             text(&w["nodes"]),
             text(&w["gpus_per_node"]),
             if placement.is_empty() { "-".into() } else { placement.join(" ") },
@@ -238,7 +333,7 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
 }
 
 pub fn cancel(args: &ClientArgs, id: &str) -> Result<(), String> {
-    let v = Api::new(&args.api).call("DELETE", &format!("/v1/workloads/{id}"), None)?;
+    let v = Api::new(args)?.call("DELETE", &format!("/v1/workloads/{id}"), None)?;
     print(args, &v, |v| {
         format!(
             "{}: {}\n",
@@ -249,12 +344,21 @@ pub fn cancel(args: &ClientArgs, id: &str) -> Result<(), String> {
     Ok(())
 }
 
-pub fn queue(args: &ClientArgs, allocation: Option<&str>) -> Result<(), String> {
-    let path = match allocation {
-        Some(a) => format!("/v1/queue?allocation={a}"),
-        None => "/v1/queue".into(),
+pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<(), String> {
+    let api = Api::new(args)?;
+    let mut filters = Vec::new();
+    if let Some(a) = allocation {
+        filters.push(format!("allocation={a}"));
+    }
+    if me {
+        let who = api.call("GET", "/v1/whoami", None)?;
+        filters.push(format!("user={}", text(&who["actor"])));
+    }
+    let path = match filters.is_empty() {
+        true => "/v1/queue".to_owned(),
+        false => format!("/v1/queue?{}", filters.join("&")),
     };
-    let v = Api::new(&args.api).call("GET", &path, None)?;
+    let v = api.call("GET", &path, None)?;
     print(args, &v, |v| {
         let rows = v["pending"]
             .as_array()
@@ -265,18 +369,19 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>) -> Result<(), String> 
                     text(&p["position"]),
                     text(&p["id"]),
                     text(&p["allocation"]),
+                    text(&p["user"]),
                     format!("{}x{}", text(&p["nodes"]), text(&p["gpus_per_node"])),
                     text(&p["reason"]["code"]),
                 ]
             })
             .collect();
-        columns(&["POS", "ID", "ALLOCATION", "GPUS", "REASON"], rows)
+        columns(&["POS", "ID", "ALLOCATION", "USER", "GPUS", "REASON"], rows)
     });
     Ok(())
 }
 
 pub fn nodes(args: &ClientArgs) -> Result<(), String> {
-    let v = Api::new(&args.api).call("GET", "/v1/nodes", None)?;
+    let v = Api::new(args)?.call("GET", "/v1/nodes", None)?;
     print(args, &v, |v| {
         let rows = v["nodes"]
             .as_array()
@@ -344,7 +449,7 @@ pub fn nodes(args: &ClientArgs) -> Result<(), String> {
 }
 
 pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
-    let v = Api::new(&args.api).call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
+    let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {
         if v["phase"] != "pending" {
             return format!(
@@ -386,7 +491,7 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
 }
 
 pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
-    let api = Api::new(&args.api);
+    let api = Api::new(args)?;
     match command {
         AllocCommand::List => {
             let v = api.call("GET", "/v1/allocations", None)?;
@@ -460,7 +565,7 @@ pub fn audit(
     if let Some(t) = to {
         path += &format!("&to={t}");
     }
-    let v = Api::new(&args.api).call("GET", &path, None)?;
+    let v = Api::new(args)?.call("GET", &path, None)?;
     print(args, &v, |v| {
         let rows = v["rows"]
             .as_array()
@@ -495,7 +600,7 @@ pub fn audit(
 }
 
 pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Result<(), String> {
-    let api = Api::new(&args.api);
+    let api = Api::new(args)?;
     if !follow {
         let v = api.call(
             "GET",
@@ -520,12 +625,20 @@ pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Resu
         return Ok(());
     }
     let url = format!("{}/v1/events/stream?after={after}", api.base);
-    let response = api.agent.get(&url).call().map_err(|e| {
+    let mut response = api.request("GET", &url).call().map_err(|e| {
         format!(
             "cannot reach the API at {} ({e}); start it with `fairledger serve` or pass --api",
             api.base
         )
     })?;
+    if response.status().as_u16() >= 400 {
+        let text = response.body_mut().read_to_string().unwrap_or_default();
+        let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        return Err(value["detail"]
+            .as_str()
+            .unwrap_or("the API refused to stream the events")
+            .to_owned());
+    }
     let reader = BufReader::new(response.into_body().into_reader());
     let (mut id, mut kind) = (String::new(), String::new());
     for line in reader.lines() {
@@ -542,5 +655,147 @@ pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Resu
             }
         }
     }
+    Ok(())
+}
+
+/// `fairledger token …`.
+#[derive(clap::Subcommand, Debug)]
+pub enum TokenCommand {
+    /// Grant a principal a role and a new token (admin). The token is printed once.
+    Create {
+        /// The principal's name (letters, digits, - and _); it acts as user:NAME (agent:NAME).
+        #[arg(long)]
+        name: String,
+        /// admin, operator, submitter, agent, auditor or viewer.
+        #[arg(long)]
+        role: String,
+        /// A submitter's allocation subtree (repeat for more; * for all and unallocated work).
+        #[arg(long = "allocation", short = 'a')]
+        allocations: Vec<String>,
+        /// An agent's node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Refuse the token after this long, e.g. 12h, 30d.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        expires: Option<std::time::Duration>,
+        /// Write the token to this file (readable by you only) instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// The principals: name, role, scope, who granted them and when (admin).
+    List,
+    /// Revoke a principal's token: every API process refuses it once it has folded this (admin).
+    Revoke {
+        /// The principal's name.
+        name: String,
+    },
+}
+
+pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), String> {
+    let api = Api::new(args)?;
+    match command {
+        TokenCommand::Create {
+            name,
+            role,
+            allocations,
+            node,
+            expires,
+            out,
+        } => {
+            let body = json!({
+                "name": name, "role": role, "allocations": allocations, "node": node,
+                "expires_in_s": expires.map(|d| d.as_secs().max(1)),
+            });
+            let mut v = api.call("POST", "/v1/tokens", Some(&body))?;
+            let token = v["token"].as_str().unwrap_or_default().to_owned();
+            if let Some(path) = &out {
+                api::application::write_secret(path, &token)?;
+                v["token"] = json!(format!("written to {}", path.display()));
+            }
+            print(args, &v, |v| {
+                let scope = match (v["allocations"].as_array(), v["node"].as_str()) {
+                    (Some(a), _) if !a.is_empty() => {
+                        let a: Vec<String> = a.iter().map(text).collect();
+                        format!(" of {}", a.join(", "))
+                    }
+                    (_, Some(n)) => format!(" of node {n}"),
+                    _ => String::new(),
+                };
+                let expires = match v["expires_at"].as_str() {
+                    Some(t) => format!(", expires {t}"),
+                    None => String::new(),
+                };
+                let head = format!(
+                    "{} ({}{scope}{expires})",
+                    text(&v["actor"]),
+                    text(&v["role"])
+                );
+                match &out {
+                    Some(path) => format!("token of {head} written to {}\n", path.display()),
+                    // The token alone on stdout, so `$(fairledger token create …)` captures it.
+                    None => {
+                        eprintln!("token of {head}; it is shown this once:");
+                        format!("{}\n", text(&v["token"]))
+                    }
+                }
+            });
+        }
+        TokenCommand::List => {
+            let v = api.call("GET", "/v1/tokens", None)?;
+            print(args, &v, |v| {
+                let rows = v["tokens"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| {
+                        let scope = match (t["allocations"].as_array(), t["node"].as_str()) {
+                            (Some(a), _) if !a.is_empty() => {
+                                a.iter().map(text).collect::<Vec<_>>().join(",")
+                            }
+                            (_, Some(n)) => format!("node {n}"),
+                            _ => "-".into(),
+                        };
+                        let expires = match (t["expired"].as_bool(), t["expires_at"].as_str()) {
+                            (Some(true), Some(at)) => format!("expired {at}"),
+                            (_, Some(at)) => at.to_owned(),
+                            _ => "never".into(),
+                        };
+                        vec![
+                            text(&t["name"]),
+                            text(&t["role"]),
+                            scope,
+                            text(&t["granted_by"]),
+                            text(&t["granted_at"]),
+                            expires,
+                        ]
+                    })
+                    .collect();
+                columns(
+                    &["NAME", "ROLE", "SCOPE", "GRANTED_BY", "GRANTED", "EXPIRES"],
+                    rows,
+                )
+            });
+        }
+        TokenCommand::Revoke { name } => {
+            let v = api.call("DELETE", &format!("/v1/tokens/{name}"), None)?;
+            print(args, &v, |v| format!("revoked {}\n", text(&v["name"])));
+        }
+    }
+    Ok(())
+}
+
+pub fn whoami(args: &ClientArgs) -> Result<(), String> {
+    let v = Api::new(args)?.call("GET", "/v1/whoami", None)?;
+    print(args, &v, |v| {
+        format!(
+            "{} ({}){}\n",
+            text(&v["actor"]),
+            text(&v["role"]),
+            match v["expires_at"].as_str() {
+                Some(t) => format!(", token expires {t}"),
+                None => String::new(),
+            }
+        )
+    });
     Ok(())
 }

@@ -145,6 +145,21 @@ enum Command {
         /// Only this allocation and below.
         #[arg(long, short)]
         allocation: Option<String>,
+        /// Only the workloads I submitted.
+        #[arg(long)]
+        me: bool,
+    },
+    /// Grant, list and revoke principals' tokens (admin).
+    Token {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: client::TokenCommand,
+    },
+    /// Who the token speaks for: name, role, scope.
+    Whoami {
+        #[command(flatten)]
+        client: client::ClientArgs,
     },
     /// The nodes: GPUs free, utilization of the held ones, unhealthy GPUs, labels (like
     /// sinfo).
@@ -325,7 +340,13 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Submit { client, submit } => client::submit(&client, submit),
         Command::Status { client, id } => client::status(&client, &id),
         Command::Cancel { client, id } => client::cancel(&client, &id),
-        Command::Queue { client, allocation } => client::queue(&client, allocation.as_deref()),
+        Command::Queue {
+            client,
+            allocation,
+            me,
+        } => client::queue(&client, allocation.as_deref(), me),
+        Command::Token { client, command } => client::token_command(&client, command),
+        Command::Whoami { client } => client::whoami(&client),
         Command::Explain { client, id } => client::explain(&client, &id),
         Command::Nodes { client } => client::nodes(&client),
         Command::Alloc { client, command } => {

@@ -1,13 +1,8 @@
 //! `fairledger serve`: the API, the projector and the scheduler in one process.
 
-use std::sync::Arc;
-
 use eventlog::{Append, EventLog};
 use ledger::policy::{self, PolicyConfig};
 use ledger::{Envelope, StateConfig};
-use projector::Projector;
-use scheduler::SchedulerConfig;
-use tokio::sync::{watch, RwLock};
 
 use crate::logcmd::{runtime, shutdown_signal, LogArgs};
 
@@ -130,102 +125,53 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 None => eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp"),
             }
         }
-        let dir = args.log.data.join("projection");
-        let mut projection = Projector::open_or_rebuild(&dir, state_config, &log)
-            .await
-            .map_err(|e| e.to_string())?
-            .checkpoint_at_most_every(CHECKPOINT_GAP);
-        projection.catch_up(&log).await.map_err(|e| e.to_string())?;
-        let (applied_tx, applied) = watch::channel(projection.last_seq());
-        let projection = Arc::new(RwLock::new(projection));
-        let app = api::App::new(log.clone(), projection.clone(), applied.clone(), policy.clone());
-        app.set_heartbeat_timeout((args.heartbeat_timeout_s * 1000.0) as u64);
-        app.set_ready();
-
-        let listener = tokio::net::TcpListener::bind(&args.listen)
-            .await
-            .map_err(|e| format!("cannot listen on {}: {e}; pass another --listen", args.listen))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        eprintln!("listening on http://{addr}");
-
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let stopped = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|s| *s).await;
+        let serving = match args.role.as_str() {
+            "api" => api::Serving::Api,
+            "scheduler" => api::Serving::Scheduler,
+            _ => api::Serving::All,
         };
-        let projector_task = {
-            let log = log.clone();
-            let projection = projection.clone();
-            let stop = stopped(stop_rx.clone());
-            tokio::spawn(async move {
-                projector::follow(&log, &projection, &applied_tx, stop).await
-            })
+        let settings = api::Settings {
+            serving,
+            state_config,
+            policy,
+            heartbeat_timeout_ms: (args.heartbeat_timeout_s * 1000.0) as u64,
+            checkpoint_gap: CHECKPOINT_GAP,
+            replicas: args.log.replicas,
+            ..api::Settings::new(&args.listen, args.log.data.clone())
         };
-        let run_scheduler = args.role != "api";
-        let scheduler_task = {
-            let log = log.clone();
-            let projection = projection.clone();
-            let config = SchedulerConfig {
-                policy,
-                health: Some(app.health()),
-                ..Default::default()
-            };
-            let lease = match (&log, run_scheduler) {
-                (eventlog::AnyLog::JetStream(js), true) => Some(
-                    eventlog::lease::Lease::open(
-                        js.context(),
-                        scheduler::LEASE_BUCKET,
-                        scheduler::LEASE_KEY,
-                        &format!("{}:{}", std::process::id(), uuid::Uuid::now_v7()),
-                        std::time::Duration::from_secs(10),
-                        args.log.replicas,
-                    )
-                    .await?,
-                ),
-                _ => None,
-            };
-            let stop = stopped(stop_rx.clone());
-            tokio::spawn(async move {
-                if run_scheduler {
-                    scheduler::run(&log, &projection, applied, &config, lease, stop).await;
-                }
-            })
-        };
-        // Heartbeats published on NATS (by agents, or by API replicas) reach the scheduler's
-        // health monitor through the telemetry stream.
-        let heartbeat_task = match (&log, run_scheduler) {
-            (eventlog::AnyLog::JetStream(js), true) => {
-                let heartbeats = js.heartbeats().await.map_err(|e| e.to_string())?;
-                let projection = projection.clone();
-                let monitor = app.health();
-                let stop = stopped(stop_rx.clone());
-                Some(tokio::spawn(async move {
-                    scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await
-                }))
-            }
-            _ => None,
-        };
+        let application = api::Application::build(settings, log.clone()).await?;
+        if let Some(path) = application.admin_token_file() {
+            eprintln!(
+                "created the first admin token in {} (readable by you only; the fairledger commands on this machine read it by themselves)",
+                path.display()
+            );
+        }
+        eprintln!("listening on http://{}", application.local_addr());
         // On the embedded log, the cluster's nodes are driven by agents inside this process,
         // with fake GPUs: workloads run as real processes (`sleep` for the length of their
-        // estimate when they name no command), and stop when the server does.
+        // estimate when they name no command), and stop when the server does. Each is the
+        // principal of its node's agent token, and reports through the same checks as an
+        // agent over HTTP.
         let mut agent_tasks = Vec::new();
-        if embedded && run_scheduler && !args.no_demo && !args.no_agents {
+        if embedded && serving != api::Serving::Api && !args.no_demo && !args.no_agents {
+            let app = application.app().clone();
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Envelope>();
             let heartbeats = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
-            let projection = projection.clone();
+            let projection = app.projection().clone();
             let monitor = app.health();
-            let stop = stopped(stop_rx.clone());
+            let stop = application.stopping();
             agent_tasks.push(tokio::spawn(async move {
                 scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await;
                 Ok(())
             }));
             let shim = crate::agentcmd::shim()?;
             for node in &fake_nodes {
+                let dir = args.log.data.join("agents").join(&node.node);
+                let token = local_agent_token(&app, &node.node, &dir).await?;
+                let log = api::reports::LocalAgentLog::new(app.clone(), &token, &node.node);
                 let gpus = agent::FakeGpus::new(node.gpus, &node.model, Vec::new())?;
-                let mut config = agent::AgentConfig::new(
-                    &node.node,
-                    args.log.data.join("agents").join(&node.node),
-                    shim.clone(),
-                );
+                let mut config = agent::AgentConfig::new(&node.node, dir, shim.clone());
+                config.actor = log.actor().await?;
                 config.model = Some(node.model.clone());
                 config.labels = node.labels.clone();
                 config.stop_runs_on_exit = true;
@@ -233,40 +179,82 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 let telemetry = agent::Telemetry::Local(std::sync::Arc::new(move |e: &Envelope| {
                     let _ = tx.send(e.clone());
                 }));
-                let agent = agent::Agent::new(log.clone(), telemetry, Box::new(gpus), config);
-                let stop = stopped(stop_rx.clone());
+                let agent = agent::Agent::new(log, telemetry, Box::new(gpus), config);
+                let stop = application.stopping();
                 agent_tasks.push(tokio::spawn(async move {
                     agent.run(stop).await.map_err(|e| e.to_string())
                 }));
             }
         }
-        let router = if args.role == "scheduler" {
-            api::health_router(app)
-        } else {
-            api::router(app)
-        };
         eprintln!("role: {}", args.role);
-        let server = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
+        let served = application
+            .run_until(async move {
                 shutdown_signal().await;
                 eprintln!("shutting down");
-            });
-        let served = server.await.map_err(|e| format!("the HTTP server failed: {e}"));
-        let _ = stop_tx.send(true);
+            })
+            .await;
         for task in agent_tasks {
             if let Ok(Err(e)) = task.await {
                 eprintln!("a node agent failed: {e}");
             }
         }
-        let _ = scheduler_task.await;
-        if let Some(task) = heartbeat_task {
-            let _ = task.await;
-        }
-        let projected = projector_task
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string());
-        served?;
-        projected
+        served
     })
+}
+
+/// The token of the agent of `node` inside this server, kept in `dir/agent.token` (readable by
+/// this user only): the one granted at an earlier start if it is still live, else a new grant.
+async fn local_agent_token(
+    app: &api::App,
+    node: &str,
+    dir: &std::path::Path,
+) -> Result<String, String> {
+    let path = dir.join("agent.token");
+    if let Ok(token) = std::fs::read_to_string(&path) {
+        let token = token.trim().to_owned();
+        let p = app.projection().read().await;
+        let live = p
+            .state()
+            .principals
+            .by_token_sha256(&api::auth::token_sha256(&token))
+            .is_some_and(|g| g.node.as_deref() == Some(node));
+        if live {
+            return Ok(token);
+        }
+    }
+    let (token, token_sha256) = api::auth::new_token()?;
+    let grant = ledger::Event::PrincipalGranted(ledger::event::PrincipalGranted {
+        name: node.to_owned(),
+        role: ledger::event::Role::Agent,
+        allocations: Vec::new(),
+        node: Some(node.to_owned()),
+        token_sha256,
+        expires_at_ms: None,
+    });
+    // A principal of that name from before (its token file lost): revoked and granted anew.
+    let exists = app
+        .projection()
+        .read()
+        .await
+        .state()
+        .principals
+        .get(node)
+        .is_some();
+    if exists {
+        let revoke = ledger::Event::PrincipalRevoked(ledger::event::PrincipalRevoked {
+            name: node.to_owned(),
+            reason: Some("the server's own agent lost its token".into()),
+        });
+        app.write(revoke, None, None, "serve").await.map_err(|p| {
+            format!(
+                "cannot renew the token of node {node}'s agent: {}",
+                p.detail
+            )
+        })?;
+    }
+    app.write(grant, None, None, "serve")
+        .await
+        .map_err(|p| format!("cannot grant node {node}'s agent a token: {}", p.detail))?;
+    api::application::write_secret(&path, &token)?;
+    Ok(token)
 }

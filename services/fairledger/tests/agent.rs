@@ -439,9 +439,12 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         config.to_str().unwrap(),
     ]);
     let api = format!("http://{}", server.addr);
+    let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
+    let token_file = tmp.path().join("agent.token");
+    std::fs::write(&token_file, &token).unwrap();
     // A minute slow: the agent sets its clock by the server's before it registers.
     let agent = Agent::start_with(
-        &["--api", &api],
+        &["--api", &api, "--token-file", token_file.to_str().unwrap()],
         "gpu-h",
         &tmp.path().join("agent"),
         &["--fake-gpus", "2", "--clock-skew-ms", "-60000"],
@@ -485,7 +488,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     let (_, nodes) = server.call("GET", "/v1/nodes", None);
     assert_eq!(nodes["nodes"][0]["healthy_gpus"], 2, "{nodes}");
     let out = Command::new(BIN)
-        .args(["nodes", "--api", &api])
+        .args(["nodes", "--api", &api, "--token-file", &server.token_file()])
         .output()
         .unwrap();
     let table = String::from_utf8(out.stdout).unwrap();
@@ -505,9 +508,16 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
             "payload": {"workload": id, "exit_code": 0}
         }
     }]});
-    let (status, problem) =
-        server.call("POST", "/v1/nodes/gpu-h/events", Some(&report.to_string()));
-    assert_eq!(status, 422, "{problem}");
+    let report_as_agent = |body: &Value| {
+        server.call_as(
+            Some(&token),
+            "POST",
+            "/v1/nodes/gpu-h/events",
+            Some(&body.to_string()),
+        )
+    };
+    let (status, problem) = report_as_agent(&report);
+    assert_eq!(status, 403, "{problem}");
     assert_eq!(problem["field"], "events[0].envelope");
     // So is an event stamped far ahead of the server's clock.
     let ahead = json!({"events": [{
@@ -521,7 +531,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
             "payload": {"node": "gpu-h", "gpus": 2, "model": "H100"}
         }
     }]});
-    let (status, problem) = server.call("POST", "/v1/nodes/gpu-h/events", Some(&ahead.to_string()));
+    let (status, problem) = report_as_agent(&ahead);
     assert_eq!(status, 422, "{problem}");
     assert_eq!(problem["field"], "events[0].envelope.occurred_at_ms");
     let (_, after) = server.call("GET", "/v1/events?limit=1", None);

@@ -131,6 +131,7 @@ fn on_nats_a_submission_is_placed() {
     assert_eq!(
         subjects,
         vec![
+            "fairledger.ledger.principal.granted.admin",
             "fairledger.ledger.allocation.set.team",
             "fairledger.ledger.node.registered.gpu-1",
             "fairledger.ledger.workload.submitted.team",
@@ -144,6 +145,7 @@ fn cli(server: &Server, args: &[&str]) -> Result<String, String> {
     let out = Command::new(BIN)
         .args(args)
         .args(["--api", &format!("http://{}", server.addr)])
+        .args(["--token-file", &server.token_file()])
         .output()
         .unwrap();
     if out.status.success() {
@@ -505,4 +507,217 @@ fn the_shipped_example_cluster_loads() {
     assert_eq!(prepared.nodes.len(), 8);
     assert_eq!(prepared.policy.min_runtime_ms, 7_200_000);
     assert!(prepared.weights.contains_key("uw/nlp"));
+}
+
+/// Runs the command-line client with `env` set; returns its stdout, or its stderr on failure.
+fn cli_env(server: &Server, env: &[(&str, &str)], args: &[&str]) -> Result<String, String> {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .args(["--api", &format!("http://{}", server.addr)])
+        .env_remove("FAIRLEDGER_TOKEN")
+        .env_remove("FAIRLEDGER_TOKEN_FILE");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = command.output().unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8(out.stderr).unwrap())
+    }
+}
+
+/// identity: the first start makes an admin whose token only its owner can read; the commands
+/// on the server's machine find it by themselves; a submitter's token reaches its subtree only
+/// and stops at its revocation; and no token shows in the server's output or data but where it
+/// is meant to be.
+#[test]
+fn the_first_admin_grants_tokens_that_work_within_their_scope_until_revoked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let server = Server::start(&["--data", data.to_str().unwrap()]);
+    let token_file = data.join("admin.token");
+    let said = server.stderr.lock().unwrap().clone();
+    assert!(
+        said.contains(&format!(
+            "created the first admin token in {}",
+            token_file.display()
+        )),
+        "{said}"
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&token_file).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    // Without a token: refused.
+    let (status, problem) = server.call_as(
+        None,
+        "PUT",
+        "/v1/allocations/uw/nlp",
+        Some(r#"{"weight":100}"#),
+    );
+    assert_eq!(status, 401, "{problem}");
+    // The client on this machine reads the first admin's token from the data directory.
+    let data_env = [("FAIRLEDGER_DATA", data.to_str().unwrap())];
+    let me = cli_env(&server, &data_env, &["whoami"]).unwrap();
+    assert_eq!(me.trim(), "user:admin (admin)");
+    let elsewhere =
+        cli_env(&server, &[("FAIRLEDGER_DATA", "/nonexistent")], &["queue"]).unwrap_err();
+    assert!(elsewhere.contains("FAIRLEDGER_TOKEN"), "{elsewhere}");
+    assert_eq!(elsewhere.lines().count(), 1, "{elsewhere}");
+    // A submitter of uw/nlp.
+    let bot = cli_env(
+        &server,
+        &data_env,
+        &[
+            "token",
+            "create",
+            "--name",
+            "nlp-bot",
+            "--role",
+            "submitter",
+            "-a",
+            "uw/nlp",
+            "--expires",
+            "30d",
+        ],
+    )
+    .unwrap()
+    .trim()
+    .to_owned();
+    assert!(bot.starts_with("flt_"), "{bot}");
+    let as_bot = [("FAIRLEDGER_TOKEN", bot.as_str())];
+    let submitted = cli_env(
+        &server,
+        &as_bot,
+        &["submit", "-a", "uw/nlp", "-g", "1", "--duration", "600"],
+    )
+    .unwrap();
+    assert!(submitted.starts_with("submitted "), "{submitted}");
+    let mine = cli_env(&server, &as_bot, &["queue", "--me", "--json"]).unwrap();
+    let refused = cli_env(&server, &as_bot, &["submit", "-a", "ai2/tulu", "-g", "1"]).unwrap_err();
+    assert!(refused.contains("scoped to \"uw/nlp\""), "{refused}");
+    let refused = cli_env(
+        &server,
+        &as_bot,
+        &["alloc", "set", "uw/nlp", "--weight", "100"],
+    )
+    .unwrap_err();
+    assert!(refused.contains("needs the role admin"), "{refused}");
+    let list = cli_env(&server, &data_env, &["token", "list"]).unwrap();
+    assert!(
+        list.contains("nlp-bot") && list.contains("submitter") && !list.contains(&bot),
+        "{list}"
+    );
+    cli_env(&server, &data_env, &["token", "revoke", "nlp-bot"]).unwrap();
+    let after = cli_env(&server, &as_bot, &["queue"]).unwrap_err();
+    assert!(after.contains("revoked"), "{after}");
+    // Every event of the bot carries it as the actor.
+    let (_, events) = server.call("GET", "/v1/events?kind=workload_submitted", None);
+    let actors: Vec<&str> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"]["actor"].as_str().unwrap())
+        .collect();
+    assert_eq!(actors, ["user:nlp-bot"], "{events}");
+    let queue: Value = serde_json::from_str(&mine).unwrap();
+    for w in queue["pending"].as_array().unwrap() {
+        assert_eq!(w["user"], "user:nlp-bot");
+    }
+    // No token in what the server printed, nor in its data but the files meant for them.
+    let admin = std::fs::read_to_string(&token_file)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let output = server.stderr.clone();
+    assert!(server.stop().success());
+    let said = output.lock().unwrap().clone();
+    let mut secrets = vec![admin, bot];
+    let mut stack = vec![data.clone()];
+    let mut files = Vec::new();
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "token") {
+                // The in-process agents' own tokens: keep them out of everything else too.
+                secrets.push(std::fs::read_to_string(&path).unwrap().trim().to_owned());
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    assert!(
+        secrets.len() > 2,
+        "the demo's agents hold tokens of their own"
+    );
+    for s in &secrets {
+        assert!(
+            !said.contains(s.as_str()),
+            "a token in the server's output:\n{said}"
+        );
+    }
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        for s in &secrets {
+            assert!(
+                !bytes.windows(s.len()).any(|w| w == s.as_bytes()),
+                "a token in {}",
+                path.display()
+            );
+        }
+    }
+}
+
+/// identity: grants and revocations are ledger events, so a second API process sharing the NATS
+/// log honours a token granted through the first, and refuses it once revoked there.
+#[test]
+fn a_revocation_reaches_every_api_process_on_nats() {
+    let nats = NatsServer::start();
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let start = |role: &str, dir: &tempfile::TempDir| {
+        Server::start(&[
+            "--nats",
+            &nats.url(),
+            "--role",
+            role,
+            "--data",
+            dir.path().to_str().unwrap(),
+        ])
+    };
+    let first = start("all", &dirs[0]);
+    let second = start("api", &dirs[1]);
+    assert!(
+        first.token.is_some(),
+        "the first process made the first admin"
+    );
+    assert!(second.token.is_none(), "the second found one and made none");
+    let viewer = first.grant("watcher", "viewer", &[], None);
+    let answer = |status_wanted: u16| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (status, body) = second.call_as(Some(&viewer), "GET", "/v1/queue", None);
+            if status == status_wanted {
+                return body;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the second process still answers {status}: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    answer(200);
+    let (status, _) = first.call("DELETE", "/v1/tokens/watcher", None);
+    assert_eq!(status, 200);
+    let refused = answer(401);
+    assert!(
+        refused["detail"].as_str().unwrap().contains("revoked"),
+        "{refused}"
+    );
+    assert!(second.stop().success());
+    assert!(first.stop().success());
 }

@@ -13,10 +13,21 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_fairledger");
 pub struct Server {
     pub child: Child,
     pub addr: String,
+    /// The data directory (`--data`).
+    pub data: std::path::PathBuf,
+    /// The token its calls send: the first admin's, when this server created it.
+    pub token: Option<String>,
+    /// Everything it has written to stderr so far.
+    pub stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Server {
     pub fn start(args: &[&str]) -> Server {
+        let data = args
+            .iter()
+            .position(|a| *a == "--data")
+            .map(|i| std::path::PathBuf::from(args[i + 1]))
+            .expect("tests give every server a --data directory of its own");
         let mut child = Command::new(BIN)
             .arg("serve")
             .args(["--listen", "127.0.0.1:0"])
@@ -26,26 +37,67 @@ impl Server {
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let keep = |line: &str| {
+            let mut all = stderr.lock().unwrap();
+            all.push_str(line);
+            all.push('\n');
+        };
         let addr = loop {
             let line = lines
                 .next()
                 .expect("serve exited before listening")
                 .unwrap();
+            keep(&line);
             if let Some(addr) = line.strip_prefix("listening on http://") {
                 break addr.to_owned();
             }
         };
         // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Server { child, addr }
+        let kept = stderr.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                let mut all = kept.lock().unwrap();
+                all.push_str(&line);
+                all.push('\n');
+            }
+        });
+        let token = std::fs::read_to_string(data.join("admin.token"))
+            .ok()
+            .map(|t| t.trim().to_owned());
+        Server {
+            child,
+            addr,
+            data,
+            token,
+            stderr,
+        }
     }
 
+    /// The first admin's token file, for the command-line client.
+    pub fn token_file(&self) -> String {
+        self.data.join("admin.token").to_str().unwrap().to_owned()
+    }
+
+    /// Calls the API with this server's token.
     pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        self.call_as(self.token.as_deref(), method, path, body)
+    }
+
+    /// Calls the API with `token` (`None`: anonymously).
+    pub fn call_as(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (u16, Value) {
         let mut s = TcpStream::connect(&self.addr).unwrap();
         let body = body.unwrap_or("");
+        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         write!(
             s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .unwrap();
@@ -54,6 +106,21 @@ impl Server {
         let status: u16 = response[9..12].parse().unwrap();
         let body = response.split("\r\n\r\n").nth(1).unwrap_or("");
         (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    }
+
+    /// Grants `name` a role (scoped by `allocations` or `node`) as the first admin; answers the
+    /// token.
+    pub fn grant(
+        &self,
+        name: &str,
+        role: &str,
+        allocations: &[&str],
+        node: Option<&str>,
+    ) -> String {
+        let body = serde_json::json!({"name": name, "role": role, "allocations": allocations, "node": node});
+        let (status, answer) = self.call("POST", "/v1/tokens", Some(&body.to_string()));
+        assert_eq!(status, 201, "{answer}");
+        answer["token"].as_str().unwrap().to_owned()
     }
 
     pub fn stop(mut self) -> std::process::ExitStatus {

@@ -2,143 +2,13 @@
 //! scheduler running: submissions, reads of one's own writes, cancels, the queue's reasons, and
 //! bad input answered with problem+json naming the field while the log does not move.
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use eventlog::{AnyLog, Append, EmbeddedLog, EventLog};
+use eventlog::EventLog;
 use http_body_util::BodyExt;
-use ledger::event::*;
-use ledger::policy::PolicyConfig;
-use ledger::{Envelope, StateConfig};
-use projector::Projector;
-use serde_json::Value;
-use tokio::sync::{watch, RwLock};
 use tower::ServiceExt;
 
-struct Fixture {
-    _dir: tempfile::TempDir,
-    app: api::App,
-    log: AnyLog,
-    router: axum::Router,
-    projection: Arc<RwLock<Projector>>,
-    stop: watch::Sender<bool>,
-}
-
-/// Two nodes of 8 GPUs and allocations `a/x` (weight 1) and `b` (weight 1).
-async fn fixture(scheduler_on: bool) -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let log = AnyLog::Embedded(EmbeddedLog::open(&dir.path().join("log")).unwrap());
-    let mut setup = Vec::new();
-    for n in 0..2 {
-        setup.push(Event::NodeRegistered(NodeRegistered {
-            node: format!("n{n}"),
-            gpus: 8,
-            model: "H100".into(),
-            labels: Default::default(),
-        }));
-    }
-    for path in ["a/x", "b"] {
-        setup.push(Event::AllocationSet(AllocationSet {
-            path: path.into(),
-            weight: 1,
-            max_gpus: None,
-        }));
-    }
-    let now = scheduler::wall_clock_ms();
-    let appends: Vec<Append> = setup
-        .into_iter()
-        .map(|e| {
-            Append::event(
-                &Envelope::new(uuid::Uuid::now_v7(), now, "test", e),
-                None,
-                None,
-            )
-        })
-        .collect();
-    log.append_batch(appends).await.unwrap();
-    let mut p = Projector::open(&dir.path().join("p"), StateConfig::default(), &log)
-        .await
-        .unwrap();
-    p.catch_up(&log).await.unwrap();
-    let (applied_tx, applied) = watch::channel(p.last_seq());
-    let projection = Arc::new(RwLock::new(p));
-    let (stop, stop_rx) = watch::channel(false);
-    {
-        let (log, projection, mut rx) = (log.clone(), projection.clone(), stop_rx.clone());
-        tokio::spawn(async move {
-            projector::follow(&log, &projection, &applied_tx, async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await
-            .unwrap();
-        });
-    }
-    if scheduler_on {
-        let (log, projection, applied, mut rx) =
-            (log.clone(), projection.clone(), applied.clone(), stop_rx);
-        tokio::spawn(async move {
-            let config = scheduler::SchedulerConfig {
-                tick: std::time::Duration::from_millis(50),
-                ..Default::default()
-            };
-            scheduler::run(&log, &projection, applied, &config, None, async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await;
-        });
-    }
-    let app = api::App::new(
-        log.clone(),
-        projection.clone(),
-        applied,
-        PolicyConfig::default(),
-    );
-    app.set_ready();
-    Fixture {
-        _dir: dir,
-        app: app.clone(),
-        log,
-        router: api::router(app),
-        projection,
-        stop,
-    }
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
-    }
-}
-
-async fn call(
-    f: &Fixture,
-    method: &str,
-    uri: &str,
-    body: Option<&str>,
-    headers: &[(&str, &str)],
-) -> (StatusCode, String, Value) {
-    let mut req = Request::builder().method(method).uri(uri);
-    if body.is_some() {
-        req = req.header("content-type", "application/json");
-    }
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req
-        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_owned())))
-        .unwrap();
-    let res = f.router.clone().oneshot(req).await.unwrap();
-    let status = res.status();
-    let content_type = res
-        .headers()
-        .get("content-type")
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
-    let bytes = res.into_body().collect().await.unwrap().to_bytes();
-    let value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    (status, content_type, value)
-}
+use crate::helpers::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_then_placed_then_cancel() {
@@ -568,7 +438,15 @@ async fn allocations_are_set_removed_and_listed() {
         .unwrap()
         .iter()
         .any(|a| a["path"] == "c/d"));
-    let (_, _, events) = call(&f, "GET", "/v1/events?after=4&limit=10", None, &[]).await;
+    // After the setup and the first admin's grant.
+    let (_, _, events) = call(
+        &f,
+        "GET",
+        &format!("/v1/events?after={}&limit=10", SETUP_EVENTS + 1),
+        None,
+        &[],
+    )
+    .await;
     let kinds: Vec<&str> = events["events"]
         .as_array()
         .unwrap()
@@ -640,6 +518,7 @@ async fn the_audit_answers_in_json_and_csv() {
     assert!(b_delivered > 0.0, "{audit}");
     let req = Request::get(uri.as_str())
         .header("accept", "text/csv")
+        .header("authorization", format!("Bearer {}", f.admin))
         .body(Body::empty())
         .unwrap();
     let res = f.router.clone().oneshot(req).await.unwrap();
@@ -708,7 +587,7 @@ async fn health_readiness_and_metrics() {
         "{text}"
     );
     assert!(
-        text.contains("fairledger_projection_events_total{outcome=\"applied\"} 4"),
+        text.contains("fairledger_projection_events_total{outcome=\"applied\"} 5"),
         "{text}"
     );
     let (status, _, doc) = call(&f, "GET", "/openapi.json", None, &[]).await;
@@ -750,7 +629,8 @@ async fn sse_events(body: Body, n: usize) -> Vec<(u64, String)> {
 async fn the_event_stream_resumes_after_the_last_event_id() {
     let f = fixture(false).await;
     let open = |last: Option<&str>, query: &str| {
-        let mut req = Request::get(format!("/v1/events/stream{query}"));
+        let mut req = Request::get(format!("/v1/events/stream{query}"))
+            .header("authorization", format!("Bearer {}", f.admin));
         if let Some(last) = last {
             req = req.header("last-event-id", last);
         }
@@ -758,7 +638,7 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
     };
     let res = open(None, "").await.unwrap();
     assert_eq!(res.headers()["content-type"], "text/event-stream");
-    let first = sse_events(res.into_body(), 4).await;
+    let first = sse_events(res.into_body(), 5).await;
     assert_eq!(
         first,
         vec![
@@ -766,17 +646,18 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
             (2, "node_registered".to_owned()),
             (3, "allocation_set".to_owned()),
             (4, "allocation_set".to_owned()),
+            (5, "principal_granted".to_owned()),
         ]
     );
-    // The client drops after id 2 and comes back: it gets 3 and 4, then what is new.
+    // The client drops after id 2 and comes back: it gets 3 to 5, then what is new.
     let res = open(Some("2"), "").await.unwrap();
     let body = res.into_body();
     let (status, _, _) = call(&f, "PUT", "/v1/allocations/c", Some(r#"{"weight":1}"#), &[]).await;
     assert_eq!(status, StatusCode::OK);
-    let resumed = sse_events(body, 3).await;
+    let resumed = sse_events(body, 4).await;
     assert_eq!(
         resumed.iter().map(|e| e.0).collect::<Vec<_>>(),
-        vec![3, 4, 5]
+        vec![3, 4, 5, 6]
     );
     // Filters: one kind, one allocation subtree.
     let res = open(None, "?kind=allocation_set&allocation=c")
@@ -784,7 +665,7 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
         .unwrap();
     assert_eq!(
         sse_events(res.into_body(), 1).await,
-        vec![(5, "allocation_set".to_owned())]
+        vec![(6, "allocation_set".to_owned())]
     );
     let (status, _, problem) = call(
         &f,
@@ -801,11 +682,14 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     let f = fixture(false).await;
+    let ghost = token(&f, "ghost-agent", "agent", &[], Some("ghost")).await;
+    let n0 = token(&f, "n0-agent", "agent", &[], Some("n0")).await;
     let reading = |gpu: u32, ecc: u64| {
         format!(r#"{{"gpu":{gpu},"utilization_pct":40,"ecc_errors_uncorrected":{ecc}}}"#)
     };
-    let (status, _, problem) = call(
+    let (status, _, problem) = call_as(
         &f,
+        Some(&ghost),
         "POST",
         "/v1/nodes/ghost/heartbeat",
         Some(&format!(r#"{{"readings":[{}]}}"#, reading(0, 0))),
@@ -813,8 +697,9 @@ async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{problem}");
-    let (status, _, problem) = call(
+    let (status, _, problem) = call_as(
         &f,
+        Some(&n0),
         "POST",
         "/v1/nodes/n0/heartbeat",
         Some(&format!(r#"{{"readings":[{}]}}"#, reading(8, 0))),
@@ -824,8 +709,9 @@ async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["field"], "readings[0].gpu");
     let readings: Vec<String> = (0..8).map(|g| reading(g, u64::from(g == 3))).collect();
-    let (status, _, _) = call(
+    let (status, _, _) = call_as(
         &f,
+        Some(&n0),
         "POST",
         "/v1/nodes/n0/heartbeat",
         Some(&format!(r#"{{"readings":[{}]}}"#, readings.join(","))),

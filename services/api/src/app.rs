@@ -1,0 +1,195 @@
+//! What the handlers share: the log, the projection and its folds, the policy, readiness, and
+//! the heartbeats' health monitor; and how a handler writes (append, wait for the fold, answer the
+//! fold's verdict).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use eventlog::{AnyLog, Append, EventLog};
+use ledger::policy::PolicyConfig;
+use ledger::{Envelope, Event};
+use projector::Projector;
+use tokio::sync::{watch, RwLock};
+use uuid::Uuid;
+
+use crate::Problem;
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 64 * 1024;
+/// How long a write waits for the projection to fold it.
+const FOLD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct App {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) log: AnyLog,
+    pub(crate) projection: Arc<RwLock<Projector>>,
+    pub(crate) applied: watch::Receiver<u64>,
+    pub(crate) policy: PolicyConfig,
+    pub(crate) ready: AtomicBool,
+    pub(crate) health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
+}
+
+/// A node's GPUs go unhealthy after this long without a heartbeat.
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
+
+impl App {
+    /// The API over `log` and its shared `projection`, whose folds are announced on `applied`.
+    pub fn new(
+        log: AnyLog,
+        projection: Arc<RwLock<Projector>>,
+        applied: watch::Receiver<u64>,
+        policy: PolicyConfig,
+    ) -> Self {
+        App {
+            inner: Arc::new(Inner {
+                log,
+                projection,
+                applied,
+                policy,
+                ready: AtomicBool::new(false),
+                health: Arc::new(std::sync::Mutex::new(scheduler::HealthMonitor::new(
+                    HEARTBEAT_TIMEOUT_MS,
+                ))),
+            }),
+        }
+    }
+
+    /// Sets how long a node may stay silent before its GPUs go unhealthy.
+    pub fn set_heartbeat_timeout(&self, timeout_ms: u64) {
+        self.inner
+            .health
+            .lock()
+            .expect("the health monitor is never poisoned")
+            .set_timeout(timeout_ms);
+    }
+
+    /// The heartbeats the API has received, for the scheduler to turn into health changes.
+    pub fn health(&self) -> Arc<std::sync::Mutex<scheduler::HealthMonitor>> {
+        self.inner.health.clone()
+    }
+
+    /// The projection the handlers read.
+    pub fn projection(&self) -> &Arc<RwLock<Projector>> {
+        &self.inner.projection
+    }
+
+    /// The event log.
+    pub fn log(&self) -> &AnyLog {
+        &self.inner.log
+    }
+
+    /// Reads the ledger from the start, in order, handing every event that decodes (and, with
+    /// `until_ms`, happened before it) to `f`. Returns the last sequence read.
+    pub(crate) async fn scan(
+        &self,
+        until_ms: Option<u64>,
+        mut f: impl FnMut(u64, &Envelope),
+    ) -> Result<u64, Problem> {
+        let unavailable = |e: eventlog::LogError| Problem::unavailable(e.to_string());
+        let last = self.inner.log.last_seq().await.map_err(unavailable)?;
+        let mut next = 1;
+        while next <= last {
+            let chunk = self
+                .inner
+                .log
+                .read(next, 10_000)
+                .await
+                .map_err(unavailable)?;
+            let Some(end) = chunk.last().map(|e| e.seq) else {
+                break;
+            };
+            for e in chunk.iter().filter(|e| e.seq <= last) {
+                if let Ok(env) = projector::decode(&e.payload) {
+                    if until_ms.is_some_and(|u| env.occurred_at_ms >= u) {
+                        return Ok(last);
+                    }
+                    f(e.seq, &env);
+                }
+            }
+            next = end + 1;
+        }
+        Ok(last)
+    }
+
+    /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).
+    pub fn set_ready(&self) {
+        self.inner.ready.store(true, Ordering::Release);
+    }
+
+    /// Waits until the projection has folded `seq`; false on timeout.
+    pub async fn folded(&self, seq: u64) -> bool {
+        let mut applied = self.inner.applied.clone();
+        let wait = async {
+            while *applied.borrow_and_update() < seq {
+                if applied.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        };
+        tokio::time::timeout(FOLD_TIMEOUT, wait)
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Appends one event about `allocation` keyed by `key`, written by `actor`, waits for the
+    /// fold, and turns a rejection by the fold into a 409 naming the rule. Answers its sequence.
+    pub async fn write(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+    ) -> Result<u64, Problem> {
+        self.write_expecting(event, allocation, key, actor, None)
+            .await
+            .map_err(|e| e.unwrap_or_else(|| unreachable!("no expectation, no conflict")))
+    }
+
+    /// [`App::write`], fenced by `fence` when given: `Err(None)` means the log moved on and
+    /// the caller should decide again.
+    pub(crate) async fn write_expecting(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+        fence: Option<eventlog::Expect>,
+    ) -> Result<u64, Option<Problem>> {
+        let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
+        let mut append = Append::event(&env, allocation, key);
+        let fenced = fence.is_some();
+        if let Some(fence) = fence {
+            append = append.expecting(fence);
+        }
+        let ack = match self.inner.log.append(append).await {
+            Ok(ack) => ack,
+            Err(eventlog::AppendError::Conflict { .. }) if fenced => return Err(None),
+            Err(e) => return Err(Some(Problem::unavailable(e.to_string()))),
+        };
+        if !self.folded(ack.seq).await {
+            return Err(Some(Problem::unavailable(format!(
+                "event {} is durable but not yet folded; read it back shortly",
+                ack.seq
+            ))));
+        }
+        let rejection = self
+            .inner
+            .projection
+            .read()
+            .await
+            .rejection(ack.seq)
+            .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
+        match rejection {
+            Some(r) => Err(Some(Problem::new(StatusCode::CONFLICT, &r.code, r.message))),
+            None => Ok(ack.seq),
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! The application: the projection of the log, the projector and scheduler tasks, the health
+//! monitor and the HTTP listener, put together once for `fairledger serve` and for the tests
+//! (zero-to-production's `Application::build`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eventlog::AnyLog;
+use ledger::event::{Event, PrincipalGranted, Role};
+use ledger::policy::PolicyConfig;
+use ledger::StateConfig;
+use projector::Projector;
+use scheduler::SchedulerConfig;
+use tokio::sync::{watch, RwLock};
+
+use crate::App;
+
+/// What a process serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Serving {
+    /// The API, the projector and the scheduler.
+    All,
+    /// The API and the projector (several may share one NATS).
+    Api,
+    /// The projector and the scheduler; HTTP answers health, readiness and metrics only.
+    Scheduler,
+}
+
+impl Serving {
+    fn api(self) -> bool {
+        self != Serving::Scheduler
+    }
+
+    fn scheduler(self) -> bool {
+        self != Serving::Api
+    }
+}
+
+/// The settings of an [`Application`].
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Address to listen on (port 0 picks a free one).
+    pub listen: String,
+    /// What this process serves.
+    pub serving: Serving,
+    /// The data directory: the projection, and the first admin's token.
+    pub data: PathBuf,
+    /// The fold's settings.
+    pub state_config: StateConfig,
+    /// The policy and the contract.
+    pub policy: PolicyConfig,
+    /// A node silent this long has its GPUs marked unhealthy.
+    pub heartbeat_timeout_ms: u64,
+    /// The least time between two checkpoints of the projection.
+    pub checkpoint_gap: Duration,
+    /// How often the scheduler decides when no event arrives.
+    pub scheduler_tick: Duration,
+    /// Replicas of the scheduler's lease bucket on JetStream: 1, or 3 in a cluster.
+    pub replicas: usize,
+    /// Create the first admin and write its token to `DATA/admin.token` when the ledger has no
+    /// principal yet.
+    pub bootstrap_admin: bool,
+}
+
+impl Settings {
+    /// Defaults for a process serving everything on `listen` with its data in `data`.
+    pub fn new(listen: &str, data: PathBuf) -> Self {
+        Settings {
+            listen: listen.to_owned(),
+            serving: Serving::All,
+            data,
+            state_config: StateConfig::default(),
+            policy: PolicyConfig::default(),
+            heartbeat_timeout_ms: crate::HEARTBEAT_TIMEOUT_MS,
+            checkpoint_gap: Duration::from_secs(60),
+            scheduler_tick: SchedulerConfig::default().tick,
+            replicas: 1,
+            bootstrap_admin: true,
+        }
+    }
+}
+
+/// The name of the first admin, created on a ledger without principals.
+pub const FIRST_ADMIN: &str = "admin";
+
+/// The file in the data directory that holds the first admin's token.
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+
+/// A built application, listening, with its background tasks running.
+pub struct Application {
+    app: App,
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    stop: StopOnDrop,
+    tasks: Vec<tokio::task::JoinHandle<Result<(), String>>>,
+    admin_token: Option<PathBuf>,
+}
+
+impl Application {
+    /// Opens (or rebuilds) the projection of `log` in `DATA/projection`, catches up, starts the
+    /// projector and (unless serving the API only) the scheduler, binds the listener, and on a
+    /// ledger without principals creates the first admin.
+    pub async fn build(settings: Settings, log: AnyLog) -> Result<Application, String> {
+        let dir = settings.data.join("projection");
+        let mut projection = Projector::open_or_rebuild(&dir, settings.state_config, &log)
+            .await
+            .map_err(|e| e.to_string())?
+            .checkpoint_at_most_every(settings.checkpoint_gap);
+        projection.catch_up(&log).await.map_err(|e| e.to_string())?;
+        let (applied_tx, applied) = watch::channel(projection.last_seq());
+        let projection = Arc::new(RwLock::new(projection));
+        let app = App::new(
+            log.clone(),
+            projection.clone(),
+            applied.clone(),
+            settings.policy.clone(),
+        );
+        app.set_heartbeat_timeout(settings.heartbeat_timeout_ms);
+        app.set_ready();
+
+        let listener = tokio::net::TcpListener::bind(&settings.listen)
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot listen on {}: {e}; pass another --listen",
+                    settings.listen
+                )
+            })?;
+
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        {
+            let (log, projection) = (log.clone(), projection.clone());
+            let stop_signal = stopped(stop_rx.clone());
+            tasks.push(tokio::spawn(async move {
+                projector::follow(&log, &projection, &applied_tx, stop_signal)
+                    .await
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        if settings.serving.scheduler() {
+            let config = SchedulerConfig {
+                policy: settings.policy.clone(),
+                tick: settings.scheduler_tick,
+                health: Some(app.health()),
+            };
+            let lease = match &log {
+                AnyLog::JetStream(js) => Some(
+                    eventlog::lease::Lease::open(
+                        js.context(),
+                        scheduler::LEASE_BUCKET,
+                        scheduler::LEASE_KEY,
+                        &format!("{}:{}", std::process::id(), uuid::Uuid::now_v7()),
+                        Duration::from_secs(10),
+                        settings.replicas,
+                    )
+                    .await?,
+                ),
+                AnyLog::Embedded(_) => None,
+            };
+            let (task_log, task_projection) = (log.clone(), projection.clone());
+            let stop_signal = stopped(stop_rx.clone());
+            tasks.push(tokio::spawn(async move {
+                let (log, projection) = (task_log, task_projection);
+                scheduler::run(&log, &projection, applied, &config, lease, stop_signal).await;
+                Ok(())
+            }));
+            // Heartbeats published on NATS (by agents, or by API replicas) reach the
+            // scheduler's health monitor through the telemetry stream.
+            if let AnyLog::JetStream(js) = &log {
+                let heartbeats = js.heartbeats().await.map_err(|e| e.to_string())?;
+                let (projection, monitor) = (projection.clone(), app.health());
+                let stop_signal = stopped(stop_rx.clone());
+                tasks.push(tokio::spawn(async move {
+                    scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop_signal)
+                        .await;
+                    Ok(())
+                }));
+            }
+        }
+        let router = if settings.serving.api() {
+            crate::router(app.clone())
+        } else {
+            crate::health_router(app.clone())
+        };
+        let mut application = Application {
+            app,
+            listener,
+            router,
+            stop: StopOnDrop(stop),
+            tasks,
+            admin_token: None,
+        };
+        if settings.serving.api() && settings.bootstrap_admin {
+            application.admin_token = application.first_admin(&settings.data).await?;
+        }
+        Ok(application)
+    }
+
+    /// On a ledger without principals, grants the first admin and writes its token to
+    /// `DATA/admin.token`, readable by its owner only. Of several processes starting at once on
+    /// one ledger, the fold lets one grant stand; only that one writes the file.
+    async fn first_admin(&self, data: &std::path::Path) -> Result<Option<PathBuf>, String> {
+        if !self
+            .app
+            .projection()
+            .read()
+            .await
+            .state()
+            .principals
+            .is_empty()
+        {
+            return Ok(None);
+        }
+        let (token, token_sha256) = crate::auth::new_token()?;
+        let grant = Event::PrincipalGranted(PrincipalGranted {
+            name: FIRST_ADMIN.into(),
+            role: Role::Admin,
+            allocations: Vec::new(),
+            node: None,
+            token_sha256,
+            expires_at_ms: None,
+        });
+        match self.app.write(grant, None, None, "serve").await {
+            Ok(_) => {}
+            // Another process granted the first admin meanwhile.
+            Err(problem) if problem.status == 409 => return Ok(None),
+            Err(problem) => {
+                return Err(format!("cannot create the first admin: {}", problem.detail))
+            }
+        }
+        let path = data.join(ADMIN_TOKEN_FILE);
+        write_secret(&path, &token)?;
+        Ok(Some(path))
+    }
+
+    /// Where this start wrote the first admin's token, if it created one.
+    pub fn admin_token_file(&self) -> Option<&std::path::Path> {
+        self.admin_token.as_deref()
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// What the handlers share: the log, the projection, the health monitor.
+    pub fn app(&self) -> &App {
+        &self.app
+    }
+
+    /// The router, for calling handlers without a socket.
+    pub fn router(&self) -> axum::Router {
+        self.router.clone()
+    }
+
+    /// Resolves when the application is stopping: for tasks of the caller's (node agents) that
+    /// should stop with it.
+    pub fn stopping(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        stopped(self.stop.0.subscribe())
+    }
+
+    /// Serves until `shutdown` resolves, then stops the background tasks and waits for them
+    /// (the projector writes a last checkpoint).
+    pub async fn run_until(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), String> {
+        let served = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(|e| format!("the HTTP server failed: {e}"));
+        let _ = self.stop.0.send(true);
+        let mut failed = None;
+        for task in self.tasks {
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed = failed.or(Some(e)),
+                Err(e) => failed = failed.or(Some(e.to_string())),
+            }
+        }
+        served?;
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Stops the background tasks without serving (tests that call the router directly).
+    pub fn stop(&self) {
+        let _ = self.stop.0.send(true);
+    }
+}
+
+/// Stops the background tasks when the application is dropped, served or not.
+struct StopOnDrop(watch::Sender<bool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
+    }
+}
+
+/// A future that resolves once `rx` says stop.
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Writes `secret` to `path` readable and writable by its owner only (0600), replacing what was
+/// there: written to a new file beside it, then renamed over it.
+pub fn write_secret(path: &std::path::Path, secret: &str) -> Result<(), String> {
+    use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
+    let failed = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(failed)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    options.mode(0o600);
+    let mut file = options.open(&tmp).map_err(failed)?;
+    file.write_all(secret.as_bytes())
+        .and_then(|()| file.write_all(b"\n"))
+        .and_then(|()| file.sync_all())
+        .map_err(failed)?;
+    std::fs::rename(&tmp, path).map_err(failed)
+}

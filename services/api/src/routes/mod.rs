@@ -1,0 +1,253 @@
+//! The routes of the API, one module per resource, and the table that names each route's
+//! [`Rule`]: the router is built from the table, so a route without a rule cannot exist, and the
+//! authorization matrix test walks the same table.
+//!
+//! | route | rule |
+//! | --- | --- |
+//! | `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json` | open: no secrets, only liveness, aggregate gauges and the API's shape |
+//! | `GET /v1/whoami` | any principal |
+//! | reads of workloads, the queue, allocations, nodes, cluster metrics | `read`: every role but `agent` |
+//! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command` and `env` only for admin, auditor and agent |
+//! | `GET /v1/audit/…` | `read_audit`: admin, auditor |
+//! | `PUT`/`DELETE /v1/allocations/…` | admin |
+//! | `POST /v1/workloads` | admin; submitter within its subtrees |
+//! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
+//! | `POST /v1/nodes` | admin, operator; agent for its own node |
+//! | `POST /v1/nodes/{node}/heartbeat`, `…/events` | the agent of that node |
+//! | `/v1/tokens…` | admin |
+
+use axum::extract::rejection::JsonRejection;
+use axum::http::{Method, StatusCode};
+use axum::routing::{self, MethodRouter};
+use axum::Router;
+use ledger::identity::ActionKind;
+use uuid::Uuid;
+
+use crate::auth::{authorize, Rule};
+use crate::{problem, App, Problem, MAX_BODY};
+
+pub mod allocations;
+pub mod audit;
+pub mod events;
+pub mod nodes;
+pub mod ops;
+pub mod tokens;
+pub mod workloads;
+
+/// One route: its method, its path as the router matches it, and what it needs of its caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The HTTP method.
+    pub method: &'static str,
+    /// The path pattern, e.g. `/v1/workloads/{id}`.
+    pub path: &'static str,
+    /// What it needs of its caller.
+    pub rule: Rule,
+}
+
+/// Every route with its rule and its handler.
+fn table() -> Vec<(Route, MethodRouter<App>)> {
+    use ActionKind::*;
+    use Rule::{Needs, Open};
+    let r = |method, path, rule| Route { method, path, rule };
+    vec![
+        (
+            r("POST", "/v1/workloads", Needs(Submit)),
+            routing::post(workloads::submit),
+        ),
+        (
+            r("GET", "/v1/workloads/{id}", Needs(Read)),
+            routing::get(workloads::workload),
+        ),
+        (
+            r("DELETE", "/v1/workloads/{id}", Needs(Cancel)),
+            routing::delete(workloads::cancel),
+        ),
+        (
+            r("GET", "/v1/workloads/{id}/explain", Needs(Read)),
+            routing::get(workloads::explain),
+        ),
+        (
+            r("GET", "/v1/queue", Needs(Read)),
+            routing::get(workloads::queue),
+        ),
+        (
+            r("GET", "/v1/allocations", Needs(Read)),
+            routing::get(allocations::allocations),
+        ),
+        (
+            r("PUT", "/v1/allocations/{*path}", Needs(SetAllocations)),
+            routing::put(allocations::set_allocation),
+        ),
+        (
+            r("DELETE", "/v1/allocations/{*path}", Needs(SetAllocations)),
+            routing::delete(allocations::remove_allocation),
+        ),
+        (
+            r("GET", "/v1/nodes", Needs(Read)),
+            routing::get(nodes::nodes),
+        ),
+        (
+            r("POST", "/v1/nodes", Needs(RegisterNode)),
+            routing::post(nodes::register_node),
+        ),
+        (
+            r("POST", "/v1/nodes/{node}/heartbeat", Needs(ReportForNode)),
+            routing::post(nodes::heartbeat),
+        ),
+        (
+            r("POST", "/v1/nodes/{node}/events", Needs(ReportForNode)),
+            routing::post(nodes::node_events),
+        ),
+        (
+            r("GET", "/v1/events", Needs(ReadEvents)),
+            routing::get(events::events),
+        ),
+        (
+            r("GET", "/v1/events/stream", Needs(ReadEvents)),
+            routing::get(events::event_stream),
+        ),
+        (
+            r("GET", "/v1/audit/ledger", Needs(ReadAudit)),
+            routing::get(audit::audit_ledger),
+        ),
+        (
+            r("GET", "/v1/audit/workloads/{id}", Needs(ReadAudit)),
+            routing::get(audit::audit_workload),
+        ),
+        (
+            r("GET", "/v1/metrics/cluster", Needs(Read)),
+            routing::get(audit::cluster_metrics),
+        ),
+        (
+            r("POST", "/v1/tokens", Needs(ManageTokens)),
+            routing::post(tokens::create),
+        ),
+        (
+            r("GET", "/v1/tokens", Needs(ManageTokens)),
+            routing::get(tokens::list),
+        ),
+        (
+            r("DELETE", "/v1/tokens/{name}", Needs(ManageTokens)),
+            routing::delete(tokens::revoke),
+        ),
+        (
+            r("GET", "/v1/whoami", Needs(WhoAmI)),
+            routing::get(tokens::whoami),
+        ),
+        (r("GET", "/healthz", Open), routing::get(ops::healthz)),
+        (r("GET", "/readyz", Open), routing::get(ops::readyz)),
+        (r("GET", "/metrics", Open), routing::get(ops::metrics)),
+        (
+            r("GET", "/openapi.json", Open),
+            routing::get(ops::openapi_json),
+        ),
+    ]
+}
+
+/// Every route of the router with its rule, in the router's own order.
+pub fn routes() -> Vec<Route> {
+    table().into_iter().map(|(route, _)| route).collect()
+}
+
+/// The router of the whole API: every route of the table behind its rule.
+pub fn router(app: App) -> Router {
+    let mut router = Router::new();
+    for (route, handler) in table() {
+        debug_assert!(
+            Method::from_bytes(route.method.as_bytes()).is_ok(),
+            "{}",
+            route.method
+        );
+        let guarded = handler.route_layer(axum::middleware::from_fn_with_state(
+            (app.clone(), route.rule),
+            authorize,
+        ));
+        router = router.route(route.path, guarded);
+    }
+    router
+        .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(app)
+}
+
+/// Only `/healthz`, `/readyz` and `/metrics`: what a scheduler-only process serves.
+pub fn health_router(app: App) -> Router {
+    Router::new()
+        .route("/healthz", routing::get(ops::healthz))
+        .route("/readyz", routing::get(ops::readyz))
+        .route("/metrics", routing::get(ops::metrics))
+        .fallback(|| async {
+            Problem::not_found(
+                "this process runs the scheduler only; send API calls to an api process",
+            )
+        })
+        .with_state(app)
+}
+
+/// An instant for people: RFC 3339 in UTC, to the second (`2026-12-03T16:31:57Z`).
+pub fn date(ms: u64) -> String {
+    let nanos = i128::from(ms) * 1_000_000;
+    time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+        .ok()
+        .and_then(|t| t.replace_nanosecond(0).ok())
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| format!("{ms} ms after the epoch"))
+}
+
+/// A query string that did not parse.
+pub(crate) fn bad_query(e: axum::extract::rejection::QueryRejection) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text())
+}
+
+/// A body that did not parse, as a problem naming the field where serde says which.
+pub(crate) fn bad_body(rejection: JsonRejection) -> Problem {
+    match rejection {
+        JsonRejection::JsonDataError(e) => {
+            let message = e.body_text();
+            match problem::field_of_serde_error(&message) {
+                Some(field) => Problem::invalid(&field, message),
+                None => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-body", message),
+            }
+        }
+        JsonRejection::JsonSyntaxError(e) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "malformed-json",
+            format!("the body is not JSON: {}", e.body_text()),
+        ),
+        JsonRejection::MissingJsonContentType(_) => Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "content-type",
+            "send the body as JSON with Content-Type: application/json",
+        ),
+        JsonRejection::BytesRejection(_) => Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            format!("the body is larger than {MAX_BODY} bytes"),
+        ),
+        other => Problem::new(StatusCode::BAD_REQUEST, "bad-body", other.body_text()),
+    }
+}
+
+/// The live workload `id`; a 409 if it has ended, a 404 if it never existed.
+pub(crate) fn live(state: &ledger::State, id: Uuid) -> Result<&ledger::Workload, Problem> {
+    state
+        .workloads
+        .get(&id)
+        .ok_or_else(|| match state.ended.get(&id) {
+            Some(phase) => Problem::new(
+                StatusCode::CONFLICT,
+                "already-ended",
+                format!("workload {id} is already {}", phase.name()),
+            ),
+            None => Problem::not_found(format!("no workload {id}")),
+        })
+}
+
+pub(crate) fn parse_id(id: &str) -> Result<Uuid, Problem> {
+    Uuid::parse_str(id)
+        .map_err(|_| Problem::invalid("id", format!("{id:?} is not a workload id (a UUID)")))
+}

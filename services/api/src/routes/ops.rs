@@ -1,0 +1,86 @@
+//! Operations: liveness, readiness, Prometheus metrics and the OpenAPI document. All open: they
+//! hold no names, ids or secrets (the metrics are cluster-wide gauges and counters), and probes
+//! and scrapers rarely carry tokens.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use crate::{problem, App, Problem};
+
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, description = "the process is alive", content_type = "text/plain")))]
+pub(crate) async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
+    responses((status = 200, description = "this document", body = serde_json::Value)))]
+pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(crate::openapi())
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up", body = problem::Problem, content_type = "application/problem+json")))]
+pub(crate) async fn readyz(State(app): State<App>) -> Response {
+    if app.inner.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "the projection is still catching up with the log",
+        )
+        .into_response()
+    }
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses((status = 200, description = "Prometheus text", content_type = "text/plain")))]
+pub(crate) async fn metrics(State(app): State<App>) -> Response {
+    let p = app.inner.projection.read().await;
+    let s = p.stats();
+    let state = p.state();
+    let c = &state.cluster;
+    let text = format!(
+        "# HELP fairledger_projection_last_seq Last ledger sequence folded.\n\
+         # TYPE fairledger_projection_last_seq gauge\n\
+         fairledger_projection_last_seq {}\n\
+         # HELP fairledger_projection_events_total Events read by the projector, by outcome.\n\
+         # TYPE fairledger_projection_events_total counter\n\
+         fairledger_projection_events_total{{outcome=\"applied\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"rejected\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"duplicate\"}} {}\n\
+         fairledger_projection_events_total{{outcome=\"malformed\"}} {}\n\
+         # HELP fairledger_gpus GPUs of the cluster, by state.\n\
+         # TYPE fairledger_gpus gauge\n\
+         fairledger_gpus{{state=\"total\"}} {}\n\
+         fairledger_gpus{{state=\"healthy\"}} {}\n\
+         fairledger_gpus{{state=\"allocated\"}} {}\n\
+         # HELP fairledger_workloads Live workloads.\n\
+         # TYPE fairledger_workloads gauge\n\
+         fairledger_workloads{{phase=\"running\"}} {}\n\
+         fairledger_workloads{{phase=\"live\"}} {}\n",
+        p.last_seq(),
+        s.applied,
+        s.rejected,
+        s.duplicates,
+        s.malformed,
+        c.total_gpus,
+        c.healthy_gpus,
+        c.allocated_gpus,
+        state.running.len(),
+        state.workloads.len(),
+    );
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        text,
+    )
+        .into_response()
+}

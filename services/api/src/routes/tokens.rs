@@ -1,0 +1,205 @@
+//! Tokens (admin): grant a principal a role and a token, list the principals, revoke one; and
+//! `whoami` for every principal. A token is shown once, in the answer that creates it; the ledger
+//! records only its SHA-256.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ledger::event::{Event, PrincipalGranted, PrincipalRevoked};
+use ledger::identity::{Principal, Role};
+use ledger::Rejection;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{bad_body, date};
+use crate::auth::{new_token, Caller};
+use crate::{problem, App, Problem};
+
+/// The body of `POST /v1/tokens`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TokenBody {
+    /// The principal's name: 1 to 64 letters, digits, `-` or `_`. It acts as `user:<name>`
+    /// (`agent:<name>` for an agent).
+    name: String,
+    /// `admin`, `operator`, `submitter`, `agent`, `auditor` or `viewer`.
+    role: String,
+    /// A submitter's allocation subtrees (`*` for all, and unallocated work).
+    #[serde(default)]
+    allocations: Vec<String>,
+    /// An agent's node.
+    #[serde(default)]
+    node: Option<String>,
+    /// The token is refused this many seconds from now (default: never).
+    #[serde(default)]
+    expires_in_s: Option<u64>,
+}
+
+/// What may be shown of a principal: everything but its token's digest.
+fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
+    json!({
+        "name": p.name,
+        "role": p.role,
+        "actor": p.actor(),
+        "allocations": p.allocations,
+        "node": p.node,
+        "granted_by": p.granted_by,
+        "granted_at_ms": p.granted_at_ms,
+        "granted_at": date(p.granted_at_ms),
+        "expires_at_ms": p.expires_at_ms,
+        "expires_at": p.expires_at_ms.map(date),
+        "expired": p.expired_at(now_ms),
+    })
+}
+
+/// A grant the fold would refuse, as the problem that names its field.
+fn refused(r: Rejection) -> Problem {
+    match r {
+        Rejection::InvalidGrant { field, reason } => Problem::invalid(field, reason),
+        Rejection::PrincipalExists { .. } => {
+            Problem::new(StatusCode::CONFLICT, "principal_exists", r.to_string())
+        }
+        Rejection::UnknownAllocation { .. } | Rejection::InvalidAllocationPath { .. } => {
+            Problem::invalid("allocations", r.to_string())
+        }
+        other => Problem::new(StatusCode::CONFLICT, other.code(), other.to_string()),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/tokens", tag = "tokens", request_body = TokenBody,
+    responses(
+        (status = 201, description = "granted: `token` is shown this once", body = serde_json::Value),
+        (status = 401, description = "no token, or an unknown, revoked or expired one", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = "not an admin", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "a live principal has the name", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a field is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn create(
+    State(app): State<App>,
+    caller: Caller,
+    body: Result<Json<TokenBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(body) = body.map_err(bad_body)?;
+    let role = Role::parse(&body.role).ok_or_else(|| {
+        let roles: Vec<&str> = Role::ALL.iter().map(|r| r.name()).collect();
+        Problem::invalid(
+            "role",
+            format!(
+                "{:?} is not a role; use one of {}",
+                body.role,
+                roles.join(", ")
+            ),
+        )
+    })?;
+    let now = scheduler::wall_clock_ms();
+    let expires_at_ms = match body.expires_in_s {
+        None => None,
+        Some(0) => return Err(Problem::invalid("expires_in_s", "at least 1 second")),
+        Some(s) => Some(now.saturating_add(s.saturating_mul(1000))),
+    };
+    let (token, token_sha256) = new_token()
+        .map_err(|e| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "no-randomness", e))?;
+    let grant = PrincipalGranted {
+        name: body.name,
+        role,
+        allocations: body.allocations,
+        node: body.node,
+        token_sha256,
+        expires_at_ms,
+    };
+    {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        state
+            .principals
+            .check_grant(&grant, &state.allocations)
+            .map_err(refused)?;
+    }
+    let seq = app
+        .write(
+            Event::PrincipalGranted(grant.clone()),
+            None,
+            None,
+            &caller.actor(),
+        )
+        .await?;
+    let p = app.inner.projection.read().await;
+    let granted = p
+        .state()
+        .principals
+        .get(&grant.name)
+        .filter(|g| g.granted_seq == seq)
+        .ok_or_else(|| Problem::unavailable("the grant was folded but is gone; list the tokens"))?;
+    let mut answer = describe(granted, now);
+    answer["token"] = json!(token);
+    answer["seq"] = json!(seq);
+    Ok((StatusCode::CREATED, Json(answer)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
+    responses(
+        (status = 200, description = "every live principal: name, role, scope, who granted it and when, expiry (never a token)", body = serde_json::Value),
+        (status = 403, description = "not an admin", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn list(State(app): State<App>) -> Response {
+    let p = app.inner.projection.read().await;
+    let now = scheduler::wall_clock_ms();
+    let rows: Vec<_> = p
+        .state()
+        .principals
+        .iter()
+        .map(|p| describe(p, now))
+        .collect();
+    Json(json!({"as_of_seq": p.state().last_seq, "tokens": rows})).into_response()
+}
+
+#[utoipa::path(delete, path = "/v1/tokens/{name}", tag = "tokens",
+    params(("name" = String, Path, description = "the principal's name")),
+    responses(
+        (status = 200, description = "revoked: the token is refused by every API process once it has folded this", body = serde_json::Value),
+        (status = 403, description = "not an admin", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "no live principal has the name", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the last admin", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn revoke(
+    State(app): State<App>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Response, Problem> {
+    ledger::identity::validate_name(&name).map_err(|r| Problem::invalid("name", r))?;
+    {
+        let p = app.inner.projection.read().await;
+        let principals = &p.state().principals;
+        let Some(target) = principals.get(&name) else {
+            return Err(Problem::not_found(format!(
+                "no live principal is named {name:?}"
+            )));
+        };
+        let admins = principals.iter().filter(|p| p.role == Role::Admin).count();
+        if target.role == Role::Admin && admins == 1 {
+            // The fold refuses it too (the check and the append are not atomic; the fold is).
+            return Err(Problem::new(
+                StatusCode::CONFLICT,
+                "last_admin",
+                format!("{name:?} is the last admin; create another admin before revoking it"),
+            ));
+        }
+    }
+    let event = Event::PrincipalRevoked(PrincipalRevoked {
+        name: name.clone(),
+        reason: None,
+    });
+    let seq = app.write(event, None, None, &caller.actor()).await?;
+    Ok(Json(json!({"name": name, "revoked": true, "seq": seq})).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/whoami", tag = "tokens",
+    responses(
+        (status = 200, description = "the caller: name, role, actor, scope, expiry", body = serde_json::Value),
+        (status = 401, description = "no token, or an unknown, revoked or expired one", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn whoami(caller: Caller) -> Response {
+    Json(describe(&caller.0, scheduler::wall_clock_ms())).into_response()
+}

@@ -1,0 +1,615 @@
+//! Workloads: submit, read, cancel, explain, and the queue in policy order.
+
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use eventlog::EventLog;
+use ledger::event::*;
+use ledger::identity::Action;
+use ledger::policy::{decide, Blocked, PolicyConfig};
+use ledger::{Envelope, Phase};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::{bad_body, bad_query, live, parse_id};
+use crate::auth::Caller;
+use crate::{problem, App, Problem};
+
+/// A submission.
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRequest {
+    /// Leaf allocation path; absent for unallocated (opportunistic) work.
+    #[serde(default)]
+    pub allocation: Option<String>,
+    /// GPUs on each node.
+    pub gpus_per_node: u32,
+    /// Nodes in the gang (default 1).
+    #[serde(default)]
+    pub nodes: Option<u32>,
+    /// Required GPU model.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Order within the allocation, higher first.
+    #[serde(default)]
+    pub priority: i32,
+    /// Protection asked for, at most the cluster's cap.
+    #[serde(default)]
+    pub min_runtime_s: Option<u64>,
+    /// Expected run time.
+    #[serde(default)]
+    pub duration_estimate_s: Option<u64>,
+    /// Checkpoint interval.
+    #[serde(default)]
+    pub checkpoint_s: Option<u64>,
+    /// A name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// What the node agent runs.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// Its environment.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SubmitQuery {
+    /// `placed`: answer once the workload has been placed (or the timeout passes).
+    wait: Option<String>,
+    /// How long `wait=placed` waits, in seconds (default 30, at most 300).
+    timeout_s: Option<u64>,
+}
+
+/// Checks a submission against the cluster and the tree as they stand; the fold checks again.
+fn check_submission(
+    state: &ledger::State,
+    r: &SubmitRequest,
+    policy: &PolicyConfig,
+) -> Result<(), Problem> {
+    if r.gpus_per_node == 0 {
+        return Err(Problem::invalid("gpus_per_node", "must be at least 1"));
+    }
+    let nodes = r.nodes.unwrap_or(1);
+    if nodes == 0 {
+        return Err(Problem::invalid("nodes", "must be at least 1"));
+    }
+    let model = match &r.model {
+        None => None,
+        Some(m) => Some(
+            state
+                .cluster
+                .models
+                .iter()
+                .position(|g| &g.model == m)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = state
+                        .cluster
+                        .models
+                        .iter()
+                        .map(|g| g.model.as_str())
+                        .collect();
+                    Problem::invalid(
+                        "model",
+                        format!("no node has model {m:?}; the cluster has {known:?}"),
+                    )
+                })? as u32,
+        ),
+    };
+    let largest = state.cluster.largest_node(model);
+    if r.gpus_per_node > largest {
+        return Err(Problem::invalid(
+            "gpus_per_node",
+            format!(
+                "{} GPUs per node is more than the largest node has ({largest})",
+                r.gpus_per_node
+            ),
+        ));
+    }
+    let fitting = state
+        .cluster
+        .nodes
+        .iter()
+        .filter(|n| n.gpu_count >= r.gpus_per_node)
+        .filter(|n| model.is_none_or(|m| n.model_idx == m))
+        .count() as u32;
+    if nodes > fitting {
+        return Err(Problem::invalid(
+            "nodes",
+            format!(
+                "a gang of {nodes} nodes × {} GPUs is larger than the cluster: {fitting} nodes have that many GPUs",
+                r.gpus_per_node
+            ),
+        ));
+    }
+    let cap_s = state.config().min_runtime_cap_ms / 1000;
+    if let Some(m) = r.min_runtime_s {
+        if m > cap_s {
+            return Err(Problem::invalid(
+                "min_runtime_s",
+                format!("{m} s is above the cluster's cap of {cap_s} s"),
+            ));
+        }
+    }
+    if let Some(path) = &r.allocation {
+        let Some(id) = state.allocations.get(path) else {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} does not exist; see GET /v1/allocations"),
+            ));
+        };
+        let a = state.allocations.node(id);
+        if a.removed {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} was removed"),
+            ));
+        }
+        if !a.is_leaf() {
+            return Err(Problem::invalid(
+                "allocation",
+                format!("allocation {path:?} has children; charge one of its leaves"),
+            ));
+        }
+    }
+    if r.name.as_ref().is_some_and(|n| n.len() > 256) {
+        return Err(Problem::invalid("name", "at most 256 bytes"));
+    }
+    let _ = policy;
+    Ok(())
+}
+
+#[utoipa::path(post, path = "/v1/workloads", tag = "workloads",
+    params(SubmitQuery, ("Idempotency-Key" = Option<String>, Header, description = "a retry with the same key returns the same workload")),
+    request_body = SubmitRequest,
+    responses(
+        (status = 202, description = "durable and folded; pending", body = serde_json::Value),
+        (status = 200, description = "placed (wait=placed), or the workload an idempotency key already made", body = serde_json::Value),
+        (status = 400, description = "malformed JSON or query", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "no token, or an unknown, revoked or expired one", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = "the token's role or scope does not cover the allocation", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "body over 64 KiB", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a field is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "the event log is unavailable", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn submit(
+    State(app): State<App>,
+    caller: Caller,
+    headers: HeaderMap,
+    query: Result<Query<SubmitQuery>, axum::extract::rejection::QueryRejection>,
+    body: Result<Json<SubmitRequest>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) = query.map_err(bad_query)?;
+    let Json(request) = body.map_err(bad_body)?;
+    let wait_placed = match query.wait.as_deref() {
+        None => false,
+        Some("placed") => true,
+        Some(other) => {
+            return Err(Problem::invalid(
+                "wait",
+                format!("wait={other} is not known; use wait=placed"),
+            ))
+        }
+    };
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 128)
+                .ok_or_else(|| {
+                    Problem::invalid("Idempotency-Key", "1 to 128 printable ASCII characters")
+                })?;
+            // Keys are the caller's own: another principal's equal key is another submission.
+            Some(format!("{}/{k}", caller.actor()))
+        }
+    };
+    {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        caller.allow(
+            &Action::Submit {
+                allocation: request.allocation.as_deref(),
+            },
+            state,
+        )?;
+        if let Some(id) = key.as_ref().and_then(|k| state.idempotency.get(k)) {
+            return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
+        }
+        check_submission(state, &request, &app.inner.policy)?;
+    }
+    let id = Uuid::now_v7();
+    let submitted = WorkloadSubmitted {
+        model: request.model.clone(),
+        priority: request.priority,
+        min_runtime_s: request.min_runtime_s,
+        duration_estimate_s: request.duration_estimate_s,
+        checkpoint_s: request.checkpoint_s,
+        name: request.name.clone(),
+        command: request.command.clone(),
+        env: request.env.clone(),
+        idempotency_key: key.clone(),
+        ..WorkloadSubmitted::new(
+            id,
+            request.allocation.clone(),
+            request.gpus_per_node,
+            request.nodes.unwrap_or(1),
+        )
+    };
+    let allocation = request.allocation.clone();
+    let seq = app
+        .write(
+            Event::WorkloadSubmitted(submitted),
+            allocation.as_deref(),
+            key.as_deref(),
+            &caller.actor(),
+        )
+        .await?;
+    // A retry whose first attempt landed between the check above and the append: the fold
+    // answered it with the original workload.
+    let id = {
+        let p = app.inner.projection.read().await;
+        key.as_ref()
+            .and_then(|k| p.state().idempotency.get(k).copied())
+            .unwrap_or(id)
+    };
+    if wait_placed {
+        let timeout = Duration::from_secs(query.timeout_s.unwrap_or(30).min(300));
+        let placed = async {
+            let mut applied = app.inner.applied.clone();
+            loop {
+                if let Ok(Some(row)) = app.inner.projection.read().await.workload(id) {
+                    if row.phase != Phase::Pending.name() {
+                        return row;
+                    }
+                }
+                if applied.changed().await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        if let Ok(row) = tokio::time::timeout(timeout, placed).await {
+            return Ok((
+                StatusCode::OK,
+                Json(json!({"id": id, "seq": seq, "workload": row})),
+            )
+                .into_response());
+        }
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"id": id, "seq": seq, "phase": "pending"})),
+    )
+        .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/workloads/{id}", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 200, description = "phase, placement, protected_until_ms", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "not a UUID", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn workload(
+    State(app): State<App>,
+    Path(id): Path<String>,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let row = app
+        .inner
+        .projection
+        .read()
+        .await
+        .workload(id)
+        .map_err(|e| Problem::unavailable(e.to_string()))?
+        .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
+    // Its history: the kind, time and actor of every event about it the fold applied, oldest
+    // first (GET /v1/audit/workloads/{id} also shows the ones it refused).
+    let mut history = Vec::with_capacity(row.history.len());
+    for &seq in &row.history {
+        let stored = app
+            .inner
+            .log
+            .read(seq, 1)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        let Some(e) = stored.into_iter().find(|e| e.seq == seq) else {
+            continue;
+        };
+        let Ok(env) = serde_json::from_slice::<Envelope>(&e.payload) else {
+            continue;
+        };
+        history.push(json!({
+            "seq": seq,
+            "type": env.event.kind(),
+            "occurred_at_ms": env.occurred_at_ms,
+            "actor": env.actor,
+        }));
+    }
+    let mut body = serde_json::to_value(&row).expect("rows serialize");
+    body["history"] = json!(history);
+    Ok(Json(body).into_response())
+}
+
+#[utoipa::path(delete, path = "/v1/workloads/{id}", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 202, description = "cancelled, or asked to stop (`action`)", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "already ended or already stopping", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn cancel(
+    State(app): State<App>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    // Decided on the state as read, fenced by its sequence: if the scheduler started the
+    // workload meanwhile, read again and ask it to stop instead.
+    for _ in 0..8 {
+        if let Some(response) = try_cancel(&app, &caller, id).await? {
+            return Ok(response);
+        }
+    }
+    Err(Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "the ledger kept moving while cancelling; try again",
+    ))
+}
+
+/// A cancel is fenced, as the scheduler's decisions are, by the last placement it saw: a start
+/// landing first turns the cancel of a pending workload into a stop request on the next try.
+/// Anything else that lands first and makes the cancel moot (the workload ended, a preemption
+/// began) gets it rejected by the fold, which answers 409 naming the rule.
+async fn try_cancel(app: &App, caller: &Caller, id: Uuid) -> Result<Option<Response>, Problem> {
+    let (event, allocation, action, fence) = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        let w = live(state, id)?;
+        let allocation = state.allocation_path(w).map(str::to_owned);
+        caller.allow(
+            &Action::Cancel {
+                allocation: allocation.as_deref(),
+            },
+            state,
+        )?;
+        match w.phase {
+            Phase::Running if w.preempting.is_some() => {
+                return Err(Problem::new(
+                    StatusCode::CONFLICT,
+                    "already-stopping",
+                    format!("workload {id} is already being stopped"),
+                ))
+            }
+            Phase::Running => (
+                Event::PreemptionRequested(PreemptionRequested {
+                    workload: id,
+                    reason: PreemptionReason::UserCancelled,
+                    beneficiary: None,
+                    grace_s: app.inner.policy.grace_ms / 1000,
+                }),
+                allocation,
+                "stop_requested",
+                scheduler::Fence::Starts.expect(state),
+            ),
+            _ => (
+                Event::WorkloadCancelled(WorkloadCancelled {
+                    workload: id,
+                    reason: Some("cancelled through the API".into()),
+                }),
+                allocation,
+                "cancelled",
+                scheduler::Fence::Starts.expect(state),
+            ),
+        }
+    };
+    match app
+        .write_expecting(
+            event,
+            allocation.as_deref(),
+            None,
+            &caller.actor(),
+            Some(fence),
+        )
+        .await
+    {
+        Ok(seq) => Ok(Some(
+            (
+                StatusCode::ACCEPTED,
+                Json(json!({"id": id, "seq": seq, "action": action})),
+            )
+                .into_response(),
+        )),
+        Err(None) => {
+            // Let the projection catch up with whatever moved the log, then decide again.
+            let last = app
+                .inner
+                .log
+                .last_seq()
+                .await
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
+            app.folded(last).await;
+            Ok(None)
+        }
+        Err(Some(problem)) => Err(problem),
+    }
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct QueueQuery {
+    /// Only workloads of this allocation and below.
+    allocation: Option<String>,
+    /// Only workloads this principal submitted: its name (`alice`) or actor (`user:alice`).
+    user: Option<String>,
+}
+
+/// Whether `actor` (`user:alice`) is the principal `user` names (`alice` or `user:alice`).
+fn is_user(actor: &str, user: &str) -> bool {
+    actor == user || actor.split_once(':').is_some_and(|(_, name)| name == user)
+}
+
+fn reason(b: &Blocked) -> serde_json::Value {
+    match b {
+        Blocked::HoldsReservation { nodes, start_at_ms } => json!({
+            "code": "holds_reservation", "nodes": nodes, "start_at_ms": start_at_ms,
+            "detail": "heads the queue; the reserved nodes are held for it as they free up"}),
+        Blocked::WaitingForPreemption { victims, until_ms } => json!({
+            "code": "waiting_for_preemption", "victims": victims, "until_ms": until_ms,
+            "detail": "workloads are leaving to make room for it"}),
+        Blocked::BehindReservation { holder } => json!({
+            "code": "behind_reservation", "holder": holder,
+            "detail": "would fit, but on GPUs reserved for a workload ranked above it"}),
+        Blocked::NoCapacity {
+            gpus_per_node,
+            nodes,
+            fitting_nodes,
+        } => json!({
+            "code": "no_capacity", "gpus_per_node": gpus_per_node, "nodes": nodes,
+            "fitting_nodes": fitting_nodes,
+            "detail": format!("needs {nodes} node(s) with {gpus_per_node} free GPUs; {fitting_nodes} have them now")}),
+        Blocked::AllocationCap { path, max_gpus } => json!({
+            "code": "allocation_cap", "allocation": path, "max_gpus": max_gpus,
+            "detail": format!("{path} is at its cap of {max_gpus} GPUs")}),
+    }
+}
+
+/// The policy's view of the queue now, with every pending workload explained.
+fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Plan {
+    let config = PolicyConfig {
+        explain: true,
+        ..policy.clone()
+    };
+    decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config)
+}
+
+#[utoipa::path(get, path = "/v1/workloads/{id}/explain", tag = "workloads",
+    params(("id" = String, Path, description = "workload id (UUID)")),
+    responses(
+        (status = 200, description = "position, reason, who is ahead, estimated start", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "it has ended", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn explain(
+    State(app): State<App>,
+    Path(id): Path<String>,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let w = live(state, id)?;
+    if w.phase == Phase::Running {
+        return Ok(Json(json!({
+            "id": id,
+            "phase": "running",
+            "started_at_ms": w.started_at_ms,
+            "protected_until_ms": w.protected_until_ms,
+            "preempting": w.preempting.is_some(),
+            "detail": "running; it cannot be preempted before protected_until_ms except for a hardware failure",
+        }))
+        .into_response());
+    }
+    let plan = explained(state, &app.inner.policy);
+    let Some(mine) = plan.pending.iter().find(|q| q.workload == id) else {
+        return Ok(Json(json!({
+            "id": id,
+            "phase": w.phase.name(),
+            "detail": "not in the queue: it is being stopped or requeued",
+        }))
+        .into_response());
+    };
+    let ahead: Vec<_> = plan
+        .pending
+        .iter()
+        .take_while(|q| q.workload != id)
+        .filter_map(|q| state.workloads.get(&q.workload))
+        .take(20)
+        .map(|a| {
+            json!({
+                "id": a.id,
+                "allocation": state.allocation_path(a),
+                "gpus": a.gpus(),
+            })
+        })
+        .collect();
+    // The start estimate: the reservation's, where the policy knows one; otherwise when enough
+    // running work should have ended by its estimates and contracts.
+    let estimate = match &mine.reason {
+        Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|t| {
+            json!({"start_at_ms": t, "how": "the reserved nodes free up then, by the running workloads' duration estimates"})
+        }),
+        Blocked::WaitingForPreemption { until_ms, .. } => Some(json!({
+            "start_at_ms": until_ms,
+            "how": "the workloads preempted for it leave when their grace periods end",
+        })),
+        _ => plan
+            .reservation
+            .as_ref()
+            .and_then(|r| r.start_at_ms)
+            .map(|t| json!({
+                "not_before_ms": t,
+                "how": "it waits behind the head of the queue, whose reserved nodes free up then",
+            })),
+    };
+    Ok(Json(json!({
+        "id": id,
+        "phase": "pending",
+        "position": mine.position,
+        "of": plan.pending.len(),
+        "reason": reason(&mine.reason),
+        "ahead": ahead,
+        "estimate": estimate,
+    }))
+    .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/queue", tag = "workloads", params(QueueQuery),
+    responses((status = 200, description = "pending workloads in policy order with reasons", body = serde_json::Value)))]
+pub(crate) async fn queue(
+    State(app): State<App>,
+    query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) = query.map_err(bad_query)?;
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let plan = explained(state, &app.inner.policy);
+    let mut rows = Vec::new();
+    for pending in &plan.pending {
+        let Some(w) = state.workloads.get(&pending.workload) else {
+            continue;
+        };
+        let path = state.allocation_path(w);
+        if let Some(filter) = &query.allocation {
+            let under = path.is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/")));
+            if !under {
+                continue;
+            }
+        }
+        let user = state.submitter(w);
+        if query.user.as_deref().is_some_and(|u| !is_user(user, u)) {
+            continue;
+        }
+        rows.push(json!({
+            "position": pending.position,
+            "id": w.id,
+            "allocation": path,
+            "user": user,
+            "gpus_per_node": w.gpus_per_node,
+            "nodes": w.nodes,
+            "priority": w.priority,
+            "submitted_at_ms": w.submitted_at_ms,
+            "reason": reason(&pending.reason),
+        }));
+    }
+    Ok(Json(json!({"as_of_seq": state.last_seq, "pending": rows})).into_response())
+}

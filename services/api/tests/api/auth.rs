@@ -1,0 +1,674 @@
+//! Who may call what: the authorization matrix over the router's own route table, scopes,
+//! tokens (created, listed, revoked, expired), the actor of every event, what each role reads of
+//! the events, and no secret at rest.
+
+use std::collections::BTreeMap;
+
+use axum::http::StatusCode;
+use eventlog::{Append, EventLog};
+use ledger::event::*;
+use ledger::Envelope;
+
+use crate::helpers::*;
+
+const ROLES: [&str; 6] = [
+    "admin",
+    "operator",
+    "submitter",
+    "agent",
+    "auditor",
+    "viewer",
+];
+const READERS: &[&str] = &["admin", "operator", "submitter", "auditor", "viewer"];
+
+/// Who may call each route, written out independently of the router's rules: `None` is open to
+/// anyone, `Some(roles)` is those roles only.
+fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'static str]>> {
+    let admin: &[&str] = &["admin"];
+    BTreeMap::from([
+        (("POST", "/v1/workloads"), Some(&["admin", "submitter"][..])),
+        (("GET", "/v1/workloads/{id}"), Some(READERS)),
+        (
+            ("DELETE", "/v1/workloads/{id}"),
+            Some(&["admin", "operator", "submitter"][..]),
+        ),
+        (("GET", "/v1/workloads/{id}/explain"), Some(READERS)),
+        (("GET", "/v1/queue"), Some(READERS)),
+        (("GET", "/v1/allocations"), Some(READERS)),
+        (("PUT", "/v1/allocations/{*path}"), Some(admin)),
+        (("DELETE", "/v1/allocations/{*path}"), Some(admin)),
+        (("GET", "/v1/nodes"), Some(READERS)),
+        (
+            ("POST", "/v1/nodes"),
+            Some(&["admin", "operator", "agent"][..]),
+        ),
+        (("POST", "/v1/nodes/{node}/heartbeat"), Some(&["agent"][..])),
+        (("POST", "/v1/nodes/{node}/events"), Some(&["agent"][..])),
+        (("GET", "/v1/events"), Some(&ROLES[..])),
+        (("GET", "/v1/events/stream"), Some(&ROLES[..])),
+        (("GET", "/v1/audit/ledger"), Some(&["admin", "auditor"][..])),
+        (
+            ("GET", "/v1/audit/workloads/{id}"),
+            Some(&["admin", "auditor"][..]),
+        ),
+        (("GET", "/v1/metrics/cluster"), Some(READERS)),
+        (("POST", "/v1/tokens"), Some(admin)),
+        (("GET", "/v1/tokens"), Some(admin)),
+        (("DELETE", "/v1/tokens/{name}"), Some(admin)),
+        (("GET", "/v1/whoami"), Some(&ROLES[..])),
+        (("GET", "/healthz"), None),
+        (("GET", "/readyz"), None),
+        (("GET", "/metrics"), None),
+        (("GET", "/openapi.json"), None),
+    ])
+}
+
+/// One principal of each role: the submitter scoped to `b`, the agent to node `n0`.
+async fn principals(f: &Fixture) -> BTreeMap<&'static str, String> {
+    let mut tokens = BTreeMap::from([("admin", f.admin.clone())]);
+    tokens.insert("operator", token(f, "op", "operator", &[], None).await);
+    tokens.insert(
+        "submitter",
+        token(f, "sub", "submitter", &["b"], None).await,
+    );
+    tokens.insert("agent", token(f, "ag", "agent", &[], Some("n0")).await);
+    tokens.insert("auditor", token(f, "aud", "auditor", &[], None).await);
+    tokens.insert("viewer", token(f, "view", "viewer", &[], None).await);
+    tokens
+}
+
+/// rule: every route of the router has a rule, and each role (and no token) gets exactly what
+/// the matrix above says, before any handler reads the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authorization_matrix_covers_every_route_and_role() {
+    let f = fixture(false).await;
+    let tokens = principals(&f).await;
+    let expected = expected();
+    let routes = api::routes::routes();
+    for route in &routes {
+        assert!(
+            expected.contains_key(&(route.method, route.path)),
+            "{} {} has no line in the matrix: say who may call it",
+            route.method,
+            route.path
+        );
+    }
+    for (method, path) in expected.keys() {
+        assert!(
+            routes
+                .iter()
+                .any(|r| r.method == *method && r.path == *path),
+            "the matrix names {method} {path}, which the router does not serve"
+        );
+    }
+    let before = f.log.last_seq().await.unwrap();
+    for route in &routes {
+        let uri = route
+            .path
+            .replace("{id}", "0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11")
+            .replace("{*path}", "zz/new")
+            .replace("{node}", "n0")
+            .replace("{name}", "nobody");
+        let body = matches!(route.method, "POST" | "PUT").then_some("{}");
+        let allowed = expected[&(route.method, route.path)];
+        let (status, ct, problem) = call_as(&f, None, route.method, &uri, body, &[]).await;
+        match allowed {
+            None => assert!(
+                status.is_success(),
+                "{} {uri} is open, yet answered {status} without a token",
+                route.method
+            ),
+            Some(_) => {
+                assert_eq!(status, StatusCode::UNAUTHORIZED, "{} {uri}", route.method);
+                assert_eq!(ct, "application/problem+json");
+                assert!(problem["detail"].as_str().unwrap().contains("token"));
+            }
+        }
+        for role in ROLES {
+            let (status, _, problem) =
+                call_as(&f, Some(&tokens[role]), route.method, &uri, body, &[]).await;
+            let may = allowed.is_none_or(|roles| roles.contains(&role));
+            if may {
+                assert!(
+                    status != StatusCode::UNAUTHORIZED && status != StatusCode::FORBIDDEN,
+                    "{role} may call {} {}, yet got {status}: {problem}",
+                    route.method,
+                    route.path
+                );
+            } else {
+                assert_eq!(
+                    status,
+                    StatusCode::FORBIDDEN,
+                    "{role} may not call {} {}: {problem}",
+                    route.method,
+                    route.path
+                );
+                let detail = problem["detail"].as_str().unwrap();
+                assert!(detail.contains("needs the role"), "{detail}");
+            }
+        }
+    }
+    // The matrix's requests were all refused or invalid: nothing was written.
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submitter_acts_within_its_scope_only_and_events_carry_who_acted() {
+    let f = fixture(false).await;
+    let alice = token(&f, "alice", "submitter", &["a"], None).await;
+    // Her own allocation: accepted, and the ledger says she submitted it.
+    let (status, _, mine) = call_as(
+        &f,
+        Some(&alice),
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"a/x","gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{mine}");
+    let id = mine["id"].as_str().unwrap();
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(row["user"], "user:alice", "{row}");
+    assert_eq!(row["history"][0]["actor"], "user:alice", "{row}");
+    // Another team's: refused, naming what it would take, and nothing is written.
+    let (_, _, theirs) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":8,"nodes":2}"#),
+        &[],
+    )
+    .await;
+    let theirs = theirs["id"].as_str().unwrap().to_owned();
+    let before = f.log.last_seq().await.unwrap();
+    let (status, _, problem) = call_as(
+        &f,
+        Some(&alice),
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("\"b\"") && detail.contains("\"a\""),
+        "{detail}"
+    );
+    let (status, _, problem) = call_as(
+        &f,
+        Some(&alice),
+        "DELETE",
+        &format!("/v1/workloads/{theirs}"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    let (status, _, _) = call_as(
+        &f,
+        Some(&alice),
+        "PUT",
+        "/v1/allocations/b",
+        Some(r#"{"weight":100}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _, _) = call_as(
+        &f,
+        Some(&alice),
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "unallocated work needs *");
+    assert_eq!(f.log.last_seq().await.unwrap(), before, "a refusal wrote");
+    // Her own: she cancels it, as herself.
+    let (status, _, c) = call_as(
+        &f,
+        Some(&alice),
+        "DELETE",
+        &format!("/v1/workloads/{id}"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{c}");
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(row["history"][1]["actor"], "user:alice", "{row}");
+    // The queue says who submitted what, and filters by it: the whole-cluster gang goes first,
+    // this one waits.
+    let (status, _, _) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":8}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let (_, _, queue) = call(&f, "GET", "/v1/queue?user=alice", None, &[]).await;
+    assert!(queue["pending"].as_array().unwrap().is_empty(), "{queue}");
+    let (_, _, queue) = call(&f, "GET", "/v1/queue?user=user:admin", None, &[]).await;
+    let pending = queue["pending"].as_array().unwrap();
+    assert_eq!(pending.len(), 1, "{queue}");
+    assert_eq!(pending[0]["user"], "user:admin");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_keys_belong_to_their_principal() {
+    let f = fixture(false).await;
+    let alice = token(&f, "alice", "submitter", &["b"], None).await;
+    let bob = token(&f, "bob", "submitter", &["b"], None).await;
+    let body = Some(r#"{"allocation":"b","gpus_per_node":1}"#);
+    let key = [("idempotency-key", "k1")];
+    let (_, _, a) = call_as(&f, Some(&alice), "POST", "/v1/workloads", body, &key).await;
+    let (status, _, b) = call_as(&f, Some(&bob), "POST", "/v1/workloads", body, &key).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "bob's k1 is not alice's: {b}");
+    assert_ne!(a["id"], b["id"]);
+    let (status, _, again) = call_as(&f, Some(&alice), "POST", "/v1/workloads", body, &key).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        (again["id"].clone(), again["duplicate"].clone()),
+        (a["id"].clone(), true.into())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
+    let f = fixture(true).await;
+    let n0 = token(&f, "agent-n0", "agent", &[], Some("n0")).await;
+    let n1 = token(&f, "agent-n1", "agent", &[], Some("n1")).await;
+    let (status, _, placed) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"b","gpus_per_node":8}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{placed}");
+    let id: uuid::Uuid = placed["id"].as_str().unwrap().parse().unwrap();
+    let node = placed["workload"]["placement"][0]["node"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (here, there) = if node == "n0" { (&n0, &n1) } else { (&n1, &n0) };
+    let other = if node == "n0" { "n1" } else { "n0" };
+    let finished = |actor: &str| {
+        let env = Envelope::new(
+            uuid::Uuid::now_v7(),
+            scheduler::wall_clock_ms(),
+            actor,
+            Event::WorkloadFinished(WorkloadFinished {
+                workload: id,
+                exit_code: Some(0),
+                signal: None,
+            }),
+        );
+        serde_json::json!({"events": [{"idempotency_key": "end-1", "envelope": env}]}).to_string()
+    };
+    let before = f.log.last_seq().await.unwrap();
+    // Anyone without a token, an admin, the other node's agent, and this node's agent claiming
+    // another actor: all refused, and the workload still holds its GPUs.
+    let uri = format!("/v1/nodes/{node}/events");
+    let (status, _, _) = call_as(&f, None, "POST", &uri, Some(&finished("agent:x")), &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _, _) = call(&f, "POST", &uri, Some(&finished("user:admin")), &[]).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _, problem) = call_as(
+        &f,
+        Some(there),
+        "POST",
+        &uri,
+        Some(&finished(&format!("agent:agent-{other}"))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    let (status, _, problem) = call_as(
+        &f,
+        Some(there),
+        "POST",
+        &format!("/v1/nodes/{other}/events"),
+        Some(&finished(&format!("agent:agent-{other}"))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("not node"),
+        "{problem}"
+    );
+    let (status, _, problem) = call_as(
+        &f,
+        Some(here),
+        "POST",
+        &uri,
+        Some(&finished("scheduler")),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    assert_eq!(problem["field"], "events[0].envelope.actor");
+    let (status, _, _) = call_as(
+        &f,
+        Some(there),
+        "POST",
+        &format!("/v1/nodes/{node}/heartbeat"),
+        Some(r#"{"readings":[]}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "a heartbeat for another node"
+    );
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(row["phase"], "running");
+    // The node's own agent, as itself: the end is recorded, by it.
+    let (status, _, answer) = call_as(
+        &f,
+        Some(here),
+        "POST",
+        &uri,
+        Some(&finished(&format!("agent:agent-{node}"))),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let seq = answer["seqs"][0].as_u64().unwrap();
+    assert!(f.app.folded(seq).await);
+    let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(row["phase"], "finished", "{row}");
+    let last = row["history"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["actor"], format!("agent:agent-{node}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
+    let f = fixture(false).await;
+    let body = r#"{"name":"nlp-bot","role":"submitter","allocations":["b"],"expires_in_s":3600}"#;
+    let (status, _, created) = call(&f, "POST", "/v1/tokens", Some(body), &[]).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let bot = created["token"].as_str().unwrap().to_owned();
+    assert!(bot.starts_with("flt_"), "{created}");
+    assert_eq!(created["actor"], "user:nlp-bot");
+    assert_eq!(created["granted_by"], "user:admin");
+    assert!(
+        created["expires_at"].as_str().unwrap().ends_with('Z'),
+        "{created}"
+    );
+    let (_, _, me) = call_as(&f, Some(&bot), "GET", "/v1/whoami", None, &[]).await;
+    assert_eq!(
+        (me["name"].as_str(), me["role"].as_str()),
+        (Some("nlp-bot"), Some("submitter"))
+    );
+    let (status, _, list) = call(&f, "GET", "/v1/tokens", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = list.to_string();
+    assert!(text.contains("nlp-bot") && !text.contains(&bot), "{list}");
+    assert!(!text.contains("token_sha256") && !text.contains(&f.admin));
+
+    // Bad grants: named fields, nothing written.
+    let before = f.log.last_seq().await.unwrap();
+    for (body, status, field) in [
+        (
+            r#"{"name":"nlp-bot","role":"viewer"}"#,
+            StatusCode::CONFLICT,
+            None,
+        ),
+        (
+            r#"{"name":"x.y","role":"viewer"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("name"),
+        ),
+        (
+            r#"{"name":"x","role":"root"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("role"),
+        ),
+        (
+            r#"{"name":"x","role":"submitter"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocations"),
+        ),
+        (
+            r#"{"name":"x","role":"submitter","allocations":["nope"]}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocations"),
+        ),
+        (
+            r#"{"name":"x","role":"agent"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("node"),
+        ),
+        (
+            r#"{"name":"x","role":"agent","node":"a.b"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("node"),
+        ),
+        (
+            r#"{"name":"x","role":"viewer","expires_in_s":0}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("expires_in_s"),
+        ),
+        (
+            r#"{"name":"x","role":"viewer","colour":1}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("colour"),
+        ),
+    ] {
+        let (got, ct, problem) = call(&f, "POST", "/v1/tokens", Some(body), &[]).await;
+        assert_eq!(got, status, "{body}: {problem}");
+        assert_eq!(ct, "application/problem+json");
+        if let Some(field) = field {
+            assert_eq!(problem["field"], field, "{body}: {problem}");
+        }
+    }
+    let (status, _, problem) = call(&f, "DELETE", "/v1/tokens/admin", None, &[]).await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "the last admin stays: {problem}"
+    );
+    let (status, _, _) = call(&f, "DELETE", "/v1/tokens/nobody", None, &[]).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        f.log.last_seq().await.unwrap(),
+        before,
+        "a refused grant wrote"
+    );
+
+    // Revoked: refused at once, saying so.
+    let (status, _, _) = call(&f, "DELETE", "/v1/tokens/nlp-bot", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, problem) = call_as(&f, Some(&bot), "GET", "/v1/queue", None, &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("revoked"),
+        "{problem}"
+    );
+
+    // Expired: a grant whose time has passed (written as a writer with a slow clock would).
+    let (stale, digest) = api::auth::new_token().unwrap();
+    let grant = Event::PrincipalGranted(PrincipalGranted {
+        name: "stale".into(),
+        role: Role::Viewer,
+        allocations: vec![],
+        node: None,
+        token_sha256: digest,
+        expires_at_ms: Some(scheduler::wall_clock_ms() - 1),
+    });
+    let env = Envelope::new(
+        uuid::Uuid::now_v7(),
+        scheduler::wall_clock_ms(),
+        "user:admin",
+        grant,
+    );
+    let seq = f
+        .log
+        .append(Append::event(&env, None, None))
+        .await
+        .unwrap()
+        .seq;
+    assert!(f.app.folded(seq).await);
+    let (status, _, problem) = call_as(&f, Some(&stale), "GET", "/v1/queue", None, &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("expired"),
+        "{problem}"
+    );
+
+    // Unknown and malformed.
+    let (status, _, problem) = call_as(&f, Some("flt_nope"), "GET", "/v1/queue", None, &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("not known"),
+        "{problem}"
+    );
+    for header in ["Basic YWRtaW46YWRtaW4=", "Bearer", "flt_abc"] {
+        let (status, _, problem) = call_as(
+            &f,
+            None,
+            "GET",
+            "/v1/queue",
+            None,
+            &[("authorization", header)],
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{header}: {problem}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_scoped_to_a_removed_allocation_grants_nothing() {
+    let f = fixture(false).await;
+    let (status, _, _) = call(&f, "PUT", "/v1/allocations/c", Some(r#"{"weight":1}"#), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let c = token(&f, "c-team", "submitter", &["c"], None).await;
+    let (status, _, _) = call(&f, "DELETE", "/v1/allocations/c", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let before = f.log.last_seq().await.unwrap();
+    let (status, _, problem) = call_as(
+        &f,
+        Some(&c),
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"c","gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("removed"),
+        "{problem}"
+    );
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_show_commands_to_those_who_launch_or_audit_them_only() {
+    let f = fixture(false).await;
+    let (status, _, _) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":1,"command":["train","--key=s3cr3t"],"env":{"WANDB_API_KEY":"s3cr3t"}}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let viewer = token(&f, "v", "viewer", &[], None).await;
+    let auditor = token(&f, "au", "auditor", &[], None).await;
+    let submitted = |page: &serde_json::Value| {
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["event"]["type"] == "workload_submitted")
+            .unwrap()["event"]["payload"]
+            .clone()
+    };
+    let (_, _, page) = call_as(&f, Some(&viewer), "GET", "/v1/events?limit=1000", None, &[]).await;
+    let payload = submitted(&page);
+    assert!(
+        payload.get("command").is_none() && payload.get("env").is_none(),
+        "{payload}"
+    );
+    assert!(!page.to_string().contains("s3cr3t"));
+    assert_eq!(payload["allocation"], "b", "the rest is shown");
+    let (_, _, page) = call_as(
+        &f,
+        Some(&auditor),
+        "GET",
+        "/v1/events?limit=1000",
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(submitted(&page)["env"]["WANDB_API_KEY"], "s3cr3t");
+}
+
+/// secrets: no token is written anywhere the server keeps data (the log, the projection),
+/// however many are made; the first admin's is only in its 0600 file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_token_is_kept_at_rest() {
+    let f = fixture(false).await;
+    let mut secrets = vec![f.admin.clone()];
+    for (name, role) in [("s1", "viewer"), ("s2", "auditor"), ("s3", "operator")] {
+        secrets.push(token(&f, name, role, &[], None).await);
+    }
+    let (status, _, _) = call(&f, "DELETE", "/v1/tokens/s1", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    {
+        // A checkpoint, so the projection holds the folded principals too.
+        f.projection.write().await.checkpoint().unwrap();
+    }
+    let token_file = f.dir.path().join("data/admin.token");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&token_file).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the admin token file is the owner's only"
+        );
+    }
+    let mut found = Vec::new();
+    let mut stack = vec![f.dir.path().to_owned()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path != token_file {
+                let bytes = std::fs::read(&path).unwrap();
+                for s in &secrets {
+                    if bytes.windows(s.len()).any(|w| w == s.as_bytes()) {
+                        found.push(path.display().to_string());
+                    }
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "tokens at rest in {found:?}");
+    // The log holds their digests, which is how a replay knows them.
+    let events = f.log.read(1, 1000).await.unwrap();
+    let digests = events
+        .iter()
+        .filter(|e| {
+            e.subject
+                .starts_with("fairledger.ledger.principal.granted.")
+        })
+        .count();
+    assert_eq!(digests, secrets.len());
+}
