@@ -123,6 +123,42 @@ impl HttpLog {
     }
 }
 
+/// The body of a node's reports, as `POST /v1/nodes/{node}/events` and the NATS relay take it.
+pub(crate) fn report_body(appends: &[Append]) -> Result<Value, AppendError> {
+    let mut reports = Vec::with_capacity(appends.len());
+    for a in appends {
+        let envelope: Value = serde_json::from_slice(&a.payload)
+            .map_err(|e| AppendError::Refused(format!("not an event: {e}")))?;
+        let key = a.msg_id.clone().unwrap_or_default();
+        reports.push(json!({"idempotency_key": key, "envelope": envelope}));
+    }
+    Ok(json!({"events": reports}))
+}
+
+/// What the service's answer to a node's reports means for the appends.
+pub(crate) fn report_answer(
+    status: u16,
+    answer: &Value,
+    appends: &[Append],
+) -> Result<Vec<Appended>, AppendError> {
+    match status {
+        200 if answer["duplicate"] == true => Err(AppendError::DuplicateBatch(
+            appends[0].msg_id.clone().unwrap_or_default(),
+        )),
+        200 => Ok(answer["seqs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| Appended {
+                seq: s.as_u64().unwrap_or(0),
+                duplicate: false,
+            })
+            .collect()),
+        503 => Err(AppendError::Unavailable(problem(answer))),
+        _ => Err(AppendError::Refused(problem(answer))),
+    }
+}
+
 fn problem(answer: &Value) -> String {
     let detail = answer["detail"]
         .as_str()
@@ -135,34 +171,13 @@ fn problem(answer: &Value) -> String {
 
 impl EventLog for HttpLog {
     async fn append_batch(&self, appends: Vec<Append>) -> Result<Vec<Appended>, AppendError> {
-        let mut reports = Vec::with_capacity(appends.len());
-        for a in &appends {
-            let envelope: Value = serde_json::from_slice(&a.payload)
-                .map_err(|e| AppendError::Refused(format!("not an event: {e}")))?;
-            let key = a.msg_id.clone().unwrap_or_default();
-            reports.push(json!({"idempotency_key": key, "envelope": envelope}));
-        }
+        let body = report_body(&appends)?;
         let path = format!("/v1/nodes/{}/events", self.node);
         let (status, answer) = self
-            .call(path, Some(json!({"events": reports})))
+            .call(path, Some(body))
             .await
             .map_err(AppendError::Unacknowledged)?;
-        match status {
-            200 if answer["duplicate"] == true => Err(AppendError::DuplicateBatch(
-                appends[0].msg_id.clone().unwrap_or_default(),
-            )),
-            200 => Ok(answer["seqs"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|s| Appended {
-                    seq: s.as_u64().unwrap_or(0),
-                    duplicate: false,
-                })
-                .collect()),
-            503 => Err(AppendError::Unavailable(problem(&answer))),
-            _ => Err(AppendError::Refused(problem(&answer))),
-        }
+        report_answer(status, &answer, &appends)
     }
 
     async fn last_seq(&self) -> Result<u64, LogError> {

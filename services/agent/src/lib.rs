@@ -38,6 +38,7 @@ use uuid::Uuid;
 
 pub mod gpu;
 pub mod http;
+pub mod nats;
 pub mod run;
 
 pub use gpu::{FakeGpus, Fault, GpuSource, Nvml};

@@ -179,6 +179,22 @@ impl Application {
                 }));
             }
         }
+        // Node agents on NATS send their reports to a process serving the API.
+        if let (AnyLog::JetStream(js), true) = (&log, settings.serving.api()) {
+            let (app, js) = (app.clone(), (**js).clone());
+            let stop_signal = stopped(stop_rx.clone());
+            tasks.push(tokio::spawn(crate::reports::relay(app, js, stop_signal)));
+        }
+        // Agents may not create the bucket in which they hold their nodes' names.
+        if let AnyLog::JetStream(js) = &log {
+            eventlog::lease::ensure_bucket(
+                js.context(),
+                eventlog::lease::AGENTS_BUCKET,
+                eventlog::lease::AGENTS_TTL,
+                settings.replicas,
+            )
+            .await?;
+        }
         let router = if settings.serving.api() {
             crate::router(app.clone())
         } else {

@@ -1,6 +1,7 @@
 //! What a node's agent may report, however it reaches the ledger (`POST /v1/nodes/{node}/events`,
-//! or from inside the server): its node's registration and the ends of the runs placed on it,
-//! stamped with its own actor and never ahead of the server's clock; nothing else.
+//! a request on NATS answered by [`relay`], or from inside the server): its node's registration
+//! and the ends of the runs placed on it, stamped with its own actor and never ahead of the
+//! server's clock; nothing else. Only the service writes the ledger's subjects.
 
 use std::sync::Arc;
 
@@ -198,4 +199,79 @@ impl EventLog for LocalAgentLog {
     ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
         self.app.log().subscribe(from).await
     }
+}
+
+/// Answers node agents' reports sent over NATS (`fairledger.report.<node>`) until `stop`: each is
+/// checked as `POST /v1/nodes/{node}/events` checks it, as sent by `agent:<node>` (the server
+/// lets only that node's agent publish on that subject), and appended. The answer is the HTTP
+/// route's body: `{"seqs", "duplicate"}`, or a problem. Processes serving the API share the work
+/// through a queue group.
+pub async fn relay(
+    app: App,
+    js: eventlog::JetStreamLog,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    use futures::StreamExt;
+    let mut requests = js
+        .client()
+        .queue_subscribe(
+            format!("{}.*", eventlog::subject::REPORTS_PREFIX),
+            "fairledger-reports".into(),
+        )
+        .await
+        .map_err(|e| format!("cannot listen for node reports on NATS: {e}"))?;
+    // A bound on the reports in flight at once.
+    let slots = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let message = tokio::select! {
+            _ = &mut stop => return Ok(()),
+            m = requests.next() => match m {
+                Some(m) => m,
+                None => return Err("the NATS subscription for node reports ended".into()),
+            },
+        };
+        let Some(reply) = message.reply.clone() else {
+            continue;
+        };
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return Ok(());
+        };
+        let (app, client) = (app.clone(), js.client().clone());
+        tokio::spawn(async move {
+            let answer = match answer_report(&app, &message).await {
+                Ok(body) => body,
+                Err(problem) => serde_json::to_value(&problem).expect("a problem serializes"),
+            };
+            if let Err(e) = client.publish(reply, answer.to_string().into()).await {
+                tracing::warn!(error = %e, "cannot answer a node report");
+            }
+            drop(permit);
+        });
+    }
+}
+
+async fn answer_report(
+    app: &App,
+    message: &async_nats::Message,
+) -> Result<serde_json::Value, Problem> {
+    let node = message
+        .subject
+        .strip_prefix(eventlog::subject::REPORTS_PREFIX)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .unwrap_or_default();
+    ledger::identity::validate_node_name(node).map_err(|r| Problem::invalid("node", r))?;
+    let body: NodeEventsBody = serde_json::from_slice(&message.payload).map_err(|e| {
+        Problem::new(
+            axum::http::StatusCode::BAD_REQUEST,
+            "malformed-json",
+            e.to_string(),
+        )
+    })?;
+    let actor = format!("agent:{node}");
+    let appends = {
+        let p = app.projection().read().await;
+        check(p.state(), node, &actor, &body.events)?
+    };
+    append(app, appends).await
 }

@@ -58,6 +58,76 @@ pub struct JetStreamOptions {
     pub ack_timeout: Duration,
     /// How long to try to reach the server at start-up.
     pub connect_timeout: Duration,
+    /// Who this process is to NATS, and how the connection is secured.
+    pub auth: NatsAuth,
+    /// Create or update the streams at start-up (the service); otherwise bind to the streams as
+    /// they are, for credentials that may only read them and publish their own subjects (node
+    /// agents, downstream consumers).
+    pub manage_streams: bool,
+}
+
+/// How a process proves who it is to NATS, and whether the connection is TLS.
+#[derive(Clone, Debug, Default)]
+pub struct NatsAuth {
+    /// A credentials file (a user JWT and its nkey seed, as `nsc` writes them).
+    pub creds: Option<std::path::PathBuf>,
+    /// A file holding an nkey seed (`SU…`), for servers that list users by nkey.
+    pub nkey: Option<std::path::PathBuf>,
+    /// A user name and its password.
+    pub user: Option<(String, String)>,
+    /// The CA certificate (PEM) to check the server's against; TLS is required when given.
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// A client certificate and its key (PEM), for servers that verify their clients.
+    pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// Where replies come back (`_INBOX_<name>` for users that may subscribe to their own inbox
+    /// only; see [`crate::access`]).
+    pub inbox_prefix: Option<String>,
+}
+
+impl NatsAuth {
+    /// The connect options these settings make.
+    async fn options(&self) -> Result<async_nats::ConnectOptions, ConnectError> {
+        let mut options = async_nats::ConnectOptions::new();
+        if let Some(path) = &self.creds {
+            options = options.credentials_file(path).await.map_err(|e| {
+                ConnectError::Invalid(format!(
+                    "cannot read the NATS credentials file {}: {e}",
+                    path.display()
+                ))
+            })?;
+        }
+        if let Some(path) = &self.nkey {
+            let seed = std::fs::read_to_string(path).map_err(|e| {
+                ConnectError::Invalid(format!(
+                    "cannot read the nkey seed file {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let seed = seed.trim().to_owned();
+            if !seed.starts_with("SU") {
+                return Err(ConnectError::Invalid(format!(
+                    "{} does not hold a user nkey seed (SU…)",
+                    path.display()
+                )));
+            }
+            options = options.nkey(seed);
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
+        }
+        if let Some((user, password)) = &self.user {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(ca) = &self.tls_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let Some((cert, key)) = &self.tls_client {
+            options = options
+                .add_client_certificate(cert.clone(), key.clone())
+                .require_tls(true);
+        }
+        Ok(options)
+    }
 }
 
 impl Default for JetStreamOptions {
@@ -70,6 +140,8 @@ impl Default for JetStreamOptions {
             group_commit: false,
             ack_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            auth: NatsAuth::default(),
+            manage_streams: true,
         }
     }
 }
@@ -92,6 +164,14 @@ pub enum ConnectError {
         url: String,
         /// The version the server reported.
         version: String,
+    },
+    /// The server refused the credentials.
+    #[error("NATS at {url} refused the credentials: {reason}; check --nats-creds, --nats-nkey or --nats-user (and an agent's --node)")]
+    Refused {
+        /// The URL given.
+        url: String,
+        /// What the server said.
+        reason: String,
     },
     /// The server runs without JetStream.
     #[error("nats-server at {url} has JetStream disabled; start it with -js (or a jetstream {{}} block in its config)")]
@@ -168,7 +248,29 @@ impl JetStreamLog {
             url: url.to_owned(),
             reason,
         };
-        let client = async_nats::ConnectOptions::new()
+        // The server tells of a permission it refuses asynchronously; a request that needed it
+        // then only times out. Kept, so a failure at start-up can say why.
+        let refused: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let seen = refused.clone();
+        let client = options
+            .auth
+            .options()
+            .await?
+            .event_callback(move |event| {
+                let seen = seen.clone();
+                async move {
+                    match &event {
+                        async_nats::Event::ServerError(e) => {
+                            let text = e.to_string();
+                            tracing::warn!("NATS: {text}");
+                            if text.contains("Permissions Violation") {
+                                *seen.lock().expect("never poisoned") = Some(text);
+                            }
+                        }
+                        other => tracing::info!("NATS: {other}"),
+                    }
+                }
+            })
             .connection_timeout(options.connect_timeout)
             .name("fairledger")
             // A cluster is given as a comma-separated list of its servers.
@@ -179,7 +281,17 @@ impl JetStreamLog {
                     .collect::<Vec<_>>(),
             )
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| {
+                let reason = e.to_string();
+                if reason.to_lowercase().contains("authorization") {
+                    ConnectError::Refused {
+                        url: url.to_owned(),
+                        reason,
+                    }
+                } else {
+                    unreachable(reason)
+                }
+            })?;
         check_version(url, &client.server_info().version)?;
         let js = jetstream::ContextBuilder::new()
             .timeout(options.ack_timeout)
@@ -201,11 +313,29 @@ impl JetStreamLog {
                         url: url.to_owned(),
                     }
                 }
-                _ => unreachable(e.to_string()),
+                _ => match refused.lock().expect("never poisoned").take() {
+                    Some(reason) => ConnectError::Refused {
+                        url: url.to_owned(),
+                        reason,
+                    },
+                    None => unreachable(e.to_string()),
+                },
             });
         }
-        let ledger = ensure_stream(&js, ledger_config(&options)).await?;
-        ensure_stream(&js, telemetry_config(&options)).await?;
+        let ledger = if options.manage_streams {
+            let ledger = ensure_stream(&js, ledger_config(&options)).await?;
+            ensure_stream(&js, telemetry_config(&options)).await?;
+            ledger
+        } else {
+            js.get_stream(LEDGER_STREAM)
+                .await
+                .map_err(|e| ConnectError::Stream {
+                    stream: LEDGER_STREAM.into(),
+                    reason: format!(
+                        "{e}; start `fairledger serve` on this NATS first, which creates it"
+                    ),
+                })?
+        };
         let batches = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
         let mut log = JetStreamLog {
             client,
@@ -276,11 +406,22 @@ impl JetStreamLog {
         Ok(subscriber
             .filter_map(|m| async move {
                 match serde_json::from_slice::<ledger::Envelope>(&m.payload) {
-                    Ok(env) if matches!(env.event, ledger::Event::GpuHeartbeat(_)) => Some(env),
-                    Ok(env) => {
-                        tracing::warn!(subject = %m.subject, kind = env.event.kind(), "not a heartbeat on a heartbeat subject: skipped");
-                        None
-                    }
+                    // Its subject is its node's, which only that node's agent may publish to.
+                    Ok(env) => match &env.event {
+                        ledger::Event::GpuHeartbeat(hb)
+                            if crate::subject::for_telemetry(hb) == m.subject.as_str() =>
+                        {
+                            Some(env)
+                        }
+                        ledger::Event::GpuHeartbeat(hb) => {
+                            tracing::warn!(subject = %m.subject, node = %hb.node, "a heartbeat for another node's subject: skipped");
+                            None
+                        }
+                        _ => {
+                            tracing::warn!(subject = %m.subject, kind = env.event.kind(), "not a heartbeat on a heartbeat subject: skipped");
+                            None
+                        }
+                    },
                     Err(e) => {
                         tracing::warn!(subject = %m.subject, error = %e, "malformed heartbeat: skipped");
                         None

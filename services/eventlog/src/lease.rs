@@ -10,6 +10,41 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 
+/// The bucket in which each node agent holds its node's name.
+pub const AGENTS_BUCKET: &str = "fairledger_agents";
+
+/// How long an agent's claim on its node outlives its last renewal, when the service creates
+/// [`AGENTS_BUCKET`] (agents renew three times as often).
+pub const AGENTS_TTL: Duration = Duration::from_secs(6);
+
+/// Creates `bucket`, whose entries live `ttl`, unless it exists: for buckets that the
+/// processes holding leases in it may not create (node agents with credentials of their own).
+pub async fn ensure_bucket(
+    js: &jetstream::Context,
+    bucket: &str,
+    ttl: Duration,
+    replicas: usize,
+) -> Result<(), String> {
+    if js.get_key_value(bucket).await.is_ok() {
+        return Ok(());
+    }
+    js.create_key_value(config(bucket, ttl, replicas))
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("cannot create the lease bucket {bucket}: {e}"))
+}
+
+fn config(bucket: &str, ttl: Duration, replicas: usize) -> kv::Config {
+    kv::Config {
+        bucket: bucket.into(),
+        description: "fairledger: leases".into(),
+        history: 1,
+        max_age: ttl,
+        num_replicas: replicas,
+        ..Default::default()
+    }
+}
+
 /// One process's claim on the scheduler lease.
 pub struct Lease {
     kv: kv::Store,
@@ -43,14 +78,7 @@ impl Lease {
         let kv = match js.get_key_value(bucket).await {
             Ok(kv) => kv,
             Err(_) => js
-                .create_key_value(kv::Config {
-                    bucket: bucket.into(),
-                    description: "fairledger: leases".into(),
-                    history: 1,
-                    max_age: ttl,
-                    num_replicas: replicas,
-                    ..Default::default()
-                })
+                .create_key_value(config(bucket, ttl, replicas))
                 .await
                 .map_err(|e| format!("cannot create the lease bucket {bucket}: {e}"))?,
         };
@@ -85,6 +113,38 @@ impl Lease {
             }
             Err(_) => false,
         }
+    }
+
+    /// Takes the lease from `dead`, a holder known to have stopped (a crashed process on this
+    /// machine), without waiting for its claim to age out: a compare-and-set on the revision
+    /// `dead` last wrote, so a holder that renewed meanwhile keeps it. True if taken.
+    pub async fn take_from(&mut self, dead: &str) -> bool {
+        let Ok(Some(entry)) = self.kv.entry(&self.key).await else {
+            return false;
+        };
+        if entry.operation != kv::Operation::Put || entry.value != dead.as_bytes() {
+            return false;
+        }
+        match self
+            .kv
+            .update(&self.key, self.holder.clone(), entry.revision)
+            .await
+        {
+            Ok(revision) => {
+                self.revision = Some(revision);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// How long a claim outlives its last renewal: the bucket's, which whoever created it chose.
+    pub async fn ttl(&self) -> Result<Duration, String> {
+        self.kv
+            .status()
+            .await
+            .map(|s| s.max_age())
+            .map_err(|e| format!("cannot read the lease bucket: {e}"))
     }
 
     /// Who holds the lease now, if anyone.

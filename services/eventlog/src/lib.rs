@@ -16,6 +16,7 @@ use std::future::Future;
 use bytes::Bytes;
 use futures::stream::BoxStream;
 
+pub mod access;
 pub mod embedded;
 pub mod jetstream;
 pub mod lease;
@@ -24,7 +25,7 @@ pub mod subject;
 pub mod testing;
 
 pub use embedded::EmbeddedLog;
-pub use jetstream::{JetStreamLog, JetStreamOptions};
+pub use jetstream::{JetStreamLog, JetStreamOptions, NatsAuth};
 
 /// One event to append.
 #[derive(Clone, Debug, PartialEq)]

@@ -15,6 +15,9 @@
 //!                                                    "preemption_requested")
 //! fairledger.telemetry.gpu.heartbeat.<node>          gpu_heartbeat, every one (the TELEMETRY
 //!                                                    stream; see [`for_telemetry`])
+//! fairledger.report.<node>                           a node agent's reports to the service (core
+//!                                                    NATS requests, not stored; see
+//!                                                    [`for_reports`])
 //! ```
 //!
 //! `<path>` is the allocation path with `/` turned into `.` (`ai2/olmo/pretrain` becomes
@@ -31,6 +34,16 @@ use ledger::{Envelope, Event, WorkloadId};
 pub const LEDGER_PREFIX: &str = "fairledger.ledger";
 /// Prefix of every telemetry subject (the `TELEMETRY` stream).
 pub const TELEMETRY_PREFIX: &str = "fairledger.telemetry";
+/// Prefix of the subjects on which node agents send their reports to the service, one per
+/// node (`fairledger.report.<node>`): core NATS requests, never stored; the service checks them
+/// and appends them to the ledger.
+pub const REPORTS_PREFIX: &str = "fairledger.report";
+
+/// The subject on which the agent of `node` sends its reports.
+pub fn for_reports(node: &str) -> String {
+    format!("{REPORTS_PREFIX}.{}", token(node))
+}
+
 /// The token standing for "no allocation".
 pub const UNALLOCATED: &str = "_unallocated";
 

@@ -9,12 +9,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// How to start the server.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ServerOptions {
     /// Enable JetStream.
     pub jetstream: bool,
     /// `sync_interval: always`: fsync every write before acknowledging it.
     pub sync_always: bool,
+    /// A configuration file to run as it is (a shipped one), from the fixture's directory (where
+    /// a relative store directory lands), with the port and the log set on the command line,
+    /// which override it.
+    pub config: Option<PathBuf>,
 }
 
 impl Default for ServerOptions {
@@ -22,6 +26,7 @@ impl Default for ServerOptions {
         ServerOptions {
             jetstream: true,
             sync_always: false,
+            config: None,
         }
     }
 }
@@ -91,6 +96,24 @@ impl NatsServer {
     }
 
     fn launch(&mut self) {
+        if let Some(conf) = self.options.config.clone() {
+            let log = self.dir.path().join("nats.log");
+            let child = Command::new(server_binary())
+                .arg("-c")
+                .arg(&conf)
+                .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-m", "-1"])
+                .current_dir(self.dir.path())
+                .arg("-l")
+                .arg(&log)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("starting nats-server");
+            self.child = Some(child);
+            self.wait_ready(&log);
+            return;
+        }
         let conf = self.dir.path().join("nats.conf");
         let mut text = format!("listen: \"127.0.0.1:{}\"\n", self.port);
         if self.options.jetstream {

@@ -5,6 +5,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use eventlog::access::{self, NatsRole, NatsUser};
 use eventlog::jetstream::ConnectError;
 use eventlog::testing::{free_port, NatsServer, ServerOptions};
 use eventlog::{Append, EventLog, JetStreamLog, JetStreamOptions};
@@ -165,9 +166,15 @@ async fn a_list_of_servers_is_a_cluster_to_try_in_turn() {
 #[test]
 fn the_shipped_server_configs_are_valid() {
     let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/nats");
+    // secure.conf includes the users.conf that `fairledger nats-auth` writes beside it.
+    let secured = secure_conf(&[]);
     let mut checked = 0;
-    for entry in std::fs::read_dir(&ops).unwrap() {
-        let path = entry.unwrap().path();
+    let shipped = std::fs::read_dir(&ops)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().is_some_and(|n| n != "secure.conf"))
+        .chain([secured.path().join("secure.conf")]);
+    for path in shipped {
         if path.extension().is_some_and(|e| e == "conf") {
             let out = std::process::Command::new(eventlog::testing::server_binary())
                 .arg("-c")
@@ -184,7 +191,7 @@ fn the_shipped_server_configs_are_valid() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 5, "single, strict and three cluster nodes");
+    assert_eq!(checked, 6, "single, strict, secure and three cluster nodes");
     let strict = std::fs::read_to_string(ops.join("strict.conf")).unwrap();
     assert!(strict.contains("sync_interval: always"));
 }
@@ -225,4 +232,223 @@ async fn heartbeats_go_to_telemetry_not_to_the_ledger() {
         .await
         .unwrap();
     assert_eq!(telemetry.state.messages, 1);
+}
+
+/// The shipped `ops/nats/secure.conf`, copied into a directory of its own beside a `users.conf`
+/// holding a service user and `others`; answers the directory (seeds in `<name>.nk`).
+fn secure_conf(others: &[(&str, NatsRole)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/nats");
+    std::fs::copy(ops.join("secure.conf"), dir.path().join("secure.conf")).unwrap();
+    let mut users = Vec::new();
+    for (name, role) in [("fairledger", NatsRole::Service)]
+        .into_iter()
+        .chain(others.iter().cloned())
+    {
+        let (seed, nkey) = access::new_user_nkey().unwrap();
+        std::fs::write(dir.path().join(format!("{name}.nk")), seed).unwrap();
+        users.push(NatsUser {
+            name: name.into(),
+            role,
+            nkey,
+        });
+    }
+    std::fs::write(dir.path().join("users.conf"), access::users_conf(&users)).unwrap();
+    dir
+}
+
+/// Options for the user whose seed is `<dir>/<name>.nk`; `manage` for the service.
+fn as_user(dir: &std::path::Path, name: &str, manage: bool) -> JetStreamOptions {
+    JetStreamOptions {
+        manage_streams: manage,
+        ack_timeout: Duration::from_secs(1),
+        auth: eventlog::NatsAuth {
+            nkey: Some(dir.join(format!("{name}.nk"))),
+            inbox_prefix: (!manage).then(|| access::inbox_prefix(name)),
+            ..Default::default()
+        },
+        ..quick()
+    }
+}
+
+/// What the server said to a raw client of `name` that published to each of `subjects`.
+async fn violations(
+    server: &NatsServer,
+    dir: &std::path::Path,
+    name: &str,
+    subjects: &[&str],
+) -> Vec<String> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seed = std::fs::read_to_string(dir.join(format!("{name}.nk"))).unwrap();
+    let kept = seen.clone();
+    let client = async_nats::ConnectOptions::with_nkey(seed)
+        .custom_inbox_prefix(access::inbox_prefix(name))
+        .event_callback(move |event| {
+            let kept = kept.clone();
+            async move {
+                if let async_nats::Event::ServerError(e) = event {
+                    kept.lock().unwrap().push(e.to_string());
+                }
+            }
+        })
+        .connect(server.url())
+        .await
+        .unwrap();
+    for subject in subjects {
+        client
+            .publish(subject.to_string(), "{}".into())
+            .await
+            .unwrap();
+    }
+    client.flush().await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while seen.lock().unwrap().len() < subjects.len() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = seen.lock().unwrap().clone();
+    seen
+}
+
+/// access: with the shipped secure configuration, only the service writes the ledger; an agent
+/// reads it, publishes its own node's telemetry and holds its own lease only; a reader reads it
+/// through consumers and publishes nothing; a client without credentials is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
+    let dir = secure_conf(&[
+        (
+            "gpu-1",
+            NatsRole::Agent {
+                node: "gpu-1".into(),
+            },
+        ),
+        ("billing", NatsRole::Reader),
+    ]);
+    let d = dir.path();
+    let server = NatsServer::start_with(ServerOptions {
+        config: Some(d.join("secure.conf")),
+        ..Default::default()
+    });
+    let err = JetStreamLog::connect(&server.url(), quick())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, ConnectError::Refused { .. }), "{err:?}");
+    assert!(err.to_string().contains("--nats-nkey"), "{err}");
+
+    // The service creates the streams and the agents' bucket, and writes.
+    let service = JetStreamLog::connect(&server.url(), as_user(d, "fairledger", true))
+        .await
+        .unwrap();
+    eventlog::lease::ensure_bucket(
+        service.context(),
+        eventlog::lease::AGENTS_BUCKET,
+        eventlog::lease::AGENTS_TTL,
+        1,
+    )
+    .await
+    .unwrap();
+    let event = |e: ledger::Event| {
+        let env = ledger::Envelope::new(uuid::Uuid::now_v7(), 1, "user:admin", e);
+        Append::event(&env, None, None)
+    };
+    let set = || {
+        event(ledger::Event::AllocationSet(ledger::event::AllocationSet {
+            path: "team".into(),
+            weight: 1,
+            max_gpus: None,
+        }))
+    };
+    service.append(set()).await.unwrap();
+    let started = || {
+        event(ledger::Event::WorkloadStarted(
+            ledger::event::WorkloadStarted {
+                workload: uuid::Uuid::from_u128(1),
+                placement: vec![],
+                protected_until_ms: 0,
+            },
+        ))
+    };
+
+    // The agent of gpu-1: reads the ledger, publishes its own heartbeats, holds its own key.
+    let agent = JetStreamLog::connect(&server.url(), as_user(d, "gpu-1", false))
+        .await
+        .unwrap();
+    assert_eq!(agent.read(1, 10).await.unwrap().len(), 1);
+    let hb = |node: &str| ledger::event::GpuHeartbeat {
+        node: node.into(),
+        readings: vec![],
+    };
+    let subject = eventlog::subject::for_telemetry(&hb("gpu-1"));
+    agent
+        .publish_telemetry(subject, "{}".into())
+        .await
+        .expect("its own node's heartbeat");
+    let lease = |key: &str| {
+        let key = key.to_owned();
+        let agent = agent.clone();
+        async move {
+            let mut lease = eventlog::lease::Lease::open(
+                agent.context(),
+                eventlog::lease::AGENTS_BUCKET,
+                &key,
+                "agent",
+                eventlog::lease::AGENTS_TTL,
+                1,
+            )
+            .await
+            .unwrap();
+            lease.hold().await
+        }
+    };
+    assert!(lease("gpu-1").await, "its own node's lease");
+    assert!(!lease("gpu-2").await, "another node's lease");
+    // It may not write the ledger, nor speak for another node.
+    assert!(agent.append(started()).await.is_err());
+    assert!(agent.append(set()).await.is_err());
+    let other = eventlog::subject::for_telemetry(&hb("gpu-2"));
+    assert!(agent.publish_telemetry(other, "{}".into()).await.is_err());
+    let said = violations(
+        &server,
+        d,
+        "gpu-1",
+        &[
+            "fairledger.ledger.workload.started.team",
+            "fairledger.ledger.allocation.set.team",
+            "fairledger.report.gpu-2",
+        ],
+    )
+    .await;
+    assert_eq!(said.len(), 3, "{said:?}");
+    assert!(
+        said.iter().all(|s| s.contains("Permissions Violation")),
+        "{said:?}"
+    );
+
+    // A reader: reads through consumers, publishes nothing.
+    let reader = JetStreamLog::connect(&server.url(), as_user(d, "billing", false))
+        .await
+        .unwrap();
+    assert_eq!(reader.read(1, 10).await.unwrap().len(), 1);
+    let mut tail = reader.subscribe(1).await.unwrap();
+    use futures::StreamExt;
+    assert_eq!(tail.next().await.unwrap().unwrap().seq, 1);
+    assert!(reader.append(set()).await.is_err());
+    let said = violations(
+        &server,
+        d,
+        "billing",
+        &[
+            "fairledger.ledger.allocation.set.team",
+            "fairledger.telemetry.gpu.heartbeat.x",
+        ],
+    )
+    .await;
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(
+        said.iter().all(|s| s.contains("Permissions Violation")),
+        "{said:?}"
+    );
+
+    // Nothing but the service's one event reached the ledger.
+    assert_eq!(service.last_seq().await.unwrap(), 1);
 }

@@ -9,12 +9,8 @@ use std::time::Duration;
 
 use agent::{AgentConfig, FakeGpus, Fault, GpuSource, Nvml, Telemetry};
 use eventlog::jetstream::{JetStreamLog, JetStreamOptions};
-use eventlog::AnyLog;
 
 use crate::logcmd::{runtime, shutdown_signal};
-
-/// The key-value bucket in which each agent holds its node's name.
-pub const LEASE_BUCKET: &str = "fairledger_agents";
 
 /// Settings of `agent`.
 #[derive(clap::Args, Debug)]
@@ -58,6 +54,8 @@ pub struct AgentArgs {
     /// Replicas of the JetStream streams and the lease bucket: 1, or 3 in a cluster.
     #[arg(long, env = "FAIRLEDGER_REPLICAS", default_value_t = 1)]
     pub replicas: usize,
+    #[command(flatten)]
+    pub credentials: crate::logcmd::NatsArgs,
     /// List the GPUs with their readings and exit.
     #[arg(long)]
     pub discover: bool,
@@ -78,6 +76,19 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
         Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
         _ => Err(format!("label {s:?}: write KEY=VALUE, e.g. rack=r1")),
     }
+}
+
+/// Whether lease holder `holder` (`host:pid:…`, as agents write it) was a process of this
+/// machine that no longer runs.
+fn dead_here(holder: &str) -> bool {
+    let mut parts = holder.splitn(3, ':');
+    let (Some(host), Some(pid)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    host == host_name()
+        && pid.parse::<u32>().is_ok_and(|pid| {
+            pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        })
 }
 
 fn host_name() -> String {
@@ -182,30 +193,57 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     }
     let url = args.nats.clone().expect("checked");
     runtime()?.block_on(async move {
+        // An agent's NATS user may read the ledger and publish its own node's subjects only:
+        // it binds to the streams the service made, and its reports go through the service.
         let options = JetStreamOptions {
             replicas: args.replicas,
+            manage_streams: false,
+            auth: args
+                .credentials
+                .auth(Some(eventlog::access::inbox_prefix(&node)))?,
             ..Default::default()
         };
         let js = JetStreamLog::connect(&url, options)
             .await
             .map_err(|e| e.to_string())?;
         // The node's name is this agent's while it renews the lease: a second agent for the
-        // same node is refused until this one has been silent for the lease's lifetime.
-        let ttl = (config.heartbeat * 3).max(Duration::from_secs(3));
+        // same node is refused until this one has been silent for the lease's lifetime (the
+        // bucket's, as whoever created it chose).
         let holder = format!("{}:{}:{}", host_name(), std::process::id(), uuid::Uuid::now_v7());
         let mut lease = eventlog::lease::Lease::open(
             js.context(),
-            LEASE_BUCKET,
+            eventlog::lease::AGENTS_BUCKET,
             &eventlog::subject::token(&node),
             &holder,
-            ttl,
+            eventlog::lease::AGENTS_TTL,
             args.replicas,
         )
         .await?;
+        let ttl = lease.ttl().await?;
         // A holder that crashed (this node's previous agent, say) loses the lease within its
-        // lifetime: wait that long before refusing.
+        // lifetime: wait that long before refusing. One that ran on this machine and is gone is
+        // known dead at once.
         let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(1);
+        let mut unheld = 0;
         while !lease.hold().await {
+            match lease.holder().await {
+                Some(other) => {
+                    if dead_here(&other) && lease.take_from(&other).await {
+                        tracing::info!(previous = %other, "took over from this node's crashed agent");
+                        break;
+                    }
+                }
+                // Nobody holds it, yet it cannot be taken: NATS refuses this user the key.
+                None => {
+                    unheld += 1;
+                    if unheld >= 4 {
+                        return Err(format!(
+                            "cannot claim node {node:?} in the lease bucket {}: this NATS user is not that node's agent (check --nats-nkey and --node), or NATS refuses writes",
+                            eventlog::lease::AGENTS_BUCKET
+                        ));
+                    }
+                }
+            }
             if tokio::time::Instant::now() >= deadline {
                 let other = lease.holder().await.unwrap_or_else(|| "another agent".into());
                 return Err(format!(
@@ -214,6 +252,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
+        let log = agent::nats::RelayLog::new(js.clone(), &node);
         // Renewed by a task of its own, whatever the agent is busy with.
         let (lost_tx, lost) = tokio::sync::oneshot::channel::<String>();
         tokio::spawn(async move {
@@ -228,7 +267,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             }
         });
         let telemetry = Telemetry::JetStream(Box::new(js.clone()));
-        let agent = agent::Agent::new(AnyLog::JetStream(Box::new(js)), telemetry, source, config);
+        let agent = agent::Agent::new(log, telemetry, source, config);
         let (tx, rx) = tokio::sync::oneshot::channel::<String>();
         let stop = async move {
             tokio::select! {

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use eventlog::{AnyLog, EmbeddedLog, EventLog, JetStreamLog, JetStreamOptions};
+use eventlog::{AnyLog, EmbeddedLog, EventLog, JetStreamLog, JetStreamOptions, NatsAuth};
 use ledger::{Envelope, StateConfig};
 use projector::Projector;
 
@@ -22,6 +22,55 @@ pub struct LogArgs {
     /// Gather concurrent appends into atomic batches (use with a server that fsyncs always).
     #[arg(long, env = "FAIRLEDGER_GROUP_COMMIT")]
     pub group_commit: bool,
+    #[command(flatten)]
+    pub credentials: NatsArgs,
+}
+
+/// Who this process is to NATS, and how the connection is secured.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct NatsArgs {
+    /// A NATS credentials file (user JWT and nkey seed, as `nsc` writes them).
+    #[arg(long, env = "FAIRLEDGER_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+    /// A file holding this process's NATS nkey seed (`fairledger nats-auth` writes them).
+    #[arg(long, env = "FAIRLEDGER_NATS_NKEY")]
+    pub nats_nkey: Option<PathBuf>,
+    /// A NATS user name; its password comes from FAIRLEDGER_NATS_PASSWORD.
+    #[arg(long, env = "FAIRLEDGER_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// The CA certificate (PEM) to verify the NATS server's TLS certificate; TLS is required
+    /// with it.
+    #[arg(long, env = "FAIRLEDGER_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM), for NATS servers that verify their clients.
+    #[arg(long, env = "FAIRLEDGER_NATS_TLS_CERT", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
+    #[arg(long, env = "FAIRLEDGER_NATS_TLS_KEY", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<PathBuf>,
+}
+
+impl NatsArgs {
+    /// The NATS settings these arguments name; replies arrive under `inbox_prefix` when given.
+    pub fn auth(&self, inbox_prefix: Option<String>) -> Result<NatsAuth, String> {
+        let user = match &self.nats_user {
+            None => None,
+            Some(user) => {
+                let password = std::env::var("FAIRLEDGER_NATS_PASSWORD").map_err(|_| {
+                    format!("--nats-user {user} needs its password in FAIRLEDGER_NATS_PASSWORD")
+                })?;
+                Some((user.clone(), password))
+            }
+        };
+        Ok(NatsAuth {
+            creds: self.nats_creds.clone(),
+            nkey: self.nats_nkey.clone(),
+            user,
+            tls_ca: self.nats_tls_ca.clone(),
+            tls_client: self.nats_tls_cert.clone().zip(self.nats_tls_key.clone()),
+            inbox_prefix,
+        })
+    }
 }
 
 impl LogArgs {
@@ -32,6 +81,7 @@ impl LogArgs {
                 let options = JetStreamOptions {
                     replicas: self.replicas,
                     group_commit: self.group_commit,
+                    auth: self.credentials.auth(None)?,
                     ..Default::default()
                 };
                 JetStreamLog::connect(url, options)

@@ -16,6 +16,7 @@ mod agentcmd;
 mod client;
 mod demo;
 mod logcmd;
+mod natsauth;
 mod serve;
 
 use std::io::{BufWriter, Write};
@@ -117,6 +118,9 @@ enum Command {
     /// Work on the event log itself.
     #[command(subcommand)]
     Log(LogCommand),
+    /// Write the NATS users of a deployment (service, node agents, readers) with their
+    /// permissions, for ops/nats/secure.conf, and a seed file for each.
+    NatsAuth(natsauth::NatsAuthArgs),
     /// Submit a workload to a running server.
     Submit {
         #[command(flatten)]
@@ -333,6 +337,7 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Sim(args) => simulate(args),
         Command::Serve(args) => serve::serve(args),
+        Command::NatsAuth(args) => natsauth::nats_auth(args),
         Command::Agent(args) => agentcmd::agent(args),
         Command::AgentShim { dir, command } => {
             std::process::exit(agent::run::shim_main(&dir, &command))

@@ -657,3 +657,94 @@ fn a_gang_runs_on_two_nodes_and_a_failed_rank_requeues_it() {
     let (_, metrics) = server.call("GET", "/v1/metrics/cluster", None);
     assert_eq!(metrics["contract_violations"], 0, "{metrics}");
 }
+
+/// access: on a NATS secured with the shipped configuration and `fairledger nats-auth`'s users,
+/// the service creates what agents may not, an agent's reports reach the ledger through the
+/// service (its user may not write the ledger), and one node's key cannot drive another.
+#[test]
+fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let auth = tmp.path().join("nats");
+    let made = Command::new(BIN)
+        .args([
+            "nats-auth",
+            "--out",
+            auth.to_str().unwrap(),
+            "--agent",
+            "gpu-1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let ops = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/nats/secure.conf");
+    std::fs::copy(ops, auth.join("secure.conf")).unwrap();
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(auth.join("gpu-1.nk"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    let nats = NatsServer::start_with(eventlog::testing::ServerOptions {
+        config: Some(auth.join("secure.conf")),
+        ..Default::default()
+    });
+    let key = |name: &str| auth.join(format!("{name}.nk")).to_str().unwrap().to_owned();
+    let server = serve_on(
+        &nats,
+        tmp.path(),
+        3600,
+        &["--nats-nkey", &key("fairledger")],
+    );
+    let work = tmp.path().join("agent");
+    let _agent = Agent::start(
+        &nats.url(),
+        "gpu-1",
+        &work,
+        &["--fake-gpus", "2", "--nats-nkey", &key("gpu-1")],
+    );
+    wait_for_node(&server, "gpu-1");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job.to_str().unwrap(), "0"]}),
+    );
+    wait_for(&server, &id, "finished");
+    let h = history(&server, &id);
+    assert_eq!(h.last().unwrap()["actor"], "agent:gpu-1", "{h:?}");
+    // gpu-1's key does not make an agent of gpu-2.
+    let out = Command::new(BIN)
+        .args([
+            "agent",
+            "--nats",
+            &nats.url(),
+            "--node",
+            "gpu-2",
+            "--fake-gpus",
+            "2",
+        ])
+        .args(["--nats-nkey", &key("gpu-1")])
+        .arg("--work-dir")
+        .arg(tmp.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("refused the credentials") && err.contains("--node"),
+        "{err}"
+    );
+    // Without a key, nothing connects.
+    let out = Command::new(BIN)
+        .args(["project", "--once", "--nats", &nats.url()])
+        .arg("--data")
+        .arg(tmp.path().join("projector"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("refused the credentials"));
+}
