@@ -22,24 +22,58 @@ pub struct HttpLog {
     authorization: std::sync::Arc<str>,
 }
 
+/// An HTTP client that answers every status as it is (problems are read, not raised), with
+/// `timeout` for a whole call; an `https` server's certificate is checked against the CA
+/// certificates (PEM) in `ca_file` when given, else against the web's public roots.
+pub fn client(
+    ca_file: Option<&std::path::Path>,
+    timeout: Option<Duration>,
+) -> Result<ureq::Agent, String> {
+    let mut config = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(timeout);
+    if let Some(path) = ca_file {
+        let pem = std::fs::read(path)
+            .map_err(|e| format!("cannot read the CA file {}: {e}", path.display()))?;
+        let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
+            .filter_map(|item| match item {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if certs.is_empty() {
+            return Err(format!(
+                "the CA file {} holds no PEM certificate",
+                path.display()
+            ));
+        }
+        let tls = ureq::tls::TlsConfig::builder()
+            .root_certs(ureq::tls::RootCerts::new_with_certs(&certs))
+            .build();
+        config = config.tls_config(tls);
+    }
+    Ok(config.build().into())
+}
+
 /// What a call answered: the status and the JSON body.
 type Answer = (u16, Value);
 
 impl HttpLog {
-    /// The API at `base` (e.g. `http://10.0.0.1:8080`), for node `node`, whose agent token is
-    /// `token`.
-    pub fn new(base: &str, node: &str, token: &str) -> Self {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .into();
-        HttpLog {
+    /// The API at `base` (e.g. `https://10.0.0.1:8080`), for node `node`, whose agent token is
+    /// `token`; an `https` API's certificate is checked against `ca_file` when given.
+    pub fn new(
+        base: &str,
+        node: &str,
+        token: &str,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Self, String> {
+        let agent = client(ca_file, Some(Duration::from_secs(30)))?;
+        Ok(HttpLog {
             base: base.trim_end_matches('/').to_owned(),
             node: node.to_owned(),
             agent,
             authorization: format!("Bearer {}", token.trim()).into(),
-        }
+        })
     }
 
     /// GET `path`, or POST `body` to it, off the async threads.

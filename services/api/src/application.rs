@@ -61,6 +61,8 @@ pub struct Settings {
     /// Create the first admin and write its token to `DATA/admin.token` when the ledger has no
     /// principal yet.
     pub bootstrap_admin: bool,
+    /// Serve HTTPS with this certificate chain and private key (PEM files).
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Settings {
@@ -77,6 +79,7 @@ impl Settings {
             scheduler_tick: SchedulerConfig::default().tick,
             replicas: 1,
             bootstrap_admin: true,
+            tls: None,
         }
     }
 }
@@ -95,6 +98,7 @@ pub struct Application {
     stop: StopOnDrop,
     tasks: Vec<tokio::task::JoinHandle<Result<(), String>>>,
     admin_token: Option<PathBuf>,
+    tls: Option<axum_server::tls_rustls::RustlsConfig>,
 }
 
 impl Application {
@@ -102,6 +106,10 @@ impl Application {
     /// projector and (unless serving the API only) the scheduler, binds the listener, and on a
     /// ledger without principals creates the first admin.
     pub async fn build(settings: Settings, log: AnyLog) -> Result<Application, String> {
+        let tls = match &settings.tls {
+            None => None,
+            Some((cert, key)) => Some(tls_config(cert, key).await?),
+        };
         let dir = settings.data.join("projection");
         let mut projection = Projector::open_or_rebuild(&dir, settings.state_config, &log)
             .await
@@ -207,6 +215,7 @@ impl Application {
             stop: StopOnDrop(stop),
             tasks,
             admin_token: None,
+            tls,
         };
         if settings.serving.api() && settings.bootstrap_admin {
             application.admin_token = application.first_admin(&settings.data).await?;
@@ -256,6 +265,15 @@ impl Application {
         self.admin_token.as_deref()
     }
 
+    /// `https` when it serves TLS, else `http`.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+
     /// The address it listens on.
     pub fn local_addr(&self) -> std::net::SocketAddr {
         self.listener
@@ -285,10 +303,30 @@ impl Application {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), String> {
-        let served = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(|e| format!("the HTTP server failed: {e}"));
+        let served = match self.tls {
+            None => axum::serve(self.listener, self.router)
+                .with_graceful_shutdown(shutdown)
+                .await
+                .map_err(|e| format!("the HTTP server failed: {e}")),
+            Some(config) => {
+                let handle = axum_server::Handle::new();
+                let stopping = handle.clone();
+                tokio::spawn(async move {
+                    shutdown.await;
+                    stopping.graceful_shutdown(Some(Duration::from_secs(10)));
+                });
+                let failed = |e: std::io::Error| format!("the HTTPS server failed: {e}");
+                let listener = self.listener.into_std().map_err(failed)?;
+                match axum_server::from_tcp_rustls(listener, config) {
+                    Ok(server) => server
+                        .handle(handle)
+                        .serve(self.router.into_make_service())
+                        .await
+                        .map_err(failed),
+                    Err(e) => Err(failed(e)),
+                }
+            }
+        };
         let _ = self.stop.0.send(true);
         let mut failed = None;
         for task in self.tasks {
@@ -315,6 +353,24 @@ impl Drop for StopOnDrop {
     fn drop(&mut self) {
         let _ = self.0.send(true);
     }
+}
+
+/// The TLS settings of a certificate chain and key in PEM files, with a clear refusal of either.
+async fn tls_config(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<axum_server::tls_rustls::RustlsConfig, String> {
+    // One process, one provider: ring, as NATS's TLS uses.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot serve HTTPS with --tls-cert {} and --tls-key {}: {e}; give a PEM certificate chain and its PEM private key",
+                cert.display(),
+                key.display()
+            )
+        })
 }
 
 /// A future that resolves once `rx` says stop.

@@ -452,3 +452,42 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
     // Nothing but the service's one event reached the ledger.
     assert_eq!(service.last_seq().await.unwrap(), 1);
 }
+
+/// tls: a server that requires TLS is reached with --nats-tls-ca naming the CA of its
+/// certificate, and not without it.
+#[tokio::test]
+async fn a_tls_server_is_reached_with_its_ca_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+    std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+    let conf = dir.path().join("tls.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "jetstream {{ store_dir: \"./nats-data\" }}\ntls {{\n  cert_file: {:?}\n  key_file: {:?}\n}}\n",
+            cert_file, key_file
+        ),
+    )
+    .unwrap();
+    let server = NatsServer::start_with(ServerOptions {
+        config: Some(conf),
+        ..Default::default()
+    });
+    let url = format!("tls://127.0.0.1:{}", server.port());
+    let trusted = JetStreamOptions {
+        auth: eventlog::NatsAuth {
+            tls_ca: Some(cert_file.clone()),
+            ..Default::default()
+        },
+        ..quick()
+    };
+    let log = JetStreamLog::connect(&url, trusted).await.unwrap();
+    assert_eq!(log.last_seq().await.unwrap(), 0);
+    assert!(
+        JetStreamLog::connect(&url, quick()).await.is_err(),
+        "a certificate no public root signed is refused"
+    );
+}

@@ -26,6 +26,9 @@ pub struct AgentArgs {
     /// agent --node NODE`); else the FAIRLEDGER_TOKEN variable.
     #[arg(long, env = "FAIRLEDGER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// With an https --api: the CA certificate (PEM) to check its certificate against.
+    #[arg(long, env = "FAIRLEDGER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
     /// The node's name in the cluster (default: this machine's host name).
     #[arg(long, env = "FAIRLEDGER_NODE")]
     pub node: Option<String>,
@@ -179,7 +182,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                 })?,
         };
         return runtime()?.block_on(async move {
-            let log = agent::http::HttpLog::new(&api, &node, &token);
+            let log = agent::http::HttpLog::new(&api, &node, &token, args.ca_file.as_deref())?;
             config.actor = log.whoami().await.map_err(|e| format!("{e} (API {api})"))?;
             let telemetry = Telemetry::Http(log.clone());
             let agent = agent::Agent::new(log, telemetry, source, config);

@@ -20,6 +20,10 @@ pub struct ClientArgs {
     /// on this machine, the first admin's token in DATA/admin.token).
     #[arg(long, env = "FAIRLEDGER_TOKEN_FILE", global = true)]
     pub token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) to check an https API's certificate against (default: the
+    /// web's public roots).
+    #[arg(long, env = "FAIRLEDGER_CA_FILE", global = true)]
+    pub ca_file: Option<PathBuf>,
     /// Print the API's JSON instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
@@ -95,13 +99,10 @@ struct Api {
 
 impl Api {
     fn new(args: &ClientArgs) -> Result<Self, String> {
-        let config = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .build();
         let token = token(&args.api, args.token_file.as_deref())?;
         Ok(Api {
             base: args.api.trim_end_matches('/').to_owned(),
-            agent: config.into(),
+            agent: agent::http::client(args.ca_file.as_deref(), None)?,
             authorization: token.map(|t| format!("Bearer {t}")),
         })
     }

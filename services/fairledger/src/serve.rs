@@ -44,6 +44,12 @@ pub struct ServeArgs {
     /// this process: `fairledger agent --api` processes drive them.
     #[arg(long)]
     pub no_agents: bool,
+    /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "FAIRLEDGER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "FAIRLEDGER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// A node whose agent has not sent a heartbeat for this long has its GPUs marked unhealthy
     /// (its workloads are requeued as hardware failures).
     #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S", default_value_t = 30.0)]
@@ -137,6 +143,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             heartbeat_timeout_ms: (args.heartbeat_timeout_s * 1000.0) as u64,
             checkpoint_gap: CHECKPOINT_GAP,
             replicas: args.log.replicas,
+            tls: args.tls_cert.clone().zip(args.tls_key.clone()),
             ..api::Settings::new(&args.listen, args.log.data.clone())
         };
         let application = api::Application::build(settings, log.clone()).await?;
@@ -146,7 +153,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 path.display()
             );
         }
-        eprintln!("listening on http://{}", application.local_addr());
+        eprintln!(
+            "listening on {}://{}",
+            application.scheme(),
+            application.local_addr()
+        );
         // On the embedded log, the cluster's nodes are driven by agents inside this process,
         // with fake GPUs: workloads run as real processes (`sleep` for the length of their
         // estimate when they name no command), and stop when the server does. Each is the

@@ -721,3 +721,132 @@ fn a_revocation_reaches_every_api_process_on_nats() {
     assert!(second.stop().success());
     assert!(first.stop().success());
 }
+
+/// https: `serve --tls-cert --tls-key` answers over TLS only; the client trusts it with
+/// --ca-file and refuses it without, and an agent over --api reaches it the same way.
+#[test]
+fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let (cert_file, key_file) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
+    std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+    std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+    let data = tmp.path().join("data");
+    let server = Server::start(&[
+        "--data",
+        data.to_str().unwrap(),
+        "--no-agents",
+        "--tls-cert",
+        cert_file.to_str().unwrap(),
+        "--tls-key",
+        key_file.to_str().unwrap(),
+    ]);
+    let api = format!("https://{}", server.addr);
+    let client = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args([
+                "whoami",
+                "--api",
+                &api,
+                "--token-file",
+                &server.token_file(),
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, said) = client(&["--ca-file", cert_file.to_str().unwrap()]);
+    assert!(ok, "{said}");
+    assert_eq!(said.trim(), "user:admin (admin)");
+    let (ok, said) = client(&[]);
+    assert!(
+        !ok,
+        "a certificate no public root signed is refused: {said}"
+    );
+    assert!(said.contains("cannot reach the API"), "{said}");
+    // Plain HTTP gets no HTTP answer.
+    let mut plain = TcpStream::connect(&server.addr).unwrap();
+    write!(
+        plain,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    let _ = plain.read_to_end(&mut answer);
+    assert!(
+        !answer.starts_with(b"HTTP/1.1 200"),
+        "plain HTTP is not served"
+    );
+    // An agent over https registers its node and sends its heartbeats.
+    let token_file = tmp.path().join("agent.token");
+    let out = Command::new(BIN)
+        .args([
+            "token", "create", "--name", "gpu-x", "--role", "agent", "--node", "gpu-x",
+        ])
+        .args(["--out", token_file.to_str().unwrap()])
+        .args(["--api", &api, "--token-file", &server.token_file()])
+        .args(["--ca-file", cert_file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut agent = Command::new(BIN)
+        .args([
+            "agent",
+            "--api",
+            &api,
+            "--node",
+            "gpu-x",
+            "--fake-gpus",
+            "8",
+        ])
+        .args(["--fake-model", "H100", "--label", "rack=r0"])
+        .args(["--ca-file", cert_file.to_str().unwrap()])
+        .args(["--token-file", token_file.to_str().unwrap()])
+        .arg("--work-dir")
+        .arg(tmp.path().join("agent"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let healthy = loop {
+        let out = Command::new(BIN)
+            .args([
+                "nodes",
+                "--json",
+                "--api",
+                &api,
+                "--token-file",
+                &server.token_file(),
+            ])
+            .args(["--ca-file", cert_file.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let gpus = nodes["nodes"]
+            .as_array()
+            .and_then(|n| n.iter().find(|n| n["node"] == "gpu-x"))
+            .map(|n| n["healthy_gpus"].clone());
+        if gpus == Some(Value::from(8)) || Instant::now() > deadline {
+            break gpus;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert_eq!(
+        healthy,
+        Some(Value::from(8)),
+        "the agent registered its node over https"
+    );
+}

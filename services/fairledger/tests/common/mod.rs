@@ -49,7 +49,10 @@ impl Server {
                 .expect("serve exited before listening")
                 .unwrap();
             keep(&line);
-            if let Some(addr) = line.strip_prefix("listening on http://") {
+            if let Some(addr) = line
+                .strip_prefix("listening on http://")
+                .or_else(|| line.strip_prefix("listening on https://"))
+            {
                 break addr.to_owned();
             }
         };
