@@ -166,16 +166,18 @@ async fn a_list_of_servers_is_a_cluster_to_try_in_turn() {
 #[test]
 fn the_shipped_server_configs_are_valid() {
     let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/nats");
-    // secure.conf includes the users.conf that `fairledger nats-auth` writes beside it.
-    let secured = secure_conf(&[]);
+    // Checked as they are, beside the users.conf that `fairledger nats-auth` writes (secure.conf
+    // includes it beside itself; the cluster's nodes from the volume mounted at auth/).
+    let copies = secure_conf(&[]);
+    let users = copies.path().join("users.conf");
+    std::fs::create_dir_all(copies.path().join("auth")).unwrap();
+    std::fs::copy(&users, copies.path().join("auth/users.conf")).unwrap();
     let mut checked = 0;
-    let shipped = std::fs::read_dir(&ops)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().is_some_and(|n| n != "secure.conf"))
-        .chain([secured.path().join("secure.conf")]);
-    for path in shipped {
-        if path.extension().is_some_and(|e| e == "conf") {
+    for entry in std::fs::read_dir(&ops).unwrap() {
+        let shipped = entry.unwrap().path();
+        if shipped.extension().is_some_and(|e| e == "conf") {
+            let path = copies.path().join(shipped.file_name().unwrap());
+            std::fs::copy(&shipped, &path).unwrap();
             let out = std::process::Command::new(eventlog::testing::server_binary())
                 .arg("-c")
                 .arg(&path)
@@ -185,7 +187,7 @@ fn the_shipped_server_configs_are_valid() {
             assert!(
                 out.status.success(),
                 "{}: {}",
-                path.display(),
+                shipped.display(),
                 String::from_utf8_lossy(&out.stderr)
             );
             checked += 1;
