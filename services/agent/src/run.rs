@@ -76,7 +76,9 @@ pub fn claim(dir: &Path) -> std::io::Result<bool> {
 
 /// Launches `spec` in the claimed `dir` through `shim` (a program and its leading arguments;
 /// the run directory, `--` and the command follow). The shim gets its own process group, so
-/// signals meant for the agent do not reach it, and it outlives the agent.
+/// signals meant for the agent do not reach it, and it outlives the agent. The workload gets the
+/// agent's environment without the agent's own settings (`FAIRLEDGER_*`: its token, its NATS
+/// password, where its keys are), then its spec's.
 pub fn launch(
     dir: &Path,
     spec: &Spec,
@@ -90,6 +92,11 @@ pub fn launch(
         .split_first()
         .ok_or_else(|| std::io::Error::other("no shim program configured"))?;
     let mut cmd = tokio::process::Command::new(program);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("FAIRLEDGER_") {
+            cmd.env_remove(name);
+        }
+    }
     cmd.args(leading)
         .arg(dir)
         .arg("--")

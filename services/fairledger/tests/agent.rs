@@ -83,8 +83,19 @@ impl Agent {
     }
 
     fn start_with(link: &[&str], node: &str, work: &Path, extra: &[&str]) -> Agent {
+        Agent::start_with_env(link, node, work, extra, &[])
+    }
+
+    fn start_with_env(
+        link: &[&str],
+        node: &str,
+        work: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
         let stderr = work.with_extension(format!("{}.log", std::process::id()));
         let child = Command::new(BIN)
+            .envs(env.iter().copied())
             .arg("agent")
             .args(link)
             .args(["--node", node, "--heartbeat-s", "0.5"])
@@ -440,14 +451,14 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     ]);
     let api = format!("http://{}", server.addr);
     let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
-    let token_file = tmp.path().join("agent.token");
-    std::fs::write(&token_file, &token).unwrap();
-    // A minute slow: the agent sets its clock by the server's before it registers.
-    let agent = Agent::start_with(
-        &["--api", &api, "--token-file", token_file.to_str().unwrap()],
+    // A minute slow: the agent sets its clock by the server's before it registers. Its token
+    // comes from the environment, which its workloads must not see.
+    let agent = Agent::start_with_env(
+        &["--api", &api],
         "gpu-h",
         &tmp.path().join("agent"),
         &["--fake-gpus", "2", "--clock-skew-ms", "-60000"],
+        &[("FAIRLEDGER_TOKEN", &token)],
     );
     wait_for_node(&server, "gpu-h");
     let jobs = tmp.path().join("jobs.log");
@@ -459,6 +470,19 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     let row = wait_for(&server, &id, "finished");
     let h = history(&server, &id);
     assert_eq!(h.last().unwrap()["payload"]["exit_code"], 0, "{row}");
+    let seen = tmp.path().join("env.txt");
+    let dump = submit(
+        &server,
+        json!({"allocation": "lab/b", "gpus_per_node": 1,
+               "command": ["sh", "-c", format!("env > {}", seen.display())]}),
+    );
+    wait_for(&server, &dump, "finished");
+    let env = std::fs::read_to_string(&seen).unwrap();
+    assert!(env.contains("FAIRLEDGER_WORKLOAD_ID="), "{env}");
+    assert!(
+        !env.contains(&token) && !env.contains("FAIRLEDGER_TOKEN"),
+        "the agent's token reached a workload"
+    );
     let first = &lines(&jobs)[0];
     assert_eq!((first[2].as_str(), first[3].as_str()), ("0,1", id.as_str()));
     let real = 2.0 * ran_ms(&jobs, &id) as f64 / 3.6e6;

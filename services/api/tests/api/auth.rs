@@ -672,3 +672,31 @@ async fn no_token_is_kept_at_rest() {
         .count();
     assert_eq!(digests, secrets.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_ends_with_its_callers_token() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let f = fixture(false).await;
+    let viewer = token(&f, "watcher", "viewer", &[], None).await;
+    let req = axum::http::Request::get("/v1/events/stream")
+        .header("authorization", format!("Bearer {viewer}"))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = f.router.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    // The stream runs: the first event arrives.
+    let first = tokio::time::timeout(std::time::Duration::from_secs(5), body.frame())
+        .await
+        .expect("an event");
+    assert!(first.is_some());
+    let (status, _, _) = call(&f, "DELETE", "/v1/tokens/watcher", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    // Then it ends, within a few seconds of the revocation.
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while body.frame().await.is_some() {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the stream outlived its token's revocation");
+}
