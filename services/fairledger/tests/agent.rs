@@ -75,6 +75,9 @@ fn serve_on(nats: &NatsServer, dir: &Path, min_runtime_s: u64, extra: &[&str]) -
 struct Agent {
     child: Child,
     stderr: PathBuf,
+    /// Its work directory, whose runs die with the test (none after [`Agent::kill9`], whose
+    /// runs must outlive it for the next agent).
+    work: Option<PathBuf>,
 }
 
 impl Agent {
@@ -107,7 +110,11 @@ impl Agent {
             .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .unwrap();
-        Agent { child, stderr }
+        Agent {
+            child,
+            stderr,
+            work: Some(work.to_owned()),
+        }
     }
 
     fn log(&self) -> String {
@@ -115,6 +122,7 @@ impl Agent {
     }
 
     fn kill9(mut self) {
+        self.work = None;
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -127,6 +135,9 @@ impl Drop for Agent {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(work) = &self.work {
+            common::kill_runs(work);
+        }
     }
 }
 

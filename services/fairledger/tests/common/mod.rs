@@ -145,6 +145,41 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // The runs of the agents inside it outlive a SIGKILL, as runs outlive their agent.
+        kill_runs(&self.data);
+    }
+}
+
+/// Kills every run found under `root`: the process group of its shim (`shim.pid`) and of its
+/// workload (`pid`, the leader of the workload's own group). Runs outlive their agent by design,
+/// and must not outlive the test that made them.
+pub fn kill_runs(root: &std::path::Path) {
+    let mut stack = vec![(root.to_owned(), 0)];
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() && depth < 5 {
+                stack.push((path, depth + 1));
+            } else if path
+                .file_name()
+                .is_some_and(|n| n == "shim.pid" || n == "pid")
+            {
+                let pid = std::fs::read_to_string(&path).unwrap_or_default();
+                if let Some(pid) = pid
+                    .split_whitespace()
+                    .next()
+                    .filter(|p| p.parse::<u32>().is_ok())
+                {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", "--", &format!("-{pid}")])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+        }
     }
 }
 
