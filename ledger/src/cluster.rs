@@ -39,6 +39,8 @@ pub struct Node {
     pub tenants: Vec<Tenant>,
     /// Last reported utilization of each GPU, 0 to 100.
     pub utilization_pct: Vec<u8>,
+    /// Drained: no new work is placed here (what runs, runs on).
+    pub draining: bool,
 }
 
 impl Node {
@@ -58,6 +60,25 @@ impl Node {
     /// Number of healthy free GPUs.
     pub fn free_count(&self) -> u32 {
         self.free_mask().count_ones()
+    }
+
+    /// The GPUs a scheduling pass may give out here: the free ones, none on a drained node.
+    pub fn placeable_mask(&self) -> u64 {
+        if self.draining {
+            0
+        } else {
+            self.free_mask()
+        }
+    }
+
+    /// The healthy GPUs a scheduling pass may plan with here (after a preemption, a reservation):
+    /// none on a drained node.
+    pub fn plannable_mask(&self) -> u64 {
+        if self.draining {
+            0
+        } else {
+            self.healthy
+        }
     }
 
     /// The mask with the node's GPUs all set.
@@ -128,8 +149,9 @@ pub struct Cluster {
     /// One group per model, in first-seen order.
     pub models: Vec<ModelGroup>,
     by_name: FxHashMap<String, NodeIdx>,
-    /// Each node's free GPUs ([`Node::free_mask`]), healthy GPUs and model, by node index: what a
-    /// scheduling pass copies to start from, without visiting every node.
+    /// Each node's GPUs a pass may give out ([`Node::placeable_mask`]) and plan with
+    /// ([`Node::plannable_mask`]), and its model, by node index: what a scheduling pass copies to
+    /// start from, without visiting every node. A drained node has none.
     pub free_masks: Vec<u64>,
     /// See [`Cluster::free_masks`].
     pub healthy_masks: Vec<u64>,
@@ -141,8 +163,10 @@ pub struct Cluster {
     pub healthy_gpus: u64,
     /// Healthy GPUs held by workloads.
     pub allocated_gpus: u64,
-    /// Healthy free GPUs on nodes that hold no workload.
+    /// Healthy free GPUs on nodes that hold no workload and are not drained.
     pub whole_free_gpus: u64,
+    /// Healthy free GPUs on drained nodes: idle by decision, not by fragmentation.
+    pub drained_free_gpus: u64,
     /// Sum of the utilization of healthy held GPUs (percent).
     pub utilization_sum_pct: u64,
 }
@@ -166,9 +190,9 @@ impl Cluster {
             .map(|i| i as u32)
     }
 
-    /// Free healthy GPUs on nodes that also hold work.
+    /// Free healthy GPUs on nodes that also hold work (and are not drained).
     pub fn stranded_gpus(&self) -> u64 {
-        self.healthy_gpus - self.allocated_gpus - self.whole_free_gpus
+        self.healthy_gpus - self.allocated_gpus - self.whole_free_gpus - self.drained_free_gpus
     }
 
     /// The most GPUs one workload could get now without preemption.
@@ -234,10 +258,11 @@ impl Cluster {
             used: 0,
             tenants: Vec::new(),
             utilization_pct: vec![0; gpus as usize],
+            draining: false,
         };
         let idx = self.nodes.len() as NodeIdx;
-        self.free_masks.push(node.free_mask());
-        self.healthy_masks.push(node.healthy);
+        self.free_masks.push(node.placeable_mask());
+        self.healthy_masks.push(node.plannable_mask());
         self.model_of.push(model_idx);
         *self.models[model_idx as usize]
             .nodes_by_size
@@ -256,7 +281,9 @@ impl Cluster {
         let healthy = i64::from(n.healthy.count_ones());
         let held_healthy_mask = n.used & n.healthy;
         let allocated = i64::from(held_healthy_mask.count_ones());
-        let free = n.free_count();
+        // A drained node's free GPUs start nothing: they count apart.
+        let free = n.placeable_mask().count_ones();
+        let drained = i64::from(n.free_count() - free);
         let whole = if n.used == 0 { i64::from(free) } else { 0 };
         let util: i64 = (0..n.gpu_count)
             .filter(|&g| held_healthy_mask & (1 << g) != 0)
@@ -272,6 +299,7 @@ impl Cluster {
         self.healthy_gpus = (self.healthy_gpus as i64 + sign * healthy) as u64;
         self.allocated_gpus = (self.allocated_gpus as i64 + sign * allocated) as u64;
         self.whole_free_gpus = (self.whole_free_gpus as i64 + sign * whole) as u64;
+        self.drained_free_gpus = (self.drained_free_gpus as i64 + sign * drained) as u64;
         self.utilization_sum_pct = (self.utilization_sum_pct as i64 + sign * util) as u64;
     }
 
@@ -280,8 +308,8 @@ impl Cluster {
         self.count(idx, -1);
         let n = &mut self.nodes[idx as usize];
         let r = change(n);
-        self.free_masks[idx as usize] = n.free_mask();
-        self.healthy_masks[idx as usize] = n.healthy;
+        self.free_masks[idx as usize] = n.placeable_mask();
+        self.healthy_masks[idx as usize] = n.plannable_mask();
         self.count(idx, 1);
         r
     }
@@ -292,6 +320,7 @@ impl Cluster {
         fresh.healthy_gpus = 0;
         fresh.allocated_gpus = 0;
         fresh.whole_free_gpus = 0;
+        fresh.drained_free_gpus = 0;
         fresh.utilization_sum_pct = 0;
         for g in &mut fresh.models {
             g.whole_free_gpus = 0;
@@ -300,8 +329,8 @@ impl Cluster {
         for idx in 0..fresh.nodes.len() {
             fresh.count(idx as NodeIdx, 1);
         }
-        fresh.free_masks = fresh.nodes.iter().map(Node::free_mask).collect();
-        fresh.healthy_masks = fresh.nodes.iter().map(|n| n.healthy).collect();
+        fresh.free_masks = fresh.nodes.iter().map(Node::placeable_mask).collect();
+        fresh.healthy_masks = fresh.nodes.iter().map(Node::plannable_mask).collect();
         fresh.model_of = fresh.nodes.iter().map(|n| n.model_idx).collect();
         fresh
     }

@@ -73,6 +73,10 @@ pub enum Event {
     GpuHeartbeat(GpuHeartbeat),
     /// A GPU became healthy or unhealthy.
     GpuHealthChanged(GpuHealthChanged),
+    /// A node takes no new work; what runs there runs on.
+    NodeDrained(NodeDrained),
+    /// A drained node takes work again.
+    NodeResumed(NodeResumed),
     /// A workload entered the queue.
     WorkloadSubmitted(WorkloadSubmitted),
     /// A workload that was not running was withdrawn.
@@ -102,6 +106,8 @@ impl Event {
             Event::NodeRegistered(_) => "node_registered",
             Event::GpuHeartbeat(_) => "gpu_heartbeat",
             Event::GpuHealthChanged(_) => "gpu_health_changed",
+            Event::NodeDrained(_) => "node_drained",
+            Event::NodeResumed(_) => "node_resumed",
             Event::WorkloadSubmitted(_) => "workload_submitted",
             Event::WorkloadCancelled(_) => "workload_cancelled",
             Event::WorkloadStarted(_) => "workload_started",
@@ -129,6 +135,8 @@ impl Event {
             | Event::NodeRegistered(_)
             | Event::GpuHeartbeat(_)
             | Event::GpuHealthChanged(_)
+            | Event::NodeDrained(_)
+            | Event::NodeResumed(_)
             | Event::PrincipalGranted(_)
             | Event::PrincipalRevoked(_) => None,
         }
@@ -171,6 +179,27 @@ pub struct NodeRegistered {
     /// Topology labels such as `rack` or `zone`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+}
+
+/// A node was drained: no workload is placed on it from now on, and the work running there runs
+/// to its end (maintenance, a suspect machine). Its GPUs stay in the cluster's capacity: mark them
+/// unhealthy to take them out of the owed split too.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeDrained {
+    /// Node name.
+    pub node: String,
+    /// Why, for the audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A drained node takes work again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeResumed {
+    /// Node name.
+    pub node: String,
 }
 
 /// One GPU's readings in a heartbeat.

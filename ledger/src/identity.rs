@@ -13,7 +13,7 @@
 //! | role | may |
 //! | --- | --- |
 //! | `admin` | everything: the allocation tree, tokens, any workload, every read |
-//! | `operator` | register nodes, cancel any workload, read (events without `command`/`env`) |
+//! | `operator` | register, drain and resume nodes, cancel any workload, read (events without `command`/`env`) |
 //! | `submitter` | submit into, cancel and stop in its allocation subtrees; read (events without `command`/`env`) |
 //! | `agent` | its node's registration, heartbeats and the ends of runs placed on it; read the events (it launches their commands) |
 //! | `auditor` | every read, the audit and events included |
@@ -38,7 +38,7 @@ pub const ANY_ALLOCATION: &str = "*";
 pub enum Role {
     /// The allocation tree, tokens, any workload, every read.
     Admin,
-    /// Nodes (registration), cancelling any workload, reads.
+    /// Nodes (registration, drain and resume), cancelling any workload, reads.
     Operator,
     /// Submitting into, cancelling and stopping in its allocation subtrees; reads.
     Submitter,
@@ -91,6 +91,7 @@ impl Role {
             Submit => matches!(self, Admin | Submitter),
             Cancel => matches!(self, Admin | Operator | Submitter),
             RegisterNode => matches!(self, Admin | Operator | Agent),
+            DrainNode => matches!(self, Admin | Operator),
             ReportForNode => self == Agent,
         }
     }
@@ -138,6 +139,8 @@ pub enum Action<'a> {
         /// The node.
         node: &'a str,
     },
+    /// Drain or resume a node.
+    DrainNode,
     /// Report for `node`: heartbeats, the ends of runs placed on it.
     ReportForNode {
         /// The node.
@@ -166,6 +169,8 @@ pub enum ActionKind {
     Cancel,
     /// [`Action::RegisterNode`].
     RegisterNode,
+    /// [`Action::DrainNode`].
+    DrainNode,
     /// [`Action::ReportForNode`].
     ReportForNode,
 }
@@ -190,6 +195,7 @@ impl Action<'_> {
             Action::Submit { .. } => ActionKind::Submit,
             Action::Cancel { .. } => ActionKind::Cancel,
             Action::RegisterNode { .. } => ActionKind::RegisterNode,
+            Action::DrainNode => ActionKind::DrainNode,
             Action::ReportForNode { .. } => ActionKind::ReportForNode,
         }
     }

@@ -197,6 +197,12 @@ pub enum Rejection {
         /// The holder.
         holder: Uuid,
     },
+    /// The node is drained: it takes no new work.
+    #[error("node {node:?} is drained and takes no new work; resume it or place elsewhere")]
+    NodeDraining {
+        /// Node.
+        node: String,
+    },
     /// The GPU is unhealthy.
     #[error("GPU {gpu} of node {node:?} is unhealthy")]
     GpuUnhealthy {
@@ -302,6 +308,7 @@ impl Rejection {
             Rejection::PlacementShapeMismatch { .. } => "placement_shape_mismatch",
             Rejection::GpuModelMismatch { .. } => "gpu_model_mismatch",
             Rejection::GpuTaken { .. } => "gpu_taken",
+            Rejection::NodeDraining { .. } => "node_draining",
             Rejection::GpuUnhealthy { .. } => "gpu_unhealthy",
             Rejection::AllocationCapExceeded { .. } => "allocation_cap_exceeded",
             Rejection::ContractProtected { .. } => "contract_protected",

@@ -51,6 +51,8 @@ enum Timer {
     /// Fault number `n` strikes or is repaired.
     Fail(usize),
     Repair(usize),
+    /// Scheduled event number `n` is written (an operator's drain, a change of shares).
+    Write(usize),
 }
 
 /// The engine. Feed it a schedule with [`Engine::submit_all`] and run it with [`Engine::run`].
@@ -68,6 +70,7 @@ pub struct Engine {
     source: Option<std::iter::Peekable<Box<dyn Iterator<Item = SimWorkload>>>>,
     work_ms: BTreeMap<WorkloadId, u64>,
     faults: Vec<Fault>,
+    scheduled: Vec<Event>,
 }
 
 impl Engine {
@@ -83,6 +86,7 @@ impl Engine {
             source: None,
             work_ms: BTreeMap::new(),
             faults: Vec::new(),
+            scheduled: Vec::new(),
         }
     }
 
@@ -132,6 +136,14 @@ impl Engine {
             }
             self.faults.push(f);
         }
+    }
+
+    /// Writes `event` at `at_ms` and decides then, as an operator's action would be (draining a
+    /// node, changing a share).
+    pub fn schedule(&mut self, at_ms: u64, event: Event) {
+        self.timers
+            .push(Reverse((at_ms, Timer::Write(self.scheduled.len()))));
+        self.scheduled.push(event);
     }
 
     fn next_instant(&mut self) -> Option<u64> {
@@ -319,6 +331,11 @@ impl Engine {
                         "repaired".into()
                     },
                 });
+                self.write(t, event, observe);
+                true
+            }
+            Timer::Write(i) => {
+                let event = self.scheduled[i].clone();
                 self.write(t, event, observe);
                 true
             }

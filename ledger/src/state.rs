@@ -378,6 +378,8 @@ impl State {
             Event::NodeRegistered(e) => self.node_registered(e),
             Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
             Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
+            Event::NodeDrained(e) => self.node_draining(&e.node, true),
+            Event::NodeResumed(e) => self.node_draining(&e.node, false),
             Event::WorkloadSubmitted(e) => self.workload_submitted(seq, e, &env.actor),
             Event::WorkloadCancelled(e) => self.workload_cancelled(e),
             Event::WorkloadStarted(e) => self.workload_started(e),
@@ -588,6 +590,18 @@ impl State {
                 n.utilization_pct[r.gpu as usize] = r.utilization_pct.min(100);
             }
         });
+        Ok(Outcome::Applied)
+    }
+
+    fn node_draining(&mut self, node: &str, draining: bool) -> Result<Outcome, Rejection> {
+        let idx = self
+            .cluster
+            .get(node)
+            .ok_or_else(|| Rejection::UnknownNode {
+                node: node.to_string(),
+            })?;
+        // Draining a drained node, or resuming one that takes work, is a no-op.
+        self.cluster.update(idx, |n| n.draining = draining);
         Ok(Outcome::Applied)
     }
 
@@ -914,6 +928,11 @@ impl State {
                 return Err(mismatch(format!("node {:?} twice", p.node)));
             }
             let node = self.cluster.node(idx);
+            if node.draining {
+                return Err(Rejection::NodeDraining {
+                    node: p.node.clone(),
+                });
+            }
             if let Some(m) = w.model {
                 if node.model_idx != m {
                     return Err(Rejection::GpuModelMismatch {

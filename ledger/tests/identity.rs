@@ -178,11 +178,12 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
                 Submit,
                 Cancel,
                 RegisterNode,
+                DrainNode,
             ],
         ),
         (
             Role::Operator,
-            &[WhoAmI, Read, ReadEvents, Cancel, RegisterNode],
+            &[WhoAmI, Read, ReadEvents, Cancel, RegisterNode, DrainNode],
         ),
         (Role::Submitter, &[WhoAmI, Read, ReadEvents, Submit, Cancel]),
         (
@@ -202,6 +203,7 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
         Submit,
         Cancel,
         RegisterNode,
+        DrainNode,
         ReportForNode,
     ];
     for (role, allowed) in table {

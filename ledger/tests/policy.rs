@@ -374,3 +374,91 @@ fn every_pending_workload_is_explained_in_order() {
         }
     ));
 }
+
+fn drain(l: &mut Ledger, t_ms: u64, node: &str) {
+    l.ok(
+        t_ms,
+        Event::NodeDrained(NodeDrained {
+            node: node.into(),
+            reason: Some("maintenance".into()),
+        }),
+    );
+}
+
+/// drain: a drained node takes no new work, not even by preempting what runs there; its running
+/// work runs on and delivers; resumed, it takes work again.
+#[test]
+fn a_drained_node_takes_no_new_work_and_its_running_work_runs_on() {
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    let cfg = PolicyConfig {
+        min_runtime_ms: 0,
+        grace_ms: 0,
+        ..PolicyConfig::default()
+    };
+    // a runs on n1 and n2; n1 is drained while it runs.
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.submit(0, wid(2), Some("a"), 8, 1);
+    assert_eq!(started(&l.schedule(0, &cfg)).len(), 2);
+    let on = |l: &Ledger, id| l.state.workloads[&wid(id)].placement[0].node;
+    let n1 = l.state.cluster.get("n1").unwrap();
+    let drained_run = if on(&l, 1) == n1 { 1 } else { 2 };
+    drain(&mut l, S, "n1");
+    assert_eq!(l.state.cluster.drained_free_gpus, 0, "n1 is busy");
+    // b, under-served, may preempt a on n2 but not on n1: drained, n1 frees nothing for it.
+    l.submit(2 * S, wid(3), Some("b"), 8, 1);
+    let plan = l.schedule(2 * S, &cfg);
+    let victims = preempted(&plan);
+    assert_eq!(victims.len(), 1, "{plan:?}");
+    assert_ne!(
+        victims[0],
+        wid(drained_run),
+        "a run on a drained node is no victim"
+    );
+    assert_eq!(
+        l.state.workloads[&wid(drained_run)].phase,
+        ledger::Phase::Running
+    );
+    // The drained node's run delivers while it runs (as does the victim, still in its grace,
+    // unstopped): 8 GPUs each for the hour. When it ends, n1 idles.
+    l.finish(H, wid(drained_run));
+    approx(l.leaf("a").delivered_gpu_ms as f64, (2 * 8 * H) as f64);
+    assert_eq!(l.state.cluster.drained_free_gpus, 8);
+    assert_eq!(
+        l.state.cluster.whole_free_gpus, 0,
+        "drained GPUs start nothing"
+    );
+    assert_eq!(
+        l.state.cluster.stranded_gpus(),
+        0,
+        "idle by decision, not fragmented"
+    );
+    assert_eq!(l.state.cluster.largest_startable_gang(), 0);
+    l.submit(H, wid(4), Some("b"), 4, 1);
+    let plan = l.schedule(H, &cfg);
+    assert!(
+        started(&plan)
+            .iter()
+            .all(|(_, p)| p.iter().all(|n| n.node != "n1")),
+        "{plan:?}"
+    );
+    // A start someone else decided on it is refused.
+    let outcome = l.start(H, wid(4), &[("n1", &[0, 1, 2, 3])], H);
+    assert!(
+        matches!(
+            outcome,
+            ledger::Outcome::Rejected(ledger::Rejection::NodeDraining { .. })
+        ),
+        "{outcome:?}"
+    );
+    // Resumed: it takes work again.
+    l.ok(H, Event::NodeResumed(NodeResumed { node: "n1".into() }));
+    let plan = l.schedule(H, &cfg);
+    assert!(
+        started(&plan)
+            .iter()
+            .any(|(_, p)| p.iter().any(|n| n.node == "n1")),
+        "{plan:?}"
+    );
+}

@@ -23,6 +23,8 @@ fn payload_schema(e: &Event) -> Schema {
         Event::NodeRegistered(_) => schema_for!(NodeRegistered),
         Event::GpuHeartbeat(_) => schema_for!(GpuHeartbeat),
         Event::GpuHealthChanged(_) => schema_for!(GpuHealthChanged),
+        Event::NodeDrained(_) => schema_for!(NodeDrained),
+        Event::NodeResumed(_) => schema_for!(NodeResumed),
         Event::WorkloadSubmitted(_) => schema_for!(WorkloadSubmitted),
         Event::WorkloadCancelled(_) => schema_for!(WorkloadCancelled),
         Event::WorkloadStarted(_) => schema_for!(WorkloadStarted),
@@ -72,6 +74,13 @@ fn samples() -> Vec<Event> {
             gpu: 3,
             healthy: false,
             reason: "xid 79".into(),
+        }),
+        Event::NodeDrained(NodeDrained {
+            node: "gpu-001".into(),
+            reason: Some("BIOS update".into()),
+        }),
+        Event::NodeResumed(NodeResumed {
+            node: "gpu-001".into(),
         }),
         Event::WorkloadSubmitted(WorkloadSubmitted {
             workload: w,
@@ -172,7 +181,7 @@ fn schemas_checked_in_match_the_code() {
 #[test]
 fn samples_cover_every_kind() {
     let kinds: BTreeSet<&str> = samples().iter().map(|e| e.kind()).collect();
-    assert_eq!(kinds.len(), 14);
+    assert_eq!(kinds.len(), 16);
 }
 
 #[test]

@@ -14,7 +14,8 @@
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
-//! | `GET /v1/nodes` | every node: GPUs, health, holders, utilization |
+//! | `GET /v1/nodes` | every node: GPUs, health, holders, utilization, drained |
+//! | `POST /v1/nodes/{node}/drain` / `DELETE …` | drain a node (no new work) or resume it |
 //! | `POST /v1/nodes/{node}/events` | an HTTP agent's reports: its registration, its runs' ends |
 //! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
@@ -61,6 +62,8 @@ pub use routes::{health_router, router};
         routes::allocations::set_allocation,
         routes::allocations::remove_allocation,
         routes::nodes::register_node,
+        routes::nodes::drain,
+        routes::nodes::resume,
         routes::nodes::heartbeat,
         routes::nodes::node_events,
         routes::nodes::nodes,
@@ -83,6 +86,7 @@ pub use routes::{health_router, router};
         routes::allocations::AllocationBody,
         routes::nodes::NodeBody,
         routes::nodes::HeartbeatBody,
+        routes::nodes::DrainBody,
         routes::tokens::TokenBody,
         Problem
     )),

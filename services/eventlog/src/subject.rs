@@ -4,6 +4,8 @@
 //! fairledger.ledger.allocation.set.<path>            allocation_set
 //! fairledger.ledger.allocation.removed.<path>        allocation_removed
 //! fairledger.ledger.node.registered.<node>           node_registered
+//! fairledger.ledger.node.drained.<node>              node_drained
+//! fairledger.ledger.node.resumed.<node>              node_resumed
 //! fairledger.ledger.gpu.health_changed.<node>        gpu_health_changed
 //! fairledger.ledger.gpu.utilization.<node>           gpu_heartbeat sampled into the ledger for
 //!                                                    the utilization metric
@@ -65,6 +67,8 @@ pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
         Event::NodeRegistered(e) => ("node", "registered", token(&e.node)),
         Event::GpuHeartbeat(e) => ("gpu", "utilization", token(&e.node)),
         Event::GpuHealthChanged(e) => ("gpu", "health_changed", token(&e.node)),
+        Event::NodeDrained(e) => ("node", "drained", token(&e.node)),
+        Event::NodeResumed(e) => ("node", "resumed", token(&e.node)),
         Event::WorkloadSubmitted(e) => (
             "workload",
             "submitted",

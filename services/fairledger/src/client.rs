@@ -381,8 +381,44 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<()
     Ok(())
 }
 
-pub fn nodes(args: &ClientArgs) -> Result<(), String> {
-    let v = Api::new(args)?.call("GET", "/v1/nodes", None)?;
+/// `fairledger nodes …`.
+#[derive(clap::Subcommand, Debug)]
+pub enum NodesCommand {
+    /// Drain a node: no new work is placed there; what runs there runs on.
+    Drain {
+        /// The node.
+        node: String,
+        /// Why, for the audit.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Resume a drained node: it takes work again.
+    Resume {
+        /// The node.
+        node: String,
+    },
+}
+
+pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), String> {
+    let api = Api::new(args)?;
+    match command {
+        Some(NodesCommand::Drain { node, reason }) => {
+            let v = api.call(
+                "POST",
+                &format!("/v1/nodes/{node}/drain"),
+                Some(&json!({ "reason": reason })),
+            )?;
+            print(args, &v, |v| format!("drained {}\n", text(&v["node"])));
+            return Ok(());
+        }
+        Some(NodesCommand::Resume { node }) => {
+            let v = api.call("DELETE", &format!("/v1/nodes/{node}/drain"), None)?;
+            print(args, &v, |v| format!("resumed {}\n", text(&v["node"])));
+            return Ok(());
+        }
+        None => {}
+    }
+    let v = api.call("GET", "/v1/nodes", None)?;
     print(args, &v, |v| {
         let rows = v["nodes"]
             .as_array()
@@ -419,6 +455,11 @@ pub fn nodes(args: &ClientArgs) -> Result<(), String> {
                     text(&n["model"]),
                     text(&n["gpus"]),
                     text(&n["free_gpus"]),
+                    if n["draining"] == true {
+                        "drained".into()
+                    } else {
+                        "up".into()
+                    },
                     util,
                     if down.is_empty() {
                         "-".into()
@@ -439,6 +480,7 @@ pub fn nodes(args: &ClientArgs) -> Result<(), String> {
                 "MODEL",
                 "GPUS",
                 "FREE",
+                "STATE",
                 "UTIL",
                 "UNHEALTHY",
                 "LABELS",

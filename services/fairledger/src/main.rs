@@ -165,11 +165,13 @@ enum Command {
         #[command(flatten)]
         client: client::ClientArgs,
     },
-    /// The nodes: GPUs free, utilization of the held ones, unhealthy GPUs, labels (like
-    /// sinfo).
+    /// The nodes: GPUs free, utilization of the held ones, unhealthy GPUs, drained, labels
+    /// (like sinfo); or drain or resume one (admin, operator).
     Nodes {
         #[command(flatten)]
         client: client::ClientArgs,
+        #[command(subcommand)]
+        command: Option<client::NodesCommand>,
     },
     /// Why a workload waits, who is ahead, and when it may start.
     Explain {
@@ -353,7 +355,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Token { client, command } => client::token_command(&client, command),
         Command::Whoami { client } => client::whoami(&client),
         Command::Explain { client, id } => client::explain(&client, &id),
-        Command::Nodes { client } => client::nodes(&client),
+        Command::Nodes { client, command } => client::nodes(&client, command),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }

@@ -528,7 +528,11 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         .unwrap();
     let table = String::from_utf8(out.stdout).unwrap();
     let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
-    assert_eq!(row, ["gpu-h", "H100", "2", "2", "-", "-", "-"], "{table}");
+    assert_eq!(
+        row,
+        ["gpu-h", "H100", "2", "2", "up", "-", "-", "-"],
+        "{table}"
+    );
     // A node may report only its own runs: another node's (or a finished) workload is refused,
     // and nothing is appended.
     let (_, before) = server.call("GET", "/v1/events?limit=1", None);

@@ -230,6 +230,26 @@ fn the_command_line_client_speaks_to_the_server() {
         audit.lines().skip(1).all(|l| l.starts_with("uw/nlp")),
         "{audit}"
     );
+    // An operator's drain and resume, shown in the node table.
+    let drained = cli(
+        &server,
+        &["nodes", "drain", "demo-3", "--reason", "BIOS update"],
+    )
+    .unwrap();
+    assert_eq!(drained.trim(), "drained demo-3");
+    let state_of = |table: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with("demo-3"))
+            .map(|l| l.split_whitespace().nth(4).unwrap_or_default().to_owned())
+    };
+    let table = cli(&server, &["nodes"]).unwrap();
+    assert_eq!(state_of(&table).as_deref(), Some("drained"), "{table}");
+    let err = cli(&server, &["nodes", "drain", "no-such-node"]).unwrap_err();
+    assert!(err.contains("not registered"), "{err}");
+    cli(&server, &["nodes", "resume", "demo-3"]).unwrap();
+    let table = cli(&server, &["nodes"]).unwrap();
+    assert_eq!(state_of(&table).as_deref(), Some("up"), "{table}");
     assert!(server.stop().success());
     let unreachable = Command::new(BIN)
         .args(["queue", "--api", "http://127.0.0.1:1"])

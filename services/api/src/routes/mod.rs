@@ -13,6 +13,7 @@
 //! | `POST /v1/workloads` | admin; submitter within its subtrees |
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
 //! | `POST /v1/nodes` | admin, operator; agent for its own node |
+//! | `POST`/`DELETE /v1/nodes/{node}/drain` | admin, operator |
 //! | `POST /v1/nodes/{node}/heartbeat`, `…/events` | the agent of that node |
 //! | `/v1/tokens…` | admin |
 
@@ -90,6 +91,14 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("POST", "/v1/nodes", Needs(RegisterNode)),
             routing::post(nodes::register_node),
+        ),
+        (
+            r("POST", "/v1/nodes/{node}/drain", Needs(DrainNode)),
+            routing::post(nodes::drain),
+        ),
+        (
+            r("DELETE", "/v1/nodes/{node}/drain", Needs(DrainNode)),
+            routing::delete(nodes::resume),
         ),
         (
             r("POST", "/v1/nodes/{node}/heartbeat", Needs(ReportForNode)),

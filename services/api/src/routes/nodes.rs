@@ -36,7 +36,7 @@ pub(crate) struct NodeBody {
 }
 
 #[utoipa::path(get, path = "/v1/nodes", tag = "nodes",
-    responses((status = 200, description = "every node: GPUs, model, labels, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
+    responses((status = 200, description = "every node: GPUs, model, labels, whether it is drained, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
 pub(crate) async fn nodes(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let cluster = &p.state().cluster;
@@ -61,6 +61,7 @@ pub(crate) async fn nodes(State(app): State<App>) -> Response {
                 "gpus": n.gpu_count,
                 "healthy_gpus": (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones(),
                 "free_gpus": n.free_count(),
+                "draining": n.draining,
                 "gpu": gpus,
             })
         })
@@ -104,6 +105,80 @@ pub(crate) async fn register_node(
         Json(json!({"node": body.node, "seq": seq})),
     )
         .into_response())
+}
+
+/// The body of `POST /v1/nodes/{node}/drain`.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DrainBody {
+    /// Why, for the audit (at most 256 bytes).
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// The node named `node` as registered: 404 otherwise.
+fn registered(state: &ledger::State, node: &str) -> Result<(), Problem> {
+    match state.cluster.get(node) {
+        Some(_) => Ok(()),
+        None => Err(Problem::not_found(format!(
+            "node {node:?} is not registered"
+        ))),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/nodes/{node}/drain", tag = "nodes",
+    params(("node" = String, Path, description = "node name")),
+    request_body = DrainBody,
+    responses(
+        (status = 200, description = "drained: no new work is placed there; what runs there runs on", body = serde_json::Value),
+        (status = 403, description = "neither admin nor operator", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "no such node", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn drain(
+    State(app): State<App>,
+    caller: Caller,
+    Path(node): Path<String>,
+    body: Option<Json<DrainBody>>,
+) -> Result<Response, Problem> {
+    node_name("node", &node)?;
+    let reason = body.and_then(|Json(b)| b.reason);
+    if reason.as_ref().is_some_and(|r| r.len() > 256) {
+        return Err(Problem::invalid("reason", "at most 256 bytes"));
+    }
+    {
+        let p = app.inner.projection.read().await;
+        caller.allow(&Action::DrainNode, p.state())?;
+        registered(p.state(), &node)?;
+    }
+    let event = Event::NodeDrained(NodeDrained {
+        node: node.clone(),
+        reason,
+    });
+    let seq = app.write(event, None, None, &caller.actor()).await?;
+    Ok(Json(json!({"node": node, "draining": true, "seq": seq})).into_response())
+}
+
+#[utoipa::path(delete, path = "/v1/nodes/{node}/drain", tag = "nodes",
+    params(("node" = String, Path, description = "node name")),
+    responses(
+        (status = 200, description = "resumed: the node takes work again", body = serde_json::Value),
+        (status = 403, description = "neither admin nor operator", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "no such node", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn resume(
+    State(app): State<App>,
+    caller: Caller,
+    Path(node): Path<String>,
+) -> Result<Response, Problem> {
+    node_name("node", &node)?;
+    {
+        let p = app.inner.projection.read().await;
+        caller.allow(&Action::DrainNode, p.state())?;
+        registered(p.state(), &node)?;
+    }
+    let event = Event::NodeResumed(NodeResumed { node: node.clone() });
+    let seq = app.write(event, None, None, &caller.actor()).await?;
+    Ok(Json(json!({"node": node, "draining": false, "seq": seq})).into_response())
 }
 
 /// The body of `POST /v1/nodes/{node}/heartbeat`.

@@ -42,6 +42,14 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
             ("POST", "/v1/nodes"),
             Some(&["admin", "operator", "agent"][..]),
         ),
+        (
+            ("POST", "/v1/nodes/{node}/drain"),
+            Some(&["admin", "operator"][..]),
+        ),
+        (
+            ("DELETE", "/v1/nodes/{node}/drain"),
+            Some(&["admin", "operator"][..]),
+        ),
         (("POST", "/v1/nodes/{node}/heartbeat"), Some(&["agent"][..])),
         (("POST", "/v1/nodes/{node}/events"), Some(&["agent"][..])),
         (("GET", "/v1/events"), Some(&ROLES[..])),
@@ -103,11 +111,18 @@ async fn the_authorization_matrix_covers_every_route_and_role() {
     }
     let before = f.log.last_seq().await.unwrap();
     for route in &routes {
+        // The agent's own node where an agent reports; elsewhere one that does not exist, so
+        // that an allowed call writes nothing.
+        let node = if route.path.ends_with("/drain") {
+            "ghost"
+        } else {
+            "n0"
+        };
         let uri = route
             .path
             .replace("{id}", "0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11")
             .replace("{*path}", "zz/new")
-            .replace("{node}", "n0")
+            .replace("{node}", node)
             .replace("{name}", "nobody");
         let body = matches!(route.method, "POST" | "PUT").then_some("{}");
         let allowed = expected[&(route.method, route.path)];
@@ -699,4 +714,111 @@ async fn an_event_stream_ends_with_its_callers_token() {
     })
     .await;
     assert!(ended.is_ok(), "the stream outlived its token's revocation");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_drains_and_resumes_a_node() {
+    let f = fixture(true).await;
+    let op = token(&f, "ops", "operator", &[], None).await;
+    let viewer = token(&f, "v", "viewer", &[], None).await;
+    let (status, _, _) = call_as(
+        &f,
+        Some(&viewer),
+        "POST",
+        "/v1/nodes/n0/drain",
+        Some("{}"),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _, problem) = call_as(
+        &f,
+        Some(&op),
+        "POST",
+        "/v1/nodes/ghost/drain",
+        Some("{}"),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{problem}");
+    let (status, _, answer) = call_as(
+        &f,
+        Some(&op),
+        "POST",
+        "/v1/nodes/n0/drain",
+        Some(r#"{"reason":"BIOS update"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let (_, _, nodes) = call(&f, "GET", "/v1/nodes", None, &[]).await;
+    let n0 = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == "n0")
+        .unwrap()
+        .clone();
+    assert_eq!(n0["draining"], true, "{nodes}");
+    // Work goes to n1 only, and whatever does not fit there waits.
+    for _ in 0..2 {
+        let (status, _, _) = call(
+            &f,
+            "POST",
+            "/v1/workloads",
+            Some(r#"{"allocation":"b","gpus_per_node":8}"#),
+            &[],
+        )
+        .await;
+        assert_eq!(status, StatusCode::ACCEPTED);
+    }
+    let (_, _, drained) = call(&f, "GET", "/v1/events?kind=node_drained", None, &[]).await;
+    assert_eq!(drained["events"][0]["event"]["actor"], "user:ops");
+    assert_eq!(
+        drained["events"][0]["event"]["payload"]["reason"],
+        "BIOS update"
+    );
+    let settled = |f: &Fixture| {
+        let p = f.projection.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let running = {
+                    let p = p.read().await;
+                    p.state().running.len()
+                };
+                if running >= 1 || tokio::time::Instant::now() > deadline {
+                    return running;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(settled(&f).await, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    {
+        let p = f.projection.read().await;
+        let state = p.state();
+        assert_eq!(
+            state.running.len(),
+            1,
+            "one fits on n1, none on the drained n0"
+        );
+        let n0 = state.cluster.get("n0").unwrap();
+        assert!(state.running_workloads().all(|w| w.placement[0].node != n0));
+    }
+    let (status, _, _) = call_as(&f, Some(&op), "DELETE", "/v1/nodes/n0/drain", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let running = f.projection.read().await.state().running.len();
+        if running == 2 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the resumed node took no work"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
