@@ -299,13 +299,15 @@ impl Principal {
             )));
         };
         let live = |scope: &str| tree.get(scope).is_some_and(|id| !tree.node(id).removed);
-        match self.allocations.iter().find(|s| under(path, s)) {
-            Some(scope) if live(scope) => Ok(()),
-            Some(scope) => Err(Denied(format!(
+        let mut covering = self.allocations.iter().filter(|s| under(path, s));
+        let first = covering.clone().next();
+        match (covering.any(|s| live(s)), first) {
+            (true, _) => Ok(()),
+            (false, Some(scope)) => Err(Denied(format!(
                 "the allocation {scope:?} that {:?} is scoped to was removed; ask an admin for a token of a live allocation",
                 self.name
             ))),
-            None => Err(Denied(format!(
+            (false, None) => Err(Denied(format!(
                 "this needs a submitter scoped to {path:?} or above; {:?} is scoped to {scopes}",
                 self.name
             ))),
@@ -313,7 +315,8 @@ impl Principal {
     }
 }
 
-/// The actor string of a principal of `role` named `name`.
+/// The actor string of a principal of `role` named `name` (an agent is named after its node, so
+/// its actor is `agent:<node>` over HTTP and NATS alike).
 pub fn actor_of(role: Role, name: &str) -> String {
     let kind = if role == Role::Agent { "agent" } else { "user" };
     format!("{kind}:{name}")
@@ -333,7 +336,7 @@ pub struct PrincipalGranted {
     /// empty for every other role.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allocations: Vec<String>,
-    /// An agent's node; absent for every other role.
+    /// An agent's node, which is also its name; absent for every other role.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     /// SHA-256 of the token, 64 lower-case hex digits. The token itself is never recorded.
@@ -480,6 +483,13 @@ impl Principals {
             (Role::Agent, true, Some(node)) => {
                 if let Err(reason) = validate_node_name(node) {
                     return invalid("node", reason.into());
+                }
+                // One actor per node, `agent:<node>`, whether the agent speaks HTTP or NATS.
+                if *node != e.name {
+                    return invalid(
+                        "node",
+                        format!("an agent is named after its node: name it {node:?}"),
+                    );
                 }
             }
             (Role::Agent, _, None) => {

@@ -133,6 +133,8 @@ pub struct Workload {
     pub starts: u32,
     /// Who submitted it: an index into [`State::actors`].
     pub submitted_by: u32,
+    /// While stopped: the nodes its last run held, whose agents may report its requeue.
+    pub stopped_on: Vec<NodeIdx>,
 }
 
 impl Workload {
@@ -764,6 +766,7 @@ impl State {
             work_done_ms: 0,
             starts: 0,
             submitted_by: self.actor_id(actor),
+            stopped_on: Vec::new(),
         };
         if let Some(key) = &e.idempotency_key {
             self.idempotency.insert(key.clone(), e.workload);
@@ -1152,6 +1155,7 @@ impl State {
                 })
             );
         let alloc = w.allocation;
+        let nodes: Vec<NodeIdx> = w.placement.iter().map(|p| p.node).collect();
         self.release(e.workload);
         if violation {
             self.counters.contract_violations += 1;
@@ -1164,6 +1168,7 @@ impl State {
         } else {
             let w = self.workloads.get_mut(&e.workload).expect("checked");
             w.phase = Phase::Stopped;
+            w.stopped_on = nodes;
             let gpus = w.gpus() as i64;
             if let Some(a) = alloc {
                 self.change_demand(a, -gpus);
@@ -1183,6 +1188,7 @@ impl State {
         self.expect_phase(e.workload, Phase::Stopped)?;
         let w = self.workloads.get_mut(&e.workload).expect("checked");
         w.phase = Phase::Pending;
+        w.stopped_on.clear();
         w.work_done_ms = w
             .work_done_ms
             .saturating_sub(e.work_lost_s.saturating_mul(1000));

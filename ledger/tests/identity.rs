@@ -125,7 +125,11 @@ fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
         ),
         (grant("ag", Role::Agent, &[], None, 3), "invalid_grant"),
         (
-            grant("ag", Role::Agent, &[], Some("gpu.1"), 3),
+            grant("ag", Role::Agent, &[], Some("n1"), 3),
+            "invalid_grant",
+        ),
+        (
+            grant("gpu.1", Role::Agent, &[], Some("gpu.1"), 3),
             "invalid_grant",
         ),
         (
@@ -252,6 +256,21 @@ fn a_submitter_acts_only_within_its_subtrees_while_they_live() {
     assert!(all.allows(&submit(Some("uw/nlp")), tree).is_ok());
     assert!(tulu.allows(&Action::SetAllocations, tree).is_err());
 
+    // A second scope above a removed one still covers what lies below it.
+    l.ok(
+        0,
+        grant("both", Role::Submitter, &["uw/nlp", "uw"], None, 4),
+    );
+    let both = principal(&l, "both");
+    l.ok(
+        S,
+        Event::AllocationRemoved(AllocationRemoved {
+            path: "uw/nlp".into(),
+        }),
+    );
+    assert!(both
+        .allows(&submit(Some("uw/nlp/x")), &l.state.allocations)
+        .is_ok());
     // Removing the allocation takes the scope's power with it.
     l.ok(
         S,
@@ -268,10 +287,10 @@ fn a_submitter_acts_only_within_its_subtrees_while_they_live() {
 #[test]
 fn an_agent_speaks_for_its_own_node_only() {
     let mut l = cluster();
-    l.ok(0, grant("gpu-a", Role::Agent, &[], Some("n1"), 1));
-    let a = principal(&l, "gpu-a");
+    l.ok(0, grant("n1", Role::Agent, &[], Some("n1"), 1));
+    let a = principal(&l, "n1");
     let tree = &l.state.allocations;
-    assert_eq!(a.actor(), "agent:gpu-a");
+    assert_eq!(a.actor(), "agent:n1");
     assert!(a
         .allows(&Action::ReportForNode { node: "n1" }, tree)
         .is_ok());

@@ -115,7 +115,7 @@ impl HttpLog {
         }
         if answer["role"] != "agent" || answer["node"] != self.node.as_str() {
             return Err(format!(
-                "the token is {}'s ({} of node {}), not the agent token of node {:?}; make one with `fairledger token create --role agent --node {}`",
+                "the token is {}'s ({} of node {}), not the agent token of node {:?}; make one with `fairledger token create --name {} --role agent`",
                 answer["name"], answer["role"], answer["node"], self.node, self.node
             ));
         }

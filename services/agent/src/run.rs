@@ -67,7 +67,12 @@ pub fn dir(runs: &Path, workload: uuid::Uuid, started_at_ms: u64) -> PathBuf {
 
 /// Claims `dir` for a new run: false if it already exists (launched before).
 pub fn claim(dir: &Path) -> std::io::Result<bool> {
-    match std::fs::create_dir(dir) {
+    // Readable by this user only: the run's spec and output are its submitter's.
+    let created = {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new().mode(0o700).create(dir)
+    };
+    match created {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
         Err(e) => Err(e),
@@ -180,9 +185,17 @@ fn boot_id() -> Option<String> {
 }
 
 /// Writes `bytes` to `path` so that a reader sees all of it or nothing.
+/// Writes `bytes` to `path` whole, readable by this user only (a spec holds the workload's
+/// environment).
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(bytes)?;
     f.sync_all()?;
     std::fs::rename(tmp, path)

@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use eventlog::{Append, AppendError, Appended, EventLog, LogError, Stored};
 use futures::stream::BoxStream;
+use ledger::event::{PreemptionReason, StopReason, WorkloadStopped};
 use ledger::identity::Action;
-use ledger::{Envelope, Event, Phase};
+use ledger::{Envelope, Event, Phase, WorkloadId};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -79,10 +80,12 @@ pub fn check(
             });
         }
         let key = &report.idempotency_key;
-        if key.is_empty() || key.len() > 128 {
+        // It becomes a NATS header: printable ASCII only.
+        let printable = key.bytes().all(|b| (b' '..=b'~').contains(&b));
+        if key.is_empty() || key.len() > 128 || !printable {
             return Err(Problem::invalid(
                 &format!("events[{i}].idempotency_key"),
-                "1 to 128 characters",
+                "1 to 128 printable ASCII characters",
             ));
         }
         let now = scheduler::wall_clock_ms();
@@ -96,13 +99,31 @@ pub fn check(
                 ),
             ));
         }
+        // A run of this node's, running (or stopped from here, for its requeue). Earlier
+        // reports of the same batch are not folded yet: a stop and its requeue travel together
+        // and are both judged against the run.
+        let ours = |id: WorkloadId| {
+            state.workloads.get(&id).is_some_and(|w| match w.phase {
+                Phase::Running => w.placement.iter().any(|p| Some(p.node) == here),
+                Phase::Stopped => w.stopped_on.iter().any(|&n| Some(n) == here),
+                _ => false,
+            })
+        };
         let ok = match &env.event {
             Event::NodeRegistered(e) => e.node == node,
-            Event::WorkloadFinished(_) | Event::WorkloadStopped(_) | Event::WorkloadRequeued(_) => {
-                let id = env.event.workload().expect("about a workload");
-                state.workloads.get(&id).is_some_and(|w| {
-                    w.phase == Phase::Stopped || w.placement.iter().any(|p| Some(p.node) == here)
-                })
+            Event::WorkloadFinished(e) => ours(e.workload),
+            Event::WorkloadRequeued(e) => ours(e.workload),
+            Event::WorkloadStopped(e) => {
+                if !ours(e.workload) {
+                    false
+                } else if let Err(why) = stop_reason_fits(state, e) {
+                    return Err(Problem {
+                        field: Some(format!("{field}.payload.reason")),
+                        ..Problem::forbidden(why)
+                    });
+                } else {
+                    true
+                }
             }
             _ => {
                 return Err(Problem::invalid(
@@ -129,6 +150,37 @@ pub fn check(
         ));
     }
     Ok(appends)
+}
+
+/// Whether an agent may say a run stopped for `e.reason`: a run it lost (the process vanished)
+/// any time; otherwise only as the preemption under way asked (a cancel ends as cancelled, any
+/// other preemption as preempted or, its GPUs failing, as a hardware failure). An agent does not
+/// decide why work stops, so it cannot charge a contract violation or end work as cancelled.
+fn stop_reason_fits(state: &ledger::State, e: &WorkloadStopped) -> Result<(), String> {
+    let Some(w) = state.workloads.get(&e.workload) else {
+        return Ok(()); // not ours: refused above
+    };
+    let asked = w.preempting.map(|p| p.reason);
+    let fits = match (e.reason, asked) {
+        (StopReason::Lost, _) => true,
+        (StopReason::Cancelled, Some(PreemptionReason::UserCancelled)) => true,
+        (StopReason::Preempted | StopReason::HardwareFailure, Some(r)) => {
+            r != PreemptionReason::UserCancelled
+        }
+        _ => false,
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(format!(
+        "a run stops {:?} only when asked to: workload {} is {}",
+        e.reason,
+        e.workload,
+        match asked {
+            None => "not being preempted".to_owned(),
+            Some(r) => format!("being preempted for {r:?}"),
+        }
+    ))
 }
 
 /// The ledger as an agent inside the server sees it: reads straight from the log, reports through

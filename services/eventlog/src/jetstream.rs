@@ -66,8 +66,9 @@ pub struct JetStreamOptions {
     pub manage_streams: bool,
 }
 
-/// How a process proves who it is to NATS, and whether the connection is TLS.
-#[derive(Clone, Debug, Default)]
+/// How a process proves who it is to NATS, and whether the connection is TLS. Its `Debug` never
+/// shows the password.
+#[derive(Clone, Default)]
 pub struct NatsAuth {
     /// A credentials file (a user JWT and its nkey seed, as `nsc` writes them).
     pub creds: Option<std::path::PathBuf>,
@@ -82,6 +83,19 @@ pub struct NatsAuth {
     /// Where replies come back (`_INBOX_<name>` for users that may subscribe to their own inbox
     /// only; see [`crate::access`]).
     pub inbox_prefix: Option<String>,
+}
+
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsAuth")
+            .field("creds", &self.creds)
+            .field("nkey", &self.nkey)
+            .field("user", &self.user.as_ref().map(|(u, _)| (u, "<secret>")))
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_client", &self.tls_client)
+            .field("inbox_prefix", &self.inbox_prefix)
+            .finish()
+    }
 }
 
 impl NatsAuth {
@@ -406,10 +420,13 @@ impl JetStreamLog {
         Ok(subscriber
             .filter_map(|m| async move {
                 match serde_json::from_slice::<ledger::Envelope>(&m.payload) {
-                    // Its subject is its node's, which only that node's agent may publish to.
+                    // Its subject is its node's, which only that node's agent may publish to,
+                    // and so is its actor (a message delivered there from elsewhere, say a
+                    // ledger sample replayed by a consumer, is not the agent's).
                     Ok(env) => match &env.event {
                         ledger::Event::GpuHeartbeat(hb)
-                            if crate::subject::for_telemetry(hb) == m.subject.as_str() =>
+                            if crate::subject::for_telemetry(hb) == m.subject.as_str()
+                                && env.actor.strip_prefix("agent:") == Some(hb.node.as_str()) =>
                         {
                             Some(env)
                         }

@@ -493,3 +493,49 @@ async fn a_tls_server_is_reached_with_its_ca_only() {
         "a certificate no public root signed is refused"
     );
 }
+
+/// access: a heartbeat counts only on its own node's subject and as that node's agent, so a
+/// message delivered onto another node's subject (another agent's, or a ledger sample replayed
+/// there by a consumer) keeps no node alive.
+#[tokio::test]
+async fn a_heartbeat_counts_only_on_its_nodes_subject_from_its_nodes_agent() {
+    use futures::StreamExt;
+    let server = NatsServer::start();
+    let log = JetStreamLog::connect(&server.url(), quick()).await.unwrap();
+    let mut heartbeats = log.heartbeats().await.unwrap();
+    let beat = |node: &str, actor: &str| {
+        let hb = ledger::event::GpuHeartbeat {
+            node: node.into(),
+            readings: vec![],
+        };
+        let env = ledger::Envelope::new(
+            uuid::Uuid::now_v7(),
+            1,
+            actor,
+            ledger::Event::GpuHeartbeat(hb),
+        );
+        serde_json::to_vec(&env).unwrap()
+    };
+    let on = |node: &str| {
+        eventlog::subject::for_telemetry(&ledger::event::GpuHeartbeat {
+            node: node.into(),
+            readings: vec![],
+        })
+    };
+    for (subject, payload) in [
+        (on("gpu-1"), beat("gpu-2", "agent:gpu-2")),
+        (on("gpu-1"), beat("gpu-1", "scheduler")),
+        (on("gpu-1"), beat("gpu-1", "agent:gpu-1")),
+    ] {
+        log.publish_telemetry(subject, payload.into())
+            .await
+            .unwrap();
+    }
+    let first = tokio::time::timeout(Duration::from_secs(5), heartbeats.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.actor, "agent:gpu-1", "only the third counts");
+    let more = tokio::time::timeout(Duration::from_millis(300), heartbeats.next()).await;
+    assert!(more.is_err(), "nothing else came through");
+}

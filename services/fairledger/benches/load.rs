@@ -24,6 +24,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_fairledger");
 struct Server {
     child: Child,
     base: String,
+    /// `Bearer <the first admin's token>`.
+    authorization: String,
     _nats: Option<eventlog::testing::NatsServer>,
     _dir: tempfile::TempDir,
 }
@@ -68,9 +70,11 @@ fn start(nats: bool) -> Server {
         }
     };
     std::thread::spawn(move || for _ in lines {});
+    let token = std::fs::read_to_string(dir.path().join("data/admin.token")).unwrap();
     Server {
         child,
         base,
+        authorization: format!("Bearer {}", token.trim()),
         _nats: nats,
         _dir: dir,
     }
@@ -95,10 +99,17 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 /// `clients` closed-loop clients, each on its own connection, POST `body` to `/v1/workloads`
-/// for `seconds`: the latencies of the accepted submissions, and how many were not accepted.
-fn submit_for(base: &str, body: &'static str, clients: u64, seconds: u64) -> (Vec<Duration>, u64) {
+/// for `seconds` as the first admin: the latencies of the accepted submissions, and how many
+/// were not accepted.
+fn submit_for(
+    server: &Server,
+    body: &'static str,
+    clients: u64,
+    seconds: u64,
+) -> (Vec<Duration>, u64) {
     use http_body_util::{BodyExt, Full};
-    let addr = base.trim_start_matches("http://").to_owned();
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let authorization = server.authorization.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -107,7 +118,7 @@ fn submit_for(base: &str, body: &'static str, clients: u64, seconds: u64) -> (Ve
         let deadline = Instant::now() + Duration::from_secs(seconds);
         let tasks: Vec<_> = (0..clients)
             .map(|_| {
-                let addr = addr.clone();
+                let (addr, authorization) = (addr.clone(), authorization.clone());
                 tokio::spawn(async move {
                     let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
                     stream.set_nodelay(true).unwrap();
@@ -121,6 +132,7 @@ fn submit_for(base: &str, body: &'static str, clients: u64, seconds: u64) -> (Ve
                         let request = hyper::Request::post("/v1/workloads")
                             .header(hyper::header::HOST, &addr)
                             .header(hyper::header::CONTENT_TYPE, "application/json")
+                            .header(hyper::header::AUTHORIZATION, &authorization)
                             .body(Full::new(bytes::Bytes::from_static(body.as_bytes())))
                             .unwrap();
                         let t = Instant::now();
@@ -167,7 +179,7 @@ fn main() {
     let server = start(nats);
     let body = r#"{"allocation":"lab/a","gpus_per_node":1,"duration_estimate_s":3600}"#;
     let started = Instant::now();
-    let (mut latencies, failed) = submit_for(&server.base, body, clients, seconds);
+    let (mut latencies, failed) = submit_for(&server, body, clients, seconds);
     let wall = started.elapsed();
     latencies.sort();
     assert!(!latencies.is_empty(), "no submission succeeded");
@@ -192,6 +204,7 @@ fn main() {
         let mut answer = agent
             .post(&url)
             .header("content-type", "application/json")
+            .header("authorization", &server.authorization)
             .send(body)
             .unwrap();
         let text = answer.body_mut().read_to_string().unwrap();

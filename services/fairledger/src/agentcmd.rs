@@ -178,9 +178,10 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                 .ok()
                 .filter(|t| !t.trim().is_empty())
                 .ok_or_else(|| {
-                    format!("an agent over --api needs this node's agent token: pass --token-file (make one with `fairledger token create --name {node} --role agent --node {node} --out FILE`) or set FAIRLEDGER_TOKEN")
+                    format!("an agent over --api needs this node's agent token: pass --token-file (make one with `fairledger token create --name {node} --role agent --out FILE`) or set FAIRLEDGER_TOKEN")
                 })?,
         };
+        crate::client::warn_if_clear(&api, true);
         return runtime()?.block_on(async move {
             let log = agent::http::HttpLog::new(&api, &node, &token, args.ca_file.as_deref())?;
             config.actor = log.whoami().await.map_err(|e| format!("{e} (API {api})"))?;

@@ -52,6 +52,15 @@ pub fn read_token_file(path: &Path) -> Result<String, String> {
     Ok(token)
 }
 
+/// Warns, once, that a token is about to cross a network in clear.
+pub fn warn_if_clear(api: &str, with_token: bool) {
+    if with_token && api.starts_with("http://") && !is_local(api) {
+        eprintln!(
+            "warning: sending a token to {api} over plain HTTP: anyone on the way can read it; serve with --tls-cert and use https://"
+        );
+    }
+}
+
 /// Whether `api` is a server on this machine.
 fn is_local(api: &str) -> bool {
     let host = api
@@ -100,6 +109,7 @@ struct Api {
 impl Api {
     fn new(args: &ClientArgs) -> Result<Self, String> {
         let token = token(&args.api, args.token_file.as_deref())?;
+        warn_if_clear(&args.api, token.is_some());
         Ok(Api {
             base: args.api.trim_end_matches('/').to_owned(),
             agent: agent::http::client(args.ca_file.as_deref(), None)?,
@@ -715,7 +725,7 @@ pub enum TokenCommand {
         /// A submitter's allocation subtree (repeat for more; * for all and unallocated work).
         #[arg(long = "allocation", short = 'a')]
         allocations: Vec<String>,
-        /// An agent's node.
+        /// An agent's node (default: its name; an agent is named after its node).
         #[arg(long)]
         node: Option<String>,
         /// Refuse the token after this long, e.g. 12h, 30d.

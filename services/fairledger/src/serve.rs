@@ -110,6 +110,10 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     }
     runtime()?.block_on(async move {
         let log = args.log.open().await?;
+        let c = &args.log.credentials;
+        if !embedded && c.nats_creds.is_none() && c.nats_nkey.is_none() && c.nats_user.is_none() {
+            eprintln!("warning: no NATS credentials: whoever reaches this NATS can write the ledger, whatever the API allows; see `fairledger nats-auth` and ops/nats/secure.conf");
+        }
         let write_setup = !args.no_demo && (embedded || args.config.is_some());
         if write_setup && log.last_seq().await.map_err(|e| e.to_string())? == 0 {
             let now = scheduler::wall_clock_ms();
@@ -242,16 +246,22 @@ async fn local_agent_token(
         token_sha256,
         expires_at_ms: None,
     });
-    // A principal of that name from before (its token file lost): revoked and granted anew.
-    let exists = app
+    // This node's agent from before (its token file lost): revoked and granted anew. A
+    // principal of that name that is not this node's agent is someone else's: refuse.
+    let before = app
         .projection()
         .read()
         .await
         .state()
         .principals
         .get(node)
-        .is_some();
-    if exists {
+        .map(|p| p.node.as_deref() == Some(node));
+    if before == Some(false) {
+        return Err(format!(
+            "a principal named {node:?} exists and is not that node's agent: revoke or rename it, or pass --no-agents"
+        ));
+    }
+    if before == Some(true) {
         let revoke = ledger::Event::PrincipalRevoked(ledger::event::PrincipalRevoked {
             name: node.to_owned(),
             reason: Some("the server's own agent lost its token".into()),

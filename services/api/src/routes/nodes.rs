@@ -138,10 +138,27 @@ pub(crate) async fn drain(
     State(app): State<App>,
     caller: Caller,
     Path(node): Path<String>,
-    body: Option<Json<DrainBody>>,
+    body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     node_name("node", &node)?;
-    let reason = body.and_then(|Json(b)| b.reason);
+    // The body is optional: none, or a JSON object.
+    let reason = if body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        serde_json::from_slice::<DrainBody>(&body)
+            .map_err(|e| {
+                let message = e.to_string();
+                match problem::field_of_serde_error(&message) {
+                    Some(field) => Problem::invalid(&field, message),
+                    None => Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "malformed-json",
+                        format!("the body is not a JSON object: {message}"),
+                    ),
+                }
+            })?
+            .reason
+    };
     if reason.as_ref().is_some_and(|r| r.len() > 256) {
         return Err(Problem::invalid("reason", "at most 256 bytes"));
     }

@@ -29,7 +29,7 @@ pub(crate) struct TokenBody {
     /// A submitter's allocation subtrees (`*` for all, and unallocated work).
     #[serde(default)]
     allocations: Vec<String>,
-    /// An agent's node.
+    /// An agent's node (default: its name; an agent is named after its node).
     #[serde(default)]
     node: Option<String>,
     /// The token is refused this many seconds from now (default: never).
@@ -101,11 +101,15 @@ pub(crate) async fn create(
     };
     let (token, token_sha256) = new_token()
         .map_err(|e| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "no-randomness", e))?;
+    let node = match (role, body.node) {
+        (Role::Agent, None) => Some(body.name.clone()),
+        (_, node) => node,
+    };
     let grant = PrincipalGranted {
         name: body.name,
         role,
         allocations: body.allocations,
-        node: body.node,
+        node,
         token_sha256,
         expires_at_ms,
     };

@@ -79,7 +79,7 @@ async fn principals(f: &Fixture) -> BTreeMap<&'static str, String> {
         "submitter",
         token(f, "sub", "submitter", &["b"], None).await,
     );
-    tokens.insert("agent", token(f, "ag", "agent", &[], Some("n0")).await);
+    tokens.insert("agent", token(f, "n0", "agent", &[], Some("n0")).await);
     tokens.insert("auditor", token(f, "aud", "auditor", &[], None).await);
     tokens.insert("viewer", token(f, "view", "viewer", &[], None).await);
     tokens
@@ -297,8 +297,8 @@ async fn idempotency_keys_belong_to_their_principal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
     let f = fixture(true).await;
-    let n0 = token(&f, "agent-n0", "agent", &[], Some("n0")).await;
-    let n1 = token(&f, "agent-n1", "agent", &[], Some("n1")).await;
+    let n0 = token(&f, "n0", "agent", &[], Some("n0")).await;
+    let n1 = token(&f, "n1", "agent", &[], Some("n1")).await;
     let (status, _, placed) = call(
         &f,
         "POST",
@@ -341,7 +341,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
         Some(there),
         "POST",
         &uri,
-        Some(&finished(&format!("agent:agent-{other}"))),
+        Some(&finished(&format!("agent:{other}"))),
         &[],
     )
     .await;
@@ -351,7 +351,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
         Some(there),
         "POST",
         &format!("/v1/nodes/{other}/events"),
-        Some(&finished(&format!("agent:agent-{other}"))),
+        Some(&finished(&format!("agent:{other}"))),
         &[],
     )
     .await;
@@ -388,13 +388,60 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
     assert_eq!(f.log.last_seq().await.unwrap(), before);
     let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(row["phase"], "running");
+    // Even its own agent does not choose why work stops: a preemption nobody asked for (which
+    // would count against the contract), or a cancel, is refused; and a key that could not be a
+    // NATS header is refused as bad input.
+    let report = |event: Event, key: &str| {
+        let env = Envelope::new(
+            uuid::Uuid::now_v7(),
+            scheduler::wall_clock_ms(),
+            format!("agent:{node}"),
+            event,
+        );
+        serde_json::json!({"events": [{"idempotency_key": key, "envelope": env}]}).to_string()
+    };
+    let stopped = |reason| {
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: id,
+            reason,
+        })
+    };
+    for reason in [
+        StopReason::Preempted,
+        StopReason::Cancelled,
+        StopReason::HardwareFailure,
+    ] {
+        let (status, _, problem) = call_as(
+            &f,
+            Some(here),
+            "POST",
+            &uri,
+            Some(&report(stopped(reason), "s")),
+            &[],
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{reason:?}: {problem}");
+        assert_eq!(problem["field"], "events[0].envelope.payload.reason");
+    }
+    let (status, _, problem) = call_as(
+        &f,
+        Some(here),
+        "POST",
+        &uri,
+        Some(&report(stopped(StopReason::Lost), "bad\r\nkey")),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    assert_eq!(problem["field"], "events[0].idempotency_key");
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
     // The node's own agent, as itself: the end is recorded, by it.
     let (status, _, answer) = call_as(
         &f,
         Some(here),
         "POST",
         &uri,
-        Some(&finished(&format!("agent:agent-{node}"))),
+        Some(&finished(&format!("agent:{node}"))),
         &[],
     )
     .await;
@@ -404,7 +451,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
     let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(row["phase"], "finished", "{row}");
     let last = row["history"].as_array().unwrap().last().unwrap().clone();
-    assert_eq!(last["actor"], format!("agent:agent-{node}"));
+    assert_eq!(last["actor"], format!("agent:{node}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,7 +508,7 @@ async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
             Some("allocations"),
         ),
         (
-            r#"{"name":"x","role":"agent"}"#,
+            r#"{"name":"x","role":"agent","node":"y"}"#,
             StatusCode::UNPROCESSABLE_ENTITY,
             Some("node"),
         ),
@@ -741,6 +788,25 @@ async fn an_operator_drains_and_resumes_a_node() {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{problem}");
+    for (body, want, field) in [
+        ("{not json", StatusCode::BAD_REQUEST, None),
+        (
+            r#"{"colour":1}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("colour"),
+        ),
+    ] {
+        let (status, ct, problem) =
+            call_as(&f, Some(&op), "POST", "/v1/nodes/n0/drain", Some(body), &[]).await;
+        assert_eq!(
+            (status, ct.as_str()),
+            (want, "application/problem+json"),
+            "{problem}"
+        );
+        if let Some(field) = field {
+            assert_eq!(problem["field"], field);
+        }
+    }
     let (status, _, answer) = call_as(
         &f,
         Some(&op),
@@ -821,4 +887,86 @@ async fn an_operator_drains_and_resumes_a_node() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// A run stopped on one node is requeued by that node's agent only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
+    let f = fixture(true).await;
+    let n0 = token(&f, "n0", "agent", &[], Some("n0")).await;
+    let n1 = token(&f, "n1", "agent", &[], Some("n1")).await;
+    let (status, _, placed) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"b","gpus_per_node":8}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{placed}");
+    let id: uuid::Uuid = placed["id"].as_str().unwrap().parse().unwrap();
+    let node = placed["workload"]["placement"][0]["node"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (here, there, other) = if node == "n0" {
+        (&n0, &n1, "n1")
+    } else {
+        (&n1, &n0, "n0")
+    };
+    let report = |actor: &str, event: Event, key: &str| {
+        let env = Envelope::new(
+            uuid::Uuid::now_v7(),
+            scheduler::wall_clock_ms(),
+            actor,
+            event,
+        );
+        serde_json::json!({"events": [{"idempotency_key": key, "envelope": env}]}).to_string()
+    };
+    // Lost here: stopped, waiting for its requeue.
+    let lost = Event::WorkloadStopped(WorkloadStopped {
+        workload: id,
+        reason: StopReason::Lost,
+    });
+    let (status, _, answer) = call_as(
+        &f,
+        Some(here),
+        "POST",
+        &format!("/v1/nodes/{node}/events"),
+        Some(&report(&format!("agent:{node}"), lost, "lost")),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert!(f.app.folded(answer["seqs"][0].as_u64().unwrap()).await);
+    let requeued = || {
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: id,
+            work_lost_s: 0,
+        })
+    };
+    let (status, _, problem) = call_as(
+        &f,
+        Some(there),
+        "POST",
+        &format!("/v1/nodes/{other}/events"),
+        Some(&report(&format!("agent:{other}"), requeued(), "rq")),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "another node's requeue: {problem}"
+    );
+    let (status, _, answer) = call_as(
+        &f,
+        Some(here),
+        "POST",
+        &format!("/v1/nodes/{node}/events"),
+        Some(&report(&format!("agent:{node}"), requeued(), "rq")),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
 }

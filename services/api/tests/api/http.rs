@@ -682,8 +682,8 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     let f = fixture(false).await;
-    let ghost = token(&f, "ghost-agent", "agent", &[], Some("ghost")).await;
-    let n0 = token(&f, "n0-agent", "agent", &[], Some("n0")).await;
+    let ghost = token(&f, "ghost", "agent", &[], Some("ghost")).await;
+    let n0 = token(&f, "n0", "agent", &[], Some("n0")).await;
     let reading = |gpu: u32, ecc: u64| {
         format!(r#"{{"gpu":{gpu},"utilization_pct":40,"ecc_errors_uncorrected":{ecc}}}"#)
     };
