@@ -58,9 +58,6 @@ pub struct Settings {
     pub scheduler_tick: Duration,
     /// Replicas of the scheduler's lease bucket on JetStream: 1, or 3 in a cluster.
     pub replicas: usize,
-    /// Create the first admin and write its token to `DATA/admin.token` when the ledger has no
-    /// principal yet.
-    pub bootstrap_admin: bool,
     /// Serve HTTPS with this certificate chain and private key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
 }
@@ -78,7 +75,6 @@ impl Settings {
             checkpoint_gap: Duration::from_secs(60),
             scheduler_tick: SchedulerConfig::default().tick,
             replicas: 1,
-            bootstrap_admin: true,
             tls: None,
         }
     }
@@ -217,7 +213,7 @@ impl Application {
             admin_token: None,
             tls,
         };
-        if settings.serving.api() && settings.bootstrap_admin {
+        if settings.serving.api() {
             application.admin_token = application.first_admin(&settings.data).await?;
         }
         Ok(application)

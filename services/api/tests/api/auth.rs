@@ -294,13 +294,21 @@ async fn idempotency_keys_belong_to_their_principal() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
-    let f = fixture(true).await;
-    let n0 = token(&f, "n0", "agent", &[], Some("n0")).await;
-    let n1 = token(&f, "n1", "agent", &[], Some("n1")).await;
+/// A whole-node workload the scheduler placed, with the agent tokens of its node and of the
+/// other one.
+struct Placed {
+    id: uuid::Uuid,
+    node: String,
+    other: String,
+    here: String,
+    there: String,
+}
+
+async fn placed_with_agents(f: &Fixture) -> Placed {
+    let n0 = token(f, "n0", "agent", &[], Some("n0")).await;
+    let n1 = token(f, "n1", "agent", &[], Some("n1")).await;
     let (status, _, placed) = call(
-        &f,
+        f,
         "POST",
         "/v1/workloads?wait=placed&timeout_s=10",
         Some(r#"{"allocation":"b","gpus_per_node":8}"#),
@@ -308,25 +316,53 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{placed}");
-    let id: uuid::Uuid = placed["id"].as_str().unwrap().parse().unwrap();
     let node = placed["workload"]["placement"][0]["node"]
         .as_str()
         .unwrap()
         .to_owned();
-    let (here, there) = if node == "n0" { (&n0, &n1) } else { (&n1, &n0) };
-    let other = if node == "n0" { "n1" } else { "n0" };
+    let (here, there, other) = if node == "n0" {
+        (n0, n1, "n1")
+    } else {
+        (n1, n0, "n0")
+    };
+    Placed {
+        id: placed["id"].as_str().unwrap().parse().unwrap(),
+        node,
+        other: other.into(),
+        here,
+        there,
+    }
+}
+
+/// A node's report of `event` by `actor`, keyed `key`, as agents post it.
+fn report(actor: &str, event: Event, key: &str) -> String {
+    let env = Envelope::new(
+        uuid::Uuid::now_v7(),
+        scheduler::wall_clock_ms(),
+        actor,
+        event,
+    );
+    serde_json::json!({"events": [{"idempotency_key": key, "envelope": env}]}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
+    let f = fixture(true).await;
+    let Placed {
+        id,
+        node,
+        other,
+        here,
+        there,
+    } = placed_with_agents(&f).await;
+    let (here, there, other) = (&here, &there, other.as_str());
     let finished = |actor: &str| {
-        let env = Envelope::new(
-            uuid::Uuid::now_v7(),
-            scheduler::wall_clock_ms(),
-            actor,
-            Event::WorkloadFinished(WorkloadFinished {
-                workload: id,
-                exit_code: Some(0),
-                signal: None,
-            }),
-        );
-        serde_json::json!({"events": [{"idempotency_key": "end-1", "envelope": env}]}).to_string()
+        let end = Event::WorkloadFinished(WorkloadFinished {
+            workload: id,
+            exit_code: Some(0),
+            signal: None,
+        });
+        report(actor, end, "end-1")
     };
     let before = f.log.last_seq().await.unwrap();
     // Anyone without a token, an admin, the other node's agent, and this node's agent claiming
@@ -391,15 +427,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
     // Even its own agent does not choose why work stops: a preemption nobody asked for (which
     // would count against the contract), or a cancel, is refused; and a key that could not be a
     // NATS header is refused as bad input.
-    let report = |event: Event, key: &str| {
-        let env = Envelope::new(
-            uuid::Uuid::now_v7(),
-            scheduler::wall_clock_ms(),
-            format!("agent:{node}"),
-            event,
-        );
-        serde_json::json!({"events": [{"idempotency_key": key, "envelope": env}]}).to_string()
-    };
+    let mine = format!("agent:{node}");
     let stopped = |reason| {
         Event::WorkloadStopped(WorkloadStopped {
             workload: id,
@@ -416,7 +444,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
             Some(here),
             "POST",
             &uri,
-            Some(&report(stopped(reason), "s")),
+            Some(&report(&mine, stopped(reason), "s")),
             &[],
         )
         .await;
@@ -428,7 +456,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
         Some(here),
         "POST",
         &uri,
-        Some(&report(stopped(StopReason::Lost), "bad\r\nkey")),
+        Some(&report(&mine, stopped(StopReason::Lost), "bad\r\nkey")),
         &[],
     )
     .await;
@@ -893,36 +921,13 @@ async fn an_operator_drains_and_resumes_a_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
     let f = fixture(true).await;
-    let n0 = token(&f, "n0", "agent", &[], Some("n0")).await;
-    let n1 = token(&f, "n1", "agent", &[], Some("n1")).await;
-    let (status, _, placed) = call(
-        &f,
-        "POST",
-        "/v1/workloads?wait=placed&timeout_s=10",
-        Some(r#"{"allocation":"b","gpus_per_node":8}"#),
-        &[],
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{placed}");
-    let id: uuid::Uuid = placed["id"].as_str().unwrap().parse().unwrap();
-    let node = placed["workload"]["placement"][0]["node"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let (here, there, other) = if node == "n0" {
-        (&n0, &n1, "n1")
-    } else {
-        (&n1, &n0, "n0")
-    };
-    let report = |actor: &str, event: Event, key: &str| {
-        let env = Envelope::new(
-            uuid::Uuid::now_v7(),
-            scheduler::wall_clock_ms(),
-            actor,
-            event,
-        );
-        serde_json::json!({"events": [{"idempotency_key": key, "envelope": env}]}).to_string()
-    };
+    let Placed {
+        id,
+        node,
+        other,
+        here,
+        there,
+    } = placed_with_agents(&f).await;
     // Lost here: stopped, waiting for its requeue.
     let lost = Event::WorkloadStopped(WorkloadStopped {
         workload: id,
@@ -930,7 +935,7 @@ async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
     });
     let (status, _, answer) = call_as(
         &f,
-        Some(here),
+        Some(&here),
         "POST",
         &format!("/v1/nodes/{node}/events"),
         Some(&report(&format!("agent:{node}"), lost, "lost")),
@@ -947,7 +952,7 @@ async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
     };
     let (status, _, problem) = call_as(
         &f,
-        Some(there),
+        Some(&there),
         "POST",
         &format!("/v1/nodes/{other}/events"),
         Some(&report(&format!("agent:{other}"), requeued(), "rq")),
@@ -961,7 +966,7 @@ async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
     );
     let (status, _, answer) = call_as(
         &f,
-        Some(here),
+        Some(&here),
         "POST",
         &format!("/v1/nodes/{node}/events"),
         Some(&report(&format!("agent:{node}"), requeued(), "rq")),
