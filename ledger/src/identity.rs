@@ -253,16 +253,7 @@ impl Principal {
     /// need. Scopes name subtrees; an allocation removed since the grant no longer grants
     /// anything.
     pub fn allows(&self, action: &Action, tree: &AllocationTree) -> Result<(), Denied> {
-        let kind = action.kind();
-        if !self.role.may(kind) {
-            let roles: Vec<&str> = kind.roles().iter().map(|r| r.name()).collect();
-            return Err(Denied(format!(
-                "this needs the role {}; {:?} is {}",
-                roles.join(" or "),
-                self.name,
-                self.role
-            )));
-        }
+        self.may(action.kind())?;
         match *action {
             Action::Submit { allocation } | Action::Cancel { allocation }
                 if self.role == Role::Submitter =>
@@ -283,6 +274,21 @@ impl Principal {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Whether its role may ever take actions of `kind`, whatever the scope: `Err` names the
+    /// roles that may.
+    pub fn may(&self, kind: ActionKind) -> Result<(), Denied> {
+        if self.role.may(kind) {
+            return Ok(());
+        }
+        let roles: Vec<&str> = kind.roles().iter().map(|r| r.name()).collect();
+        Err(Denied(format!(
+            "this needs the role {}; {:?} is {}",
+            roles.join(" or "),
+            self.name,
+            self.role
+        )))
     }
 
     /// Whether a submitter's scopes cover `allocation`.

@@ -563,13 +563,17 @@ impl State {
         Ok(Outcome::Applied)
     }
 
-    fn gpu_of(&self, node: &str, gpu: u32) -> Result<NodeIdx, Rejection> {
-        let idx = self
-            .cluster
+    /// The registered node named `node`.
+    fn node_idx(&self, node: &str) -> Result<NodeIdx, Rejection> {
+        self.cluster
             .get(node)
             .ok_or_else(|| Rejection::UnknownNode {
                 node: node.to_string(),
-            })?;
+            })
+    }
+
+    fn gpu_of(&self, node: &str, gpu: u32) -> Result<NodeIdx, Rejection> {
+        let idx = self.node_idx(node)?;
         if gpu >= self.cluster.node(idx).gpu_count {
             return Err(Rejection::UnknownGpu {
                 node: node.to_string(),
@@ -596,12 +600,7 @@ impl State {
     }
 
     fn node_draining(&mut self, node: &str, draining: bool) -> Result<Outcome, Rejection> {
-        let idx = self
-            .cluster
-            .get(node)
-            .ok_or_else(|| Rejection::UnknownNode {
-                node: node.to_string(),
-            })?;
+        let idx = self.node_idx(node)?;
         // Draining a drained node, or resuming one that takes work, is a no-op.
         self.cluster.update(idx, |n| n.draining = draining);
         Ok(Outcome::Applied)
@@ -921,12 +920,7 @@ impl State {
         }
         let mut parts: Vec<Part> = Vec::with_capacity(placement.len());
         for p in placement {
-            let idx = self
-                .cluster
-                .get(&p.node)
-                .ok_or_else(|| Rejection::UnknownNode {
-                    node: p.node.clone(),
-                })?;
+            let idx = self.node_idx(&p.node)?;
             if parts.iter().any(|q| q.node == idx) {
                 return Err(mismatch(format!("node {:?} twice", p.node)));
             }

@@ -161,15 +161,8 @@ pub async fn authorize(
             }
         }
     };
-    if !caller.0.role.may(kind) {
-        let roles: Vec<&str> = kind.roles().iter().map(|r| r.name()).collect();
-        return Problem::forbidden(format!(
-            "this needs the role {}; {:?} is {}",
-            roles.join(" or "),
-            caller.0.name,
-            caller.0.role
-        ))
-        .into_response();
+    if let Err(denied) = caller.0.may(kind) {
+        return Problem::forbidden(denied.to_string()).into_response();
     }
     request.extensions_mut().insert(caller);
     next.run(request).await

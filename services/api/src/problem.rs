@@ -84,6 +84,28 @@ impl IntoResponse for Problem {
     }
 }
 
+/// A body whose JSON does not fit its type: 422 naming the field where serde says which.
+pub fn data_error(message: String) -> Problem {
+    match field_of_serde_error(&message) {
+        Some(field) => Problem::invalid(&field, message),
+        None => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-body", message),
+    }
+}
+
+/// A body read with serde_json that failed: not JSON (400), or JSON that does not fit (see
+/// [`data_error`]).
+pub fn json_error(e: &serde_json::Error) -> Problem {
+    if e.is_data() {
+        data_error(e.to_string())
+    } else {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "malformed-json",
+            format!("the body is not JSON: {e}"),
+        )
+    }
+}
+
 /// The field serde complained about, from its message ("unknown field `gpus`", "missing field
 /// `gpus_per_node`", "invalid type ... at line 1 column 20").
 pub fn field_of_serde_error(message: &str) -> Option<String> {
@@ -97,7 +119,23 @@ pub fn field_of_serde_error(message: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::field_of_serde_error;
+    use super::{field_of_serde_error, json_error};
+
+    #[test]
+    fn a_json_error_names_the_field_or_says_it_is_not_json() {
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct Body {
+            reason: Option<String>,
+        }
+        let data = serde_json::from_str::<Body>(r#"{"colour":1}"#).unwrap_err();
+        let p = json_error(&data);
+        assert_eq!((p.status, p.field.as_deref()), (422, Some("colour")));
+        let syntax = serde_json::from_str::<Body>("{not json").unwrap_err();
+        let p = json_error(&syntax);
+        assert_eq!((p.status, p.field), (400, None));
+    }
 
     #[test]
     fn serde_messages_name_their_field() {

@@ -355,6 +355,18 @@ fn a_downstream_subscriber_sees_exactly_one_teams_events() {
     assert!(server.stop().success());
 }
 
+/// `serve --role ROLE` on `nats`, with its data in `dir`.
+fn on_nats(nats: &NatsServer, role: &str, dir: &tempfile::TempDir) -> Server {
+    Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--role",
+        role,
+        "--data",
+        dir.path().to_str().unwrap(),
+    ])
+}
+
 /// One API process and two scheduler processes share a nats-server: work is placed, nothing is
 /// placed twice, and no decision is ever rejected, because every decision is fenced by the
 /// sequence it was made on.
@@ -362,16 +374,7 @@ fn a_downstream_subscriber_sees_exactly_one_teams_events() {
 fn an_api_and_two_schedulers_share_one_nats() {
     let nats = NatsServer::start();
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let start = |role: &str, dir: &tempfile::TempDir| {
-        Server::start(&[
-            "--nats",
-            &nats.url(),
-            "--role",
-            role,
-            "--data",
-            dir.path().to_str().unwrap(),
-        ])
-    };
+    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats, role, dir);
     let api = start("api", &dirs[0]);
     let schedulers = [start("scheduler", &dirs[1]), start("scheduler", &dirs[2])];
     let (status, refusal) = schedulers[0].call("GET", "/v1/queue", None);
@@ -698,16 +701,7 @@ fn the_first_admin_grants_tokens_that_work_within_their_scope_until_revoked() {
 fn a_revocation_reaches_every_api_process_on_nats() {
     let nats = NatsServer::start();
     let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let start = |role: &str, dir: &tempfile::TempDir| {
-        Server::start(&[
-            "--nats",
-            &nats.url(),
-            "--role",
-            role,
-            "--data",
-            dir.path().to_str().unwrap(),
-        ])
-    };
+    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats, role, dir);
     let first = start("all", &dirs[0]);
     let second = start("api", &dirs[1]);
     assert!(

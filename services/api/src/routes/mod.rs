@@ -215,13 +215,7 @@ pub(crate) fn bad_query(e: axum::extract::rejection::QueryRejection) -> Problem 
 /// A body that did not parse, as a problem naming the field where serde says which.
 pub(crate) fn bad_body(rejection: JsonRejection) -> Problem {
     match rejection {
-        JsonRejection::JsonDataError(e) => {
-            let message = e.body_text();
-            match problem::field_of_serde_error(&message) {
-                Some(field) => Problem::invalid(&field, message),
-                None => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-body", message),
-            }
-        }
+        JsonRejection::JsonDataError(e) => problem::data_error(e.body_text()),
         JsonRejection::JsonSyntaxError(e) => Problem::new(
             StatusCode::BAD_REQUEST,
             "malformed-json",

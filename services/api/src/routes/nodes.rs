@@ -146,17 +146,7 @@ pub(crate) async fn drain(
         None
     } else {
         serde_json::from_slice::<DrainBody>(&body)
-            .map_err(|e| {
-                let message = e.to_string();
-                match problem::field_of_serde_error(&message) {
-                    Some(field) => Problem::invalid(&field, message),
-                    None => Problem::new(
-                        StatusCode::BAD_REQUEST,
-                        "malformed-json",
-                        format!("the body is not a JSON object: {message}"),
-                    ),
-                }
-            })?
+            .map_err(|e| problem::json_error(&e))?
             .reason
     };
     if reason.as_ref().is_some_and(|r| r.len() > 256) {
