@@ -313,13 +313,8 @@ async fn answer_report(
         .and_then(|rest| rest.strip_prefix('.'))
         .unwrap_or_default();
     ledger::identity::validate_node_name(node).map_err(|r| Problem::invalid("node", r))?;
-    let body: NodeEventsBody = serde_json::from_slice(&message.payload).map_err(|e| {
-        Problem::new(
-            axum::http::StatusCode::BAD_REQUEST,
-            "malformed-json",
-            e.to_string(),
-        )
-    })?;
+    let body: NodeEventsBody =
+        serde_json::from_slice(&message.payload).map_err(|e| crate::problem::json_error(&e))?;
     let actor = format!("agent:{node}");
     let appends = {
         let p = app.projection().read().await;
