@@ -53,8 +53,14 @@ pub struct Allocation {
     pub within_share_gpu_ms: f64,
     /// Pending, running and stopped workloads charged here.
     pub live_workloads: u32,
-    /// Preemptions requested of its workloads.
+    /// Sequence of the `allocation_set` that created this incarnation: a path removed and set
+    /// again is a new allocation with a new incarnation.
+    pub created_seq: u64,
+    /// Preemptions requested of its workloads (for fair share, opportunistically or for failed
+    /// hardware; a cancel by the owner is not a preemption).
     pub preemptions: u64,
+    /// Running workloads stopped because their owner cancelled them.
+    pub cancels: u64,
     /// Stops of its workloads before their contract ended, other than hardware failures.
     pub contract_violations: u64,
     /// Bucketed delivered and owed.
@@ -162,11 +168,12 @@ impl AllocationTree {
     pub(crate) fn set(
         &mut self,
         shape: WindowShape,
+        seq: u64,
         path: &str,
         weight: u32,
         max_gpus: Option<u32>,
     ) {
-        let id = self.ensure(shape, path);
+        let id = self.ensure(shape, seq, path);
         let a = self.node_mut(id);
         a.weight = weight;
         a.max_gpus = max_gpus;
@@ -271,11 +278,13 @@ impl AllocationTree {
         true
     }
 
-    fn ensure(&mut self, shape: WindowShape, path: &str) -> AllocId {
+    fn ensure(&mut self, shape: WindowShape, seq: u64, path: &str) -> AllocId {
         if let Some(id) = self.get(path) {
             return id;
         }
-        let parent = path.rfind('/').map(|end| self.ensure(shape, &path[..end]));
+        let parent = path
+            .rfind('/')
+            .map(|end| self.ensure(shape, seq, &path[..end]));
         let id = self.nodes.len() as AllocId;
         self.nodes.push(Allocation {
             path: path.to_string(),
@@ -294,7 +303,9 @@ impl AllocationTree {
             owed_gpu_ms: 0.0,
             within_share_gpu_ms: 0.0,
             live_workloads: 0,
+            created_seq: seq,
             preemptions: 0,
+            cancels: 0,
             contract_violations: 0,
             window: Window::new(shape),
         });
@@ -467,7 +478,7 @@ mod tests {
         let mut t = AllocationTree::default();
         for &(path, weight, demand) in specs {
             t.check_set(path, weight).unwrap();
-            t.set(shape, path, weight, None);
+            t.set(shape, 1, path, weight, None);
             let id = t.get(path).unwrap();
             t.node_mut(id).demand_gpus = demand;
         }

@@ -9,6 +9,8 @@
 //!   whole with a [`Rejection`] naming the rule it broke.
 //! - [`alloc`]: the allocation tree and the hierarchical max-min split that defines *owed*.
 //! - [`window`]: windowed usage in time buckets.
+//! - [`book`]: the audit's figures per allocation and per hour, day, week and month, kept as
+//!   the events fold.
 //! - [`metrics`]: availability, occupancy, impact, utilization and fragmentation for any period.
 //! - [`identity`]: principals, roles and the rules of who may do what.
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
@@ -47,6 +49,7 @@
 
 pub mod alloc;
 pub mod audit;
+pub mod book;
 pub mod cluster;
 pub mod event;
 pub mod identity;

@@ -35,8 +35,10 @@ pub struct Counters {
     pub stranded_gpu_ms: u64,
     /// Milliseconds spent with each value of the largest startable gang (GPUs).
     pub largest_gang_ms: BTreeMap<u64, u64>,
-    /// Preemptions requested.
+    /// Preemptions requested (a cancel by the owner is not one).
     pub preemptions: u64,
+    /// Running workloads stopped because their owner cancelled them.
+    pub cancels: u64,
     /// Contract violations.
     pub contract_violations: u64,
 }
@@ -53,6 +55,48 @@ impl Counters {
             .largest_gang_ms
             .entry(c.largest_startable_gang())
             .or_insert(0) += dt_ms;
+    }
+}
+
+impl Counters {
+    /// What accrued from the reading `start` to this one.
+    pub fn since(&self, start: &Counters) -> Counters {
+        Counters {
+            total_gpu_ms: self.total_gpu_ms - start.total_gpu_ms,
+            healthy_gpu_ms: self.healthy_gpu_ms - start.healthy_gpu_ms,
+            allocated_gpu_ms: self.allocated_gpu_ms - start.allocated_gpu_ms,
+            within_share_gpu_ms: self.within_share_gpu_ms - start.within_share_gpu_ms,
+            unallocated_delivered_gpu_ms: self.unallocated_delivered_gpu_ms
+                - start.unallocated_delivered_gpu_ms,
+            utilization_pct_gpu_ms: self.utilization_pct_gpu_ms - start.utilization_pct_gpu_ms,
+            stranded_gpu_ms: self.stranded_gpu_ms - start.stranded_gpu_ms,
+            largest_gang_ms: self
+                .largest_gang_ms
+                .iter()
+                .map(|(&g, &ms)| (g, ms - start.largest_gang_ms.get(&g).copied().unwrap_or(0)))
+                .filter(|&(_, ms)| ms > 0)
+                .collect(),
+            preemptions: self.preemptions - start.preemptions,
+            cancels: self.cancels - start.cancels,
+            contract_violations: self.contract_violations - start.contract_violations,
+        }
+    }
+
+    /// Adds what accrued in a following period.
+    pub fn add(&mut self, other: &Counters) {
+        self.total_gpu_ms += other.total_gpu_ms;
+        self.healthy_gpu_ms += other.healthy_gpu_ms;
+        self.allocated_gpu_ms += other.allocated_gpu_ms;
+        self.within_share_gpu_ms += other.within_share_gpu_ms;
+        self.unallocated_delivered_gpu_ms += other.unallocated_delivered_gpu_ms;
+        self.utilization_pct_gpu_ms += other.utilization_pct_gpu_ms;
+        self.stranded_gpu_ms += other.stranded_gpu_ms;
+        for (&g, &ms) in &other.largest_gang_ms {
+            *self.largest_gang_ms.entry(g).or_insert(0) += ms;
+        }
+        self.preemptions += other.preemptions;
+        self.cancels += other.cancels;
+        self.contract_violations += other.contract_violations;
     }
 }
 
@@ -73,6 +117,8 @@ pub struct Metrics {
     pub largest_startable_gang_p50: u64,
     /// Preemptions in the period.
     pub preemptions: u64,
+    /// Running workloads cancelled by their owners in the period.
+    pub cancels: u64,
     /// Contract violations in the period.
     pub contract_violations: u64,
 }
@@ -120,6 +166,7 @@ impl Metrics {
             stranded_gpu_hours: d(end.stranded_gpu_ms, start.stranded_gpu_ms) / MS_PER_HOUR,
             largest_startable_gang_p50: p50,
             preemptions: end.preemptions - start.preemptions,
+            cancels: end.cancels - start.cancels,
             contract_violations: end.contract_violations - start.contract_violations,
         }
     }

@@ -375,7 +375,7 @@ impl State {
             });
         }
         let result = match &env.event {
-            Event::AllocationSet(e) => self.allocation_set(e),
+            Event::AllocationSet(e) => self.allocation_set(seq, e),
             Event::AllocationRemoved(e) => self.allocation_removed(e),
             Event::NodeRegistered(e) => self.node_registered(e),
             Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
@@ -515,10 +515,10 @@ impl State {
 
     // ---- allocations -------------------------------------------------------------------------
 
-    fn allocation_set(&mut self, e: &AllocationSet) -> Result<Outcome, Rejection> {
+    fn allocation_set(&mut self, seq: u64, e: &AllocationSet) -> Result<Outcome, Rejection> {
         self.allocations.check_set(&e.path, e.weight)?;
         self.allocations
-            .set(self.shape, &e.path, e.weight, e.max_gpus);
+            .set(self.shape, seq, &e.path, e.weight, e.max_gpus);
         self.owed_stale = true;
         Ok(Outcome::Applied)
     }
@@ -1093,10 +1093,22 @@ impl State {
                 t.hold.grace_until_ms = Some(grace_until_ms);
             }
         }
+        // A cancel by the owner stops the work as a preemption does, but it is the owner's
+        // choice, not the scheduler's: it is counted apart.
+        let cancel = e.reason == PreemptionReason::UserCancelled;
         if let Some(a) = alloc {
-            self.allocations.node_mut(a).preemptions += 1;
+            let a = self.allocations.node_mut(a);
+            if cancel {
+                a.cancels += 1;
+            } else {
+                a.preemptions += 1;
+            }
         }
-        self.counters.preemptions += 1;
+        if cancel {
+            self.counters.cancels += 1;
+        } else {
+            self.counters.preemptions += 1;
+        }
         Ok(Outcome::Applied)
     }
 

@@ -534,3 +534,201 @@ fn simulation_is_deterministic() {
         assert_eq!(a, b, "seed {seed} gave two different ledgers");
     }
 }
+
+/// The ledger the engine writes for `seed`, every event with its sequence.
+fn ledger_of(seed: u64) -> Vec<(u64, Envelope)> {
+    let sc = scenario(seed);
+    let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
+    let mut log = Vec::new();
+    let mut observe =
+        |_: &State, seq: u64, env: &Envelope, _: &Outcome| log.push((seq, env.clone()));
+    for event in sc.setup {
+        engine.write(0, event, &mut observe);
+    }
+    engine.submit_all(sc.workloads);
+    engine.inject(sc.faults);
+    for (at, event) in sc.operations {
+        engine.schedule(at, event);
+    }
+    engine.run(None, &mut observe);
+    log
+}
+
+/// The leaves' static shares.
+fn leaf_shares(state: &State) -> Vec<f64> {
+    let shares = ledger::book::static_shares(state);
+    shares
+        .into_iter()
+        .zip(&state.allocations.nodes)
+        .map(|(s, a)| if a.is_leaf() { s } else { 0.0 })
+        .collect()
+}
+
+/// A reference refold, apart from the book: a plain fold whose cumulative integrals are read at
+/// each boundary, with entitlement integrated on the side. Returns, per boundary, every
+/// allocation's (entitlement, owed, delivered, within owed, cancels, contract violations), the
+/// cluster counters, and the first and last sequence applied since the previous boundary.
+#[allow(clippy::type_complexity)]
+fn reference(
+    log: &[(u64, Envelope)],
+    config: StateConfig,
+    boundaries: &[u64],
+) -> Vec<(
+    Vec<[f64; 6]>,
+    ledger::metrics::Counters,
+    (Option<u64>, Option<u64>),
+)> {
+    let mut state = State::new(config);
+    let mut entitlement: Vec<f64> = Vec::new();
+    let mut out = Vec::new();
+    let mut seqs = (None, None);
+    let mut next = 0;
+    let read = |state: &mut State,
+                entitlement: &mut Vec<f64>,
+                seqs: &mut (Option<u64>, Option<u64>),
+                t: u64| {
+        let shares = leaf_shares(state);
+        let dt = t.saturating_sub(state.now_ms) as f64;
+        for (e, s) in entitlement.iter_mut().zip(shares) {
+            *e += state.cluster.healthy_gpus as f64 * s * dt;
+        }
+        state.advance_to(t);
+        let figures = state
+            .allocations
+            .nodes
+            .iter()
+            .zip(entitlement.iter())
+            .map(|(a, &e)| {
+                [
+                    e,
+                    a.owed_gpu_ms,
+                    a.delivered_gpu_ms as f64,
+                    a.within_share_gpu_ms,
+                    a.cancels as f64,
+                    a.contract_violations as f64,
+                ]
+            })
+            .collect();
+        (figures, state.counters.clone(), std::mem::take(seqs))
+    };
+    for (seq, env) in log {
+        let t = env.occurred_at_ms.max(state.now_ms);
+        while next < boundaries.len() && boundaries[next] <= t {
+            out.push(read(
+                &mut state,
+                &mut entitlement,
+                &mut seqs,
+                boundaries[next],
+            ));
+            next += 1;
+        }
+        // Entitlement up to the event, under the shares before it.
+        let shares = leaf_shares(&state);
+        let dt = t.saturating_sub(state.now_ms) as f64;
+        for (e, s) in entitlement.iter_mut().zip(shares) {
+            *e += state.cluster.healthy_gpus as f64 * s * dt;
+        }
+        if state.apply(*seq, env) == Outcome::Applied && next > 0 {
+            seqs.0.get_or_insert(*seq);
+            seqs.1 = Some(*seq);
+        }
+        entitlement.resize(state.allocations.nodes.len(), 0.0);
+    }
+    while next < boundaries.len() {
+        out.push(read(
+            &mut state,
+            &mut entitlement,
+            &mut seqs,
+            boundaries[next],
+        ));
+        next += 1;
+    }
+    out
+}
+
+#[test]
+fn kept_figures_equal_a_refold_for_random_periods() {
+    use ledger::book::{Book, Granularity, Row};
+    let seeds: u64 = std::env::var("FAIRLEDGER_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(500)
+        .min(60);
+    for seed in 0..seeds {
+        let _guard = SeedGuard(seed);
+        let config = scenario(seed).state_config;
+        let log = ledger_of(seed);
+        let mut state = State::new(config);
+        let mut book = Book::new();
+        for (seq, env) in &log {
+            book.apply(&mut state, *seq, env);
+        }
+        let end = state.now_ms + 90 * MIN;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let g = Granularity::ALL[rng.random_range(0..2usize)];
+        let mut rows = book.take_closed();
+        rows.extend(book.open_rows(&state, g, 0, end));
+        let rows: Vec<Row> = rows.into_iter().filter(|r| r.granularity() == g).collect();
+        let mut starts: Vec<u64> = rows.iter().map(Row::from_ms).collect();
+        starts.dedup();
+        // A random run of consecutive periods, its end cut where the rows end.
+        let i = rng.random_range(0..starts.len());
+        let j = rng.random_range(i + 1..=starts.len());
+        let from = starts[i];
+        let to = starts.get(j).copied().unwrap_or(end);
+        let refold = reference(&log, config, &[from, to]);
+        let (start, stop) = (&refold[0], &refold[1]);
+        let mut sums: BTreeMap<u32, ledger::book::Figures> = BTreeMap::new();
+        let mut counters = ledger::metrics::Counters::default();
+        let mut seqs = ledger::book::Seqs::default();
+        for r in rows
+            .iter()
+            .filter(|r| r.from_ms() >= from && r.from_ms() < to)
+        {
+            match r {
+                Row::Allocation(r) => sums.entry(r.allocation).or_default().add(&r.figures),
+                Row::Cluster(r) => {
+                    counters.add(&r.counters);
+                    seqs.add(&r.seqs);
+                }
+            }
+        }
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        for (a, f) in &sums {
+            let at = |r: &Vec<[f64; 6]>| r.get(*a as usize).copied().unwrap_or([0.0; 6]);
+            let (s, e) = (at(&start.0), at(&stop.0));
+            let kept = [
+                f.entitlement_gpu_ms,
+                f.owed_gpu_ms,
+                f.delivered_gpu_ms as f64,
+                f.within_owed_gpu_ms,
+                f.cancels as f64,
+                f.contract_violations as f64,
+            ];
+            for k in 0..6 {
+                assert!(
+                    close(kept[k], e[k] - s[k]),
+                    "seed {seed}, {g:?} [{from}, {to}), allocation {a}, figure {k}: kept {} but a refold gives {}",
+                    kept[k],
+                    e[k] - s[k]
+                );
+            }
+        }
+        let expect = stop.1.since(&start.1);
+        assert_eq!(counters.total_gpu_ms, expect.total_gpu_ms, "seed {seed}");
+        assert_eq!(counters.allocated_gpu_ms, expect.allocated_gpu_ms);
+        assert_eq!(counters.stranded_gpu_ms, expect.stranded_gpu_ms);
+        assert_eq!(counters.largest_gang_ms, expect.largest_gang_ms);
+        assert_eq!(counters.preemptions, expect.preemptions);
+        assert!(close(
+            counters.within_share_gpu_ms,
+            expect.within_share_gpu_ms
+        ));
+        assert_eq!(
+            (seqs.first, seqs.last),
+            stop.2,
+            "seed {seed}: the sequences behind the period"
+        );
+        assert!(!sums.is_empty(), "seed {seed}: no allocation rows");
+    }
+}
