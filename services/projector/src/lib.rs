@@ -7,7 +7,11 @@
 //! - `w/<id>` one row per workload (phase, allocation, placement, protection), in postcard;
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
-//! - `s/…` the checkpoint: the whole folded [`ledger::State`] and the sequence it is at.
+//! - `k/<granularity><period start><allocation>` the kept figures of every closed hour, day,
+//!   ISO week and month, per allocation and for the cluster ([`ledger::book`]), written once
+//!   when the period closes and read by [`Kept`] without holding up the fold;
+//! - `s/…` the checkpoint: the whole folded [`ledger::State`], its [`Book`] and the sequence
+//!   they are at.
 //!
 //! Every batch of events is written as one atomic sled batch together with the new last
 //! sequence, so after a crash at any point the projection is exactly the fold of a prefix of the
@@ -18,12 +22,15 @@
 //! the same log prefix have the same digest however the work was split into batches, which is
 //! how tests prove the incrementally maintained projection equals a full replay.
 
+pub mod verify;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use eventlog::{EventLog, LogError, Stored};
 use futures::{FutureExt, StreamExt};
+use ledger::book::{Book, Granularity, Row};
 use ledger::state::{Outcome, Phase, State, StateConfig};
 use ledger::{Envelope, Event, WorkloadId};
 use serde::{Deserialize, Serialize};
@@ -37,10 +44,11 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 6;
+const FORMAT: u32 = 7;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"s/seq";
 const CHECKPOINT_STATE: &[u8] = b"s/state";
+const CHECKPOINT_BOOK: &[u8] = b"s/book";
 
 /// Counts of what the projector did with the events it read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,6 +118,17 @@ pub struct WorkloadRow {
     pub ended_at_ms: Option<u64>,
     /// Sequences of every event about it that the fold applied, oldest first.
     pub history: Vec<u64>,
+    /// Sequences of the events about it that the fold refused, oldest first.
+    #[serde(default)]
+    pub rejected: Vec<u64>,
+}
+
+/// The sequences of the events about a live workload, kept in memory so that its row need not
+/// be read back from sled on every event.
+#[derive(Clone, Debug, Default)]
+struct Trail {
+    history: Vec<u64>,
+    rejected: Vec<u64>,
 }
 
 /// What the projection knows of one allocation.
@@ -218,6 +237,7 @@ pub struct Projector {
     db: sled::Db,
     tree: sled::Tree,
     state: State,
+    book: Book,
     last_seq: u64,
     stats: Stats,
     checkpoint_every: u64,
@@ -226,9 +246,9 @@ pub struct Projector {
     last_checkpoint: std::time::Instant,
     last_malformed: Option<(u64, String)>,
     poisoned: bool,
-    /// Histories of live workloads, so a row's history need not be read back from sled (a
+    /// Trails of live workloads, so a row's history need not be read back from sled (a
     /// workload missing here, after a restart, is read once).
-    histories: rustc_hash::FxHashMap<WorkloadId, Vec<u64>>,
+    trails: rustc_hash::FxHashMap<WorkloadId, Trail>,
 }
 
 impl Projector {
@@ -238,6 +258,28 @@ impl Projector {
     pub async fn open<L: EventLog>(
         dir: &Path,
         config: StateConfig,
+        log: &L,
+    ) -> Result<Self, ProjectionError> {
+        Self::open_with(dir, Some(config), log).await
+    }
+
+    /// Opens an existing projection with the fold settings it was built with (for tools that
+    /// read one a server wrote, such as `audit verify`).
+    pub async fn open_existing<L: EventLog>(dir: &Path, log: &L) -> Result<Self, ProjectionError> {
+        if !dir.join("conf").exists() && !dir.join("db").exists() {
+            return Err(ProjectionError::Storage {
+                dir: dir.to_owned(),
+                reason:
+                    "there is no projection here; name the one the server keeps (DATA/projection)"
+                        .into(),
+            });
+        }
+        Self::open_with(dir, None, log).await
+    }
+
+    async fn open_with<L: EventLog>(
+        dir: &Path,
+        config: Option<StateConfig>,
         log: &L,
     ) -> Result<Self, ProjectionError> {
         let mut p = Self::open_stored(dir, config)?;
@@ -268,11 +310,13 @@ impl Projector {
             }
             for e in events.iter().take_while(|e| e.seq <= p.last_seq) {
                 if let Ok(env) = decode(&e.payload) {
-                    p.state.apply(e.seq, &env);
+                    p.book.apply(&mut p.state, e.seq, &env);
                 }
                 p.state.last_seq = e.seq;
             }
         }
+        // The rows those events closed are stored already.
+        p.book.take_closed();
         Ok(p)
     }
 
@@ -297,7 +341,7 @@ impl Projector {
         }
     }
 
-    fn open_stored(dir: &Path, config: StateConfig) -> Result<Self, ProjectionError> {
+    fn open_stored(dir: &Path, config: Option<StateConfig>) -> Result<Self, ProjectionError> {
         let storage = |e: sled::Error| match e {
             sled::Error::Corruption { .. } => ProjectionError::Corrupt {
                 dir: dir.to_owned(),
@@ -315,8 +359,25 @@ impl Projector {
         let db = eventlog::embedded::open_sled(sled::Config::new().path(dir)).map_err(storage)?;
         let tree = db.open_tree("projection").map_err(storage)?;
         // The fold settings and row format the projection is built with, fixed at creation.
+        let stored = tree.get(CONFIG).map_err(storage)?;
+        let config = match (config, &stored) {
+            (Some(c), _) => c,
+            (None, Some(v)) => {
+                let (format, c): (u32, StateConfig) =
+                    serde_json::from_slice(v).map_err(|e| corrupt(format!("settings: {e}")))?;
+                if format != FORMAT {
+                    return Err(ProjectionError::OtherSettings {
+                        dir: dir.to_owned(),
+                    });
+                }
+                c
+            }
+            (None, None) => {
+                return Err(corrupt("the projection has no settings".into()));
+            }
+        };
         let settings = serde_json::to_vec(&(FORMAT, &config)).expect("settings serialize");
-        match tree.get(CONFIG).map_err(storage)? {
+        match stored {
             None => {
                 tree.insert(CONFIG, settings).map_err(storage)?;
             }
@@ -335,8 +396,8 @@ impl Projector {
             None => Stats::default(),
             Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt(format!("stats: {e}")))?,
         };
-        let state = match tree.get(CHECKPOINT_STATE).map_err(storage)? {
-            None => State::new(config),
+        let (state, book) = match tree.get(CHECKPOINT_STATE).map_err(storage)? {
+            None => (State::new(config), Book::new()),
             Some(v) => {
                 let state: State =
                     postcard::from_bytes(&v).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
@@ -355,7 +416,13 @@ impl Projector {
                         dir: dir.to_owned(),
                     });
                 }
-                state
+                let book = tree
+                    .get(CHECKPOINT_BOOK)
+                    .map_err(storage)?
+                    .ok_or_else(|| corrupt("the checkpoint has no book".into()))?;
+                let book: Book = postcard::from_bytes(&book)
+                    .map_err(|e| corrupt(format!("checkpoint book: {e}")))?;
+                (state, book)
             }
         };
         if stats.total() > last_seq {
@@ -369,6 +436,7 @@ impl Projector {
             db,
             tree,
             state,
+            book,
             last_seq,
             stats,
             checkpoint_every: CHECKPOINT_EVERY,
@@ -377,7 +445,7 @@ impl Projector {
             last_checkpoint: std::time::Instant::now(),
             last_malformed: None,
             poisoned: false,
-            histories: Default::default(),
+            trails: Default::default(),
         })
     }
 
@@ -415,6 +483,19 @@ impl Projector {
     /// The folded state (what the scheduler decides on).
     pub fn state(&self) -> &State {
         &self.state
+    }
+
+    /// The kept figures of the periods still open (the closed ones are in [`Projector::kept`]).
+    pub fn book(&self) -> &Book {
+        &self.book
+    }
+
+    /// A reader of the kept rows that needs no lock on the projector.
+    pub fn kept(&self) -> Kept {
+        Kept {
+            tree: self.tree.clone(),
+            dir: self.dir.clone(),
+        }
     }
 
     /// What happened to the events read.
@@ -559,22 +640,15 @@ impl Projector {
                     let before = about
                         .filter(|_| ending)
                         .and_then(|id| self.row_of(id, e.seq));
-                    match self.state.apply(e.seq, env) {
+                    match self.book.apply(&mut self.state, e.seq, env) {
                         Outcome::Applied => {
                             self.stats.applied += 1;
                             if let Some(id) = about {
-                                // Its history so far: kept in memory while it lives, else the
+                                // Its trail so far: kept in memory while it lives, else the
                                 // stored row's.
-                                let mut history = match self.histories.remove(&id) {
-                                    Some(h) => h,
-                                    None if matches!(env.event, Event::WorkloadSubmitted(_)) => {
-                                        Vec::new()
-                                    }
-                                    None => {
-                                        self.workload(id)?.map(|r| r.history).unwrap_or_default()
-                                    }
-                                };
-                                history.push(e.seq);
+                                let new = matches!(env.event, Event::WorkloadSubmitted(_));
+                                let mut trail = self.trail(id, new)?;
+                                trail.history.push(e.seq);
                                 let mut row = match self.row_of(id, e.seq) {
                                     Some(row) => row,
                                     None => {
@@ -590,10 +664,11 @@ impl Projector {
                                         row
                                     }
                                 };
+                                row.history = trail.history.clone();
+                                row.rejected = trail.rejected.clone();
                                 if row.ended_at_ms.is_none() {
-                                    self.histories.insert(id, history.clone());
+                                    self.trails.insert(id, trail);
                                 }
-                                row.history = history;
                                 rows.insert(id, row);
                             }
                         }
@@ -606,6 +681,9 @@ impl Projector {
                                 message: r.to_string(),
                             };
                             batch.insert(rejection_key(e.seq).to_vec(), json(&row));
+                            if let Some(id) = about {
+                                self.note_rejected(id, e.seq, &mut rows)?;
+                            }
                         }
                     }
                 }
@@ -617,6 +695,50 @@ impl Projector {
             self.write(batch, &rows)?;
         }
         Ok(applied)
+    }
+
+    /// The trail of workload `id`: in memory while it lives, else read from its stored row
+    /// (`new`: it has none yet).
+    fn trail(&mut self, id: WorkloadId, new: bool) -> Result<Trail, ProjectionError> {
+        if let Some(t) = self.trails.remove(&id) {
+            return Ok(t);
+        }
+        if new {
+            return Ok(Trail::default());
+        }
+        Ok(self
+            .workload(id)?
+            .map(|r| Trail {
+                history: r.history,
+                rejected: r.rejected,
+            })
+            .unwrap_or_default())
+    }
+
+    /// Records on workload `id`'s row that the event at `seq` about it was refused.
+    fn note_rejected(
+        &mut self,
+        id: WorkloadId,
+        seq: u64,
+        rows: &mut BTreeMap<WorkloadId, WorkloadRow>,
+    ) -> Result<(), ProjectionError> {
+        let row = match rows.remove(&id) {
+            Some(row) => Some(row),
+            None => self.workload(id)?,
+        };
+        // A refused submission of a new id has no row to note it on.
+        let Some(mut row) = row else {
+            return Ok(());
+        };
+        let live = self.state.workloads.contains_key(&id);
+        let mut trail = self.trail(id, false)?;
+        trail.rejected.push(seq);
+        row.rejected = trail.rejected.clone();
+        if live {
+            self.trails.insert(id, trail);
+        }
+        rows.insert(id, row);
+        Ok(())
     }
 
     /// Adds the rows, the allocations, the meta rows and maybe a checkpoint to `batch` and
@@ -646,6 +768,9 @@ impl Projector {
             };
             batch.insert(prefixed(b"a/", a.path.as_bytes()), json(&row));
         }
+        for row in self.book.take_closed() {
+            batch.insert(kept_key(&row).to_vec(), postcard_row(&row));
+        }
         batch.insert(LAST_SEQ, &self.last_seq.to_be_bytes());
         batch.insert(STATS, json(&self.stats));
         if self.since_checkpoint >= self.checkpoint_every
@@ -663,6 +788,8 @@ impl Projector {
     fn add_checkpoint(&mut self, batch: &mut sled::Batch) {
         let bytes = postcard::to_stdvec(&self.state).expect("the state always serializes");
         batch.insert(CHECKPOINT_STATE, bytes);
+        let book = postcard::to_stdvec(&self.book).expect("the book always serializes");
+        batch.insert(CHECKPOINT_BOOK, book);
         batch.insert(CHECKPOINT_SEQ, &self.state.last_seq.to_be_bytes());
         self.since_checkpoint = 0;
         self.last_checkpoint = std::time::Instant::now();
@@ -766,6 +893,7 @@ impl Projector {
             last_seq: seq,
             ended_at_ms: None,
             history: Vec::new(),
+            rejected: Vec::new(),
         })
     }
 
@@ -911,6 +1039,89 @@ pub fn decode(payload: &[u8]) -> Result<Envelope, String> {
 
 fn json<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).expect("rows always serialize")
+}
+
+/// The key of a kept row: `k/`, the granularity, the period's start and the allocation
+/// (`u32::MAX` for the cluster), so that one granularity's rows lie in period order.
+fn kept_key(row: &Row) -> [u8; 15] {
+    kept_key_of(
+        row.granularity(),
+        row.from_ms(),
+        row.allocation().unwrap_or(u32::MAX),
+    )
+}
+
+fn kept_key_of(granularity: Granularity, from_ms: u64, allocation: u32) -> [u8; 15] {
+    let mut k = [0u8; 15];
+    k[..2].copy_from_slice(b"k/");
+    k[2] = granularity.code();
+    k[3..11].copy_from_slice(&from_ms.to_be_bytes());
+    k[11..].copy_from_slice(&allocation.to_be_bytes());
+    k
+}
+
+fn postcard_row(row: &Row) -> Vec<u8> {
+    postcard::to_stdvec(row).expect("rows always serialize")
+}
+
+/// Reads the kept rows of closed periods straight from sled: sled shows every batch whole or
+/// not at all, so a reader needs no lock and never holds up the fold.
+#[derive(Clone)]
+pub struct Kept {
+    tree: sled::Tree,
+    dir: PathBuf,
+}
+
+impl Kept {
+    /// The rows of `granularity` whose periods start in `[from_ms, to_ms)`, in period order
+    /// (the cluster's last in each period).
+    pub fn rows(
+        &self,
+        granularity: Granularity,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<Vec<Row>, ProjectionError> {
+        let mut out = Vec::new();
+        if from_ms >= to_ms {
+            return Ok(out);
+        }
+        let start = kept_key_of(granularity, from_ms, 0);
+        let end = kept_key_of(granularity, to_ms, 0);
+        for entry in self.tree.range(start..end) {
+            let (_, v) = entry.map_err(|e| ProjectionError::Storage {
+                dir: self.dir.clone(),
+                reason: e.to_string(),
+            })?;
+            out.push(
+                postcard::from_bytes(&v).map_err(|e| ProjectionError::Corrupt {
+                    dir: self.dir.clone(),
+                    reason: format!("kept row: {e}"),
+                })?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Every kept row, in key order.
+    pub fn all(&self) -> Result<Vec<Row>, ProjectionError> {
+        let mut out = Vec::new();
+        for g in Granularity::ALL {
+            out.extend(self.rows(g, 0, u64::MAX)?);
+        }
+        Ok(out)
+    }
+
+    /// Overwrites one kept row (for tests that prove `audit verify` catches a tampered one).
+    #[doc(hidden)]
+    pub fn overwrite(&self, row: &Row) -> Result<(), ProjectionError> {
+        self.tree
+            .insert(kept_key(row), postcard_row(row))
+            .map(|_| ())
+            .map_err(|e| ProjectionError::Storage {
+                dir: self.dir.clone(),
+                reason: e.to_string(),
+            })
+    }
 }
 
 fn workload_key(id: WorkloadId) -> Vec<u8> {
