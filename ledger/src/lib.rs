@@ -48,7 +48,6 @@
 #![deny(missing_docs)]
 
 pub mod alloc;
-pub mod audit;
 pub mod book;
 pub mod cluster;
 pub mod event;

@@ -34,6 +34,8 @@ pub(crate) struct Inner {
     pub(crate) policy: PolicyConfig,
     pub(crate) ready: AtomicBool,
     pub(crate) health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
+    /// One verification of the kept figures at a time.
+    pub(crate) verifying: Arc<tokio::sync::Semaphore>,
 }
 
 /// A node's GPUs go unhealthy after this long without a heartbeat.
@@ -57,6 +59,7 @@ impl App {
                 health: Arc::new(std::sync::Mutex::new(scheduler::HealthMonitor::new(
                     HEARTBEAT_TIMEOUT_MS,
                 ))),
+                verifying: Arc::new(tokio::sync::Semaphore::new(1)),
             }),
         }
     }
@@ -83,39 +86,6 @@ impl App {
     /// The event log.
     pub fn log(&self) -> &AnyLog {
         &self.inner.log
-    }
-
-    /// Reads the ledger from the start, in order, handing every event that decodes (and, with
-    /// `until_ms`, happened before it) to `f`. Returns the last sequence read.
-    pub(crate) async fn scan(
-        &self,
-        until_ms: Option<u64>,
-        mut f: impl FnMut(u64, &Envelope),
-    ) -> Result<u64, Problem> {
-        let unavailable = |e: eventlog::LogError| Problem::unavailable(e.to_string());
-        let last = self.inner.log.last_seq().await.map_err(unavailable)?;
-        let mut next = 1;
-        while next <= last {
-            let chunk = self
-                .inner
-                .log
-                .read(next, 10_000)
-                .await
-                .map_err(unavailable)?;
-            let Some(end) = chunk.last().map(|e| e.seq) else {
-                break;
-            };
-            for e in chunk.iter().filter(|e| e.seq <= last) {
-                if let Ok(env) = projector::decode(&e.payload) {
-                    if until_ms.is_some_and(|u| env.occurred_at_ms >= u) {
-                        return Ok(last);
-                    }
-                    f(e.seq, &env);
-                }
-            }
-            next = end + 1;
-        }
-        Ok(last)
     }
 
     /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).

@@ -18,9 +18,13 @@
 //! | `POST /v1/nodes/{node}/drain` / `DELETE …` | drain a node (no new work) or resume it |
 //! | `POST /v1/nodes/{node}/events` | an HTTP agent's reports: its registration, its runs' ends |
 //! | `POST /v1/nodes/{node}/heartbeat` | GPU readings; silence or uncorrected ECC errors make GPUs unhealthy |
-//! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per period (JSON or CSV) |
-//! | `GET /v1/audit/workloads/{id}` | every event of one workload |
+//! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per allocation and UTC hour, day, ISO week or month (JSON or CSV) |
+//! | `GET /v1/audit/workloads/{id}` | every event of one workload, applied or refused |
+//! | `GET /v1/audit/verify?from=&to=&allocation=` | the kept figures compared with a refold of the log |
 //! | `GET /v1/metrics/cluster?from=&to=` | availability, occupancy, impact, utilization, fragmentation |
+//!
+//! Every parameter that takes a time reads a date (`2026-11-01`), an RFC 3339 date-time or
+//! milliseconds since the epoch ([`period`]).
 //! | `POST /v1/tokens`, `GET /v1/tokens`, `DELETE /v1/tokens/{name}` | grant, list, revoke principals (admin) |
 //! | `GET /v1/whoami` | the caller's name, role and scope |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | liveness, caught up, Prometheus text |
@@ -36,6 +40,7 @@
 pub mod app;
 pub mod application;
 pub mod auth;
+pub mod period;
 pub mod problem;
 pub mod reports;
 pub mod routes;
@@ -69,6 +74,7 @@ pub use routes::{health_router, router};
         routes::nodes::nodes,
         routes::audit::audit_ledger,
         routes::audit::audit_workload,
+        routes::audit::audit_verify,
         routes::audit::cluster_metrics,
         routes::events::events,
         routes::events::event_stream,

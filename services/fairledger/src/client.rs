@@ -604,19 +604,26 @@ pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
 pub fn audit(
     args: &ClientArgs,
     allocation: Option<&str>,
-    from: Option<u64>,
-    to: Option<u64>,
+    from: Option<&str>,
+    to: Option<&str>,
     granularity: &str,
 ) -> Result<(), String> {
+    if ledger::book::Granularity::parse(granularity).is_none() {
+        return Err(format!(
+            "--granularity {granularity:?}: use hour, day, week or month"
+        ));
+    }
     let mut path = format!("/v1/audit/ledger?granularity={granularity}");
     if let Some(a) = allocation {
+        ledger::alloc::validate_path(a).map_err(|r| format!("--allocation: {r}"))?;
         path += &format!("&allocation={a}");
     }
-    if let Some(f) = from {
-        path += &format!("&from={f}");
-    }
-    if let Some(t) = to {
-        path += &format!("&to={t}");
+    // Times go over the wire as milliseconds: nothing to escape.
+    for (flag, value) in [("from", from), ("to", to)] {
+        if let Some(v) = value {
+            let ms = api::period::parse_instant(v).map_err(|e| format!("--{flag}: {e}"))?;
+            path += &format!("&{flag}={ms}");
+        }
     }
     let v = Api::new(args)?.call("GET", &path, None)?;
     print(args, &v, |v| {
@@ -625,31 +632,63 @@ pub fn audit(
             .into_iter()
             .flatten()
             .map(|r| {
+                let mut name = text(&r["allocation"]);
+                if r["partial"] == true {
+                    name += " (so far)";
+                }
                 vec![
-                    text(&r["allocation"]),
-                    text(&r["from_ms"]),
+                    name,
+                    period_start(&r["from_ms"], granularity),
                     hours(&r["entitlement_gpu_hours"]),
                     hours(&r["owed_gpu_hours"]),
                     hours(&r["delivered_gpu_hours"]),
                     text(&r["preemptions"]),
+                    text(&r["cancels"]),
                     text(&r["contract_violations"]),
+                    text(&r["incarnation"]),
                 ]
             })
             .collect();
         columns(
             &[
                 "ALLOCATION",
-                "FROM_MS",
+                granularity_heading(granularity),
                 "ENTITLED_GPU_H",
                 "OWED_GPU_H",
                 "DELIVERED_GPU_H",
                 "PREEMPTIONS",
+                "CANCELS",
                 "VIOLATIONS",
+                "INCARNATION",
             ],
             rows,
         )
     });
     Ok(())
+}
+
+/// The column heading of a period's start.
+fn granularity_heading(granularity: &str) -> &'static str {
+    match granularity {
+        "hour" => "HOUR (UTC)",
+        "week" => "WEEK OF",
+        "month" => "MONTH",
+        _ => "DAY",
+    }
+}
+
+/// A period's start as people read it: `2026-11-01 08:00` for an hour, `2026-11` for a month,
+/// the date otherwise.
+fn period_start(ms: &serde_json::Value, granularity: &str) -> String {
+    let Some(ms) = ms.as_u64() else {
+        return "-".into();
+    };
+    let t = api::period::format_instant(ms);
+    match granularity {
+        "hour" => t.get(..16).unwrap_or(&t).replace('T', " "),
+        "month" => t.get(..7).unwrap_or(&t).to_owned(),
+        _ => t.get(..10).unwrap_or(&t).to_owned(),
+    }
 }
 
 pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Result<(), String> {

@@ -305,3 +305,133 @@ async fn append_retrying(
         }
     }
 }
+
+/// `fairledger audit verify`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// The projection to check (default: DATA/projection, the one `serve` keeps).
+    #[arg(long)]
+    pub projection: Option<PathBuf>,
+    /// Only periods starting at or after this time: a date (2026-11-01), an RFC 3339 date-time
+    /// or ms since the epoch.
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Only periods starting before this time.
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Only this allocation and those below it.
+    #[arg(long, short)]
+    pub allocation: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Refolds the log apart from the projection and compares every kept row; fails when any
+/// differs.
+pub fn verify(args: &VerifyArgs) -> Result<(), String> {
+    let instant = |flag: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(|t| api::period::parse_instant(t).map_err(|e| format!("--{flag}: {e}")))
+            .transpose()
+    };
+    let scope = projector::verify::Scope {
+        from_ms: instant("from", &args.from)?,
+        to_ms: instant("to", &args.to)?,
+        allocation: args.allocation.clone(),
+    };
+    if let Some(a) = &scope.allocation {
+        ledger::alloc::validate_path(a).map_err(|r| format!("--allocation: {r}"))?;
+    }
+    let started = Instant::now();
+    let found = runtime()?.block_on(async {
+        let log = args.log.open().await?;
+        let dir = args
+            .projection
+            .clone()
+            .unwrap_or_else(|| args.log.data.join("projection"));
+        let p = Projector::open_existing(&dir, &log).await.map_err(|e| {
+            format!(
+                "{e} (is a server running on it? stop it, or verify a copy of its data directory)"
+            )
+        })?;
+        let (kept, config, up_to) = (p.kept(), *p.state().config(), p.last_seq());
+        projector::verify::verify(&log, &kept, config, up_to, &scope)
+            .await
+            .map_err(|e| e.to_string())
+    })?;
+    let differences: Vec<serde_json::Value> = found
+        .differences
+        .iter()
+        .map(api::routes::audit::difference_json)
+        .collect();
+    if args.json {
+        let out = serde_json::json!({
+            "agrees": differences.is_empty(),
+            "last_seq": found.last_seq,
+            "compared": found.compared,
+            "differences": differences,
+        });
+        println!("{out}");
+    } else {
+        for d in &differences {
+            println!("differs: {}", describe_difference(d));
+        }
+        println!(
+            "compared {} kept rows with a refold of sequences 1 to {} in {:.2} s: {}",
+            found.compared,
+            found.last_seq,
+            started.elapsed().as_secs_f64(),
+            if differences.is_empty() {
+                "all agree".to_string()
+            } else {
+                format!("{} differ", differences.len())
+            }
+        );
+    }
+    if differences.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} kept rows differ from what the log implies; rebuild the projection (delete DATA/projection) and find out who changed it",
+            differences.len()
+        ))
+    }
+}
+
+/// One line for a row that differs: which row, and each figure that differs, kept then refold.
+fn describe_difference(d: &serde_json::Value) -> String {
+    let row = if d["kept"].is_null() {
+        &d["refold"]
+    } else {
+        &d["kept"]
+    };
+    let what = match row["allocation"].as_str() {
+        Some(a) => format!("{a} (incarnation {})", row["incarnation"]),
+        None => "cluster".to_string(),
+    };
+    let when = format!(
+        "{} {}",
+        row["granularity"].as_str().unwrap_or("?"),
+        row["from_ms"]
+            .as_u64()
+            .map(api::period::format_instant)
+            .unwrap_or_default()
+    );
+    let figures = match (d["kept"].as_object(), d["refold"].as_object()) {
+        (Some(k), Some(r)) => k
+            .iter()
+            .filter(|(name, v)| r.get(*name) != Some(*v))
+            .map(|(name, v)| format!("{name} kept {v}, refold {}", r[name]))
+            .collect::<Vec<_>>()
+            .join("; "),
+        (None, _) => "missing from the projection".to_string(),
+        (_, None) => "kept, but the log implies no such row".to_string(),
+    };
+    format!(
+        "{what}, {when}: {figures} (events {}..{})",
+        row["first_seq"], row["last_seq"]
+    )
+}

@@ -187,20 +187,25 @@ enum Command {
         #[command(subcommand)]
         command: Option<client::AllocCommand>,
     },
-    /// Entitled, owed and delivered GPU-hours per allocation and period (like sreport).
+    /// Entitled, owed and delivered GPU-hours per allocation and period (like sreport);
+    /// `audit verify` checks the kept figures against the log.
+    #[command(args_conflicts_with_subcommands = true)]
     Audit {
+        #[command(subcommand)]
+        command: Option<AuditCommand>,
         #[command(flatten)]
         client: client::ClientArgs,
         /// Only this allocation and below.
         #[arg(long, short)]
         allocation: Option<String>,
-        /// Start, in milliseconds since the epoch (default a week before the end).
+        /// Start: a date (2026-11-01), an RFC 3339 date-time or ms since the epoch; moved back
+        /// to the start of its period (default a week before the end).
         #[arg(long)]
-        from: Option<u64>,
-        /// End, in milliseconds since the epoch (default now).
+        from: Option<String>,
+        /// End, the same forms; moved on to the end of its period (default now).
         #[arg(long)]
-        to: Option<u64>,
-        /// hour, day or week.
+        to: Option<String>,
+        /// hour, day, week (ISO, from Monday) or month, in UTC.
         #[arg(long, default_value = "day")]
         granularity: String,
     },
@@ -218,6 +223,15 @@ enum Command {
         #[arg(long, short)]
         follow: bool,
     },
+}
+
+/// `fairledger audit …`
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Refold the log from its first event, apart from the projection, and compare every kept
+    /// figure with it; print the rows that differ. Exits 0 only when all agree. Works offline,
+    /// on the log and projection a server keeps (stop the server, or copy its data directory).
+    Verify(logcmd::VerifyArgs),
 }
 
 #[derive(Subcommand)]
@@ -360,12 +374,23 @@ fn run(cli: Cli) -> Result<(), String> {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }
         Command::Audit {
+            command: Some(AuditCommand::Verify(args)),
+            ..
+        } => logcmd::verify(&args),
+        Command::Audit {
+            command: None,
             client,
             allocation,
             from,
             to,
             granularity,
-        } => client::audit(&client, allocation.as_deref(), from, to, &granularity),
+        } => client::audit(
+            &client,
+            allocation.as_deref(),
+            from.as_deref(),
+            to.as_deref(),
+            &granularity,
+        ),
         Command::Events {
             client,
             after,

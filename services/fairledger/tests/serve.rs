@@ -864,3 +864,114 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
         "the agent registered its node over https"
     );
 }
+
+/// Runs the binary with `args`; its exit status, stdout and stderr.
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// audit verify: the kept figures of a projection built from a simulated day of a two-team
+/// cluster agree with a refold of its log; one tampered row is named with both values, and the
+/// command fails.
+#[test]
+fn audit_verify_agrees_with_the_log_and_names_a_tampered_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let sim_out = dir.path().join("sim");
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../sim/tests/data");
+    let (ok, _, err) = run(&[
+        "sim",
+        "--scenario",
+        &format!("{fixtures}/two-teams.toml"),
+        "--workloads",
+        &format!("{fixtures}/two-teams.jsonl"),
+        "--out",
+        sim_out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let data_arg = data.to_str().unwrap();
+    let events = sim_out.join("events.jsonl");
+    let (ok, _, err) = run(&[
+        "log",
+        "import",
+        "--data",
+        data_arg,
+        events.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&["project", "--once", "--data", data_arg]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = run(&["audit", "verify", "--data", data_arg]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("all agree"), "{out}");
+    let (ok, out, err) = run(&["audit", "verify", "--data", data_arg, "--json"]);
+    assert!(ok, "{err}");
+    let found: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(found["agrees"], true);
+    let compared = found["compared"].as_u64().unwrap();
+    assert!(compared > 20, "{found}");
+
+    // Tamper with one kept row: an hour of lab/b gets an extra GPU-hour.
+    let tampered = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let log = eventlog::EmbeddedLog::open(&data.join("log")).unwrap();
+        let p = projector::Projector::open_existing(&data.join("projection"), &log)
+            .await
+            .unwrap();
+        let kept = p.kept();
+        let mut row = kept
+            .all()
+            .unwrap()
+            .into_iter()
+            .find_map(|r| match r {
+                ledger::book::Row::Allocation(r)
+                    if r.path == "lab/b"
+                        && r.granularity == ledger::book::Granularity::Hour
+                        && r.figures.delivered_gpu_ms > 0 =>
+                {
+                    Some(r)
+                }
+                _ => None,
+            })
+            .expect("lab/b got GPUs in some hour");
+        row.figures.delivered_gpu_ms += 3_600_000;
+        kept.overwrite(&ledger::book::Row::Allocation(row.clone()))
+            .unwrap();
+        row
+    });
+    let (ok, out, err) = run(&["audit", "verify", "--data", data_arg]);
+    assert!(
+        !ok,
+        "a tampered projection must fail the verification:\n{out}"
+    );
+    let differs: Vec<&str> = out.lines().filter(|l| l.starts_with("differs:")).collect();
+    assert_eq!(differs.len(), 1, "{out}");
+    assert!(differs[0].contains("lab/b"), "{out}");
+    assert!(differs[0].contains("delivered_gpu_hours kept"), "{out}");
+    assert!(err.contains("1 kept rows differ"), "{err}");
+    // Scoped to the other team, nothing differs.
+    let (ok, out, _) = run(&["audit", "verify", "--data", data_arg, "-a", "lab/a"]);
+    assert!(ok, "{out}");
+    // Scoped to the tampered hour, it is the one row that differs.
+    let hour = tampered.from_ms.to_string();
+    let next = (tampered.from_ms + 3_600_000).to_string();
+    let (ok, out, _) = run(&[
+        "audit", "verify", "--data", data_arg, "-a", "lab/b", "--from", &hour, "--to", &next,
+        "--json",
+    ]);
+    assert!(!ok);
+    let found: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(found["differences"].as_array().unwrap().len(), 1, "{found}");
+    let d = &found["differences"][0];
+    let gap = d["kept"]["delivered_gpu_hours"].as_f64().unwrap()
+        - d["refold"]["delivered_gpu_hours"].as_f64().unwrap();
+    assert!((gap - 1.0).abs() < 1e-9, "{d}");
+    // A bad time is one line saying what to write.
+    let (ok, _, err) = run(&["audit", "verify", "--data", data_arg, "--from", "soon"]);
+    assert!(!ok);
+    assert!(err.contains("--from") && err.contains("RFC 3339"), "{err}");
+}

@@ -21,28 +21,28 @@ pub(crate) async fn allocations(
     query: Result<Query<AllocationsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
-    // For a period: the audit's owed and delivered per leaf, refolded from the ledger.
-    let period = match (q.from, q.to) {
+    // For a period: owed and delivered per allocation from the kept figures.
+    let period = match (&q.from, &q.to) {
         (None, None) => None,
         (from, to) => {
             let now = scheduler::wall_clock_ms();
-            let to = to.unwrap_or(now).min(now);
-            let from = from.unwrap_or(to.saturating_sub(7 * 86_400_000));
-            if from >= to {
-                return Err(Problem::invalid(
-                    "to",
-                    format!("the period must end after it starts (from={from}, to={to}, in ms)"),
-                ));
+            let (from, to) = crate::period::period(
+                from.as_deref(),
+                to.as_deref(),
+                7 * 86_400_000,
+                ledger::book::Granularity::Hour,
+                now,
+            )?;
+            let (rows, _) = super::audit::tiled_rows(&app, from, to).await?;
+            let mut by_id: std::collections::HashMap<u32, (f64, f64)> = Default::default();
+            for r in rows {
+                if let ledger::book::Row::Allocation(r) = r {
+                    let e = by_id.entry(r.allocation).or_default();
+                    e.0 += r.figures.owed_gpu_ms / 3.6e6;
+                    e.1 += r.figures.delivered_gpu_ms as f64 / 3.6e6;
+                }
             }
-            let config = *app.inner.projection.read().await.state().config();
-            let mut audit = ledger::audit::Audit::new(config, from, to, to - from, None);
-            app.scan(Some(to), |seq, env| audit.apply(seq, env)).await?;
-            let by_leaf: std::collections::HashMap<String, (f64, f64)> = audit
-                .finish()
-                .into_iter()
-                .map(|r| (r.allocation, (r.owed_gpu_hours, r.delivered_gpu_hours)))
-                .collect();
-            Some((from, to, by_leaf))
+            Some((from, to, by_id))
         }
     };
     let p = app.inner.projection.read().await;
@@ -50,43 +50,21 @@ pub(crate) async fn allocations(
     // The split as of the last event, even if time has not moved since.
     let owed = state.owed_now();
     let nodes = &state.allocations.nodes;
-    // The static share of the cluster: weight over the live siblings' weights, multiplied down
-    // the tree (parents are created before their children).
-    let mut share = vec![0.0f64; nodes.len()];
-    for (id, a) in nodes.iter().enumerate() {
-        if a.removed {
-            continue;
-        }
-        let siblings: u32 = match a.parent {
-            Some(p) => nodes[p as usize]
-                .children
-                .iter()
-                .map(|&c| &nodes[c as usize])
-                .filter(|c| !c.removed)
-                .map(|c| c.weight)
-                .sum(),
-            None => nodes
-                .iter()
-                .filter(|n| n.parent.is_none() && !n.removed)
-                .map(|n| n.weight)
-                .sum(),
-        };
-        let above = a.parent.map_or(1.0, |p| share[p as usize]);
-        share[id] = above * f64::from(a.weight) / f64::from(siblings.max(1));
-    }
+    let share = ledger::book::static_shares(state);
     // Leaves account; a parent shows the sum of its subtree (children after parents).
     let window_now = state.now_ms;
     let shape = state.window_shape();
-    let mut sums: Vec<[f64; 9]> = nodes
+    let mut sums: Vec<[f64; 10]> = nodes
         .iter()
-        .map(|a| {
+        .enumerate()
+        .map(|(id, a)| {
             if !a.is_leaf() {
-                return [0.0; 9];
+                return [0.0; 10];
             }
             let w = a.window.sums(shape, window_now);
             let (period_owed, period_delivered) = period
                 .as_ref()
-                .and_then(|(_, _, by_leaf)| by_leaf.get(&a.path).copied())
+                .and_then(|(_, _, by_id)| by_id.get(&(id as u32)).copied())
                 .unwrap_or((0.0, 0.0));
             [
                 a.held_gpus as f64,
@@ -95,6 +73,7 @@ pub(crate) async fn allocations(
                 w.owed_gpu_ms,
                 w.delivered_gpu_ms,
                 a.preemptions as f64,
+                a.cancels as f64,
                 a.contract_violations as f64,
                 period_owed,
                 period_delivered,
@@ -114,10 +93,11 @@ pub(crate) async fn allocations(
         .enumerate()
         .filter(|(_, a)| !a.removed)
         .map(|(id, a)| {
-            let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, violations, p_owed, p_delivered] =
+            let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, cancels, violations, p_owed, p_delivered] =
                 sums[id];
             let mut row = json!({
                 "path": a.path,
+                "incarnation": a.created_seq,
                 "weight": a.weight,
                 "share": share[id],
                 "max_gpus": a.max_gpus,
@@ -130,6 +110,7 @@ pub(crate) async fn allocations(
                 "window_owed_gpu_hours": w_owed / 3.6e6,
                 "window_delivered_gpu_hours": w_delivered / 3.6e6,
                 "preemptions": preemptions as u64,
+                "cancels": cancels as u64,
                 "contract_violations": violations as u64,
                 "live_workloads": a.live_workloads,
             });
@@ -152,11 +133,11 @@ pub(crate) async fn allocations(
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct AllocationsQuery {
-    /// Also owed and delivered GPU-hours from this instant (ms since the epoch; default a week
-    /// before `to`).
-    from: Option<u64>,
-    /// Up to this instant (default, and at most, now).
-    to: Option<u64>,
+    /// Also owed and delivered GPU-hours from this time: a date (`2026-11-01`), an RFC 3339
+    /// date-time or ms since the epoch, moved back to its hour (default a week before `to`).
+    from: Option<String>,
+    /// Up to this time, moved on to the end of its hour (default, and at most, now).
+    to: Option<String>,
 }
 
 /// The body of `PUT /v1/allocations/{path}`.

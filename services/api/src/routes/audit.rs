@@ -1,36 +1,190 @@
-//! The audit: owed and delivered per allocation and period, one workload's every event, and the
-//! cluster metrics of a period.
+//! The audit: owed and delivered per allocation and period, one workload's every event, the
+//! cluster metrics of a period, and the verification of the kept figures against a refold.
+//!
+//! Periods are read from the figures the projection keeps per hour, day, ISO week and month
+//! ([`ledger::book`]): closed periods straight from sled, without a lock on the fold; the
+//! period still open from the book in memory, extended to now at the rates that hold since the
+//! last event. A read costs what it returns, not the length of the history.
 
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use eventlog::EventLog;
+use ledger::book::{tiles, AllocationRow, ClusterRow, Granularity, Row};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::{bad_query, parse_id};
+use crate::period::{format_instant, instant_param, period};
 use crate::{problem, App, Problem};
+
+const HOUR_MS: f64 = 3_600_000.0;
+const DAY_MS: u64 = 86_400_000;
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct AuditQuery {
-    /// Only leaves at or below this allocation.
+    /// Only this allocation and those below it.
     allocation: Option<String>,
-    /// Start, in milliseconds since the epoch (default a week before `to`).
-    from: Option<u64>,
-    /// End, in milliseconds since the epoch (default, and at most, now).
-    to: Option<u64>,
-    /// `hour`, `day` (default) or `week`.
+    /// Start: a date (`2026-11-01`), an RFC 3339 date-time or ms since the epoch; moved back to
+    /// the start of its period (default a week before `to`).
+    from: Option<String>,
+    /// End, the same forms; moved on to the end of its period (default, and at most, now).
+    to: Option<String>,
+    /// `hour`, `day` (default), `week` (ISO, from Monday) or `month`, in UTC.
     granularity: Option<String>,
 }
 
 /// The most periods one audit request may ask for.
 const AUDIT_PERIODS_MAX: u64 = 10_000;
 
+/// The rows of `granularity` whose periods start in `[from, to)`: closed ones from the kept
+/// rows, the open ones from the book, cut at `to`. Also answers the sequence they are as of.
+pub(crate) async fn period_rows(
+    app: &App,
+    granularity: Granularity,
+    from: u64,
+    to: u64,
+) -> Result<(Vec<Row>, u64), Problem> {
+    let (kept, open_from, live, last_seq) = {
+        let p = app.inner.projection.read().await;
+        let book = p.book();
+        let open_from = book.open_from(granularity);
+        let live = if to > open_from {
+            book.open_rows(p.state(), granularity, from, to)
+        } else {
+            Vec::new()
+        };
+        (p.kept(), open_from, live, p.last_seq())
+    };
+    let closed_to = to.min(open_from);
+    let mut rows = if from < closed_to {
+        tokio::task::spawn_blocking(move || kept.rows(granularity, from, closed_to))
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+    } else {
+        Vec::new()
+    };
+    rows.extend(
+        live.into_iter()
+            .filter(|r| r.from_ms() >= from && r.from_ms() < to),
+    );
+    Ok((rows, last_seq))
+}
+
+/// Every row of the whole periods (days, and hours at the edges) that tile `[from, to)`.
+pub(crate) async fn tiled_rows(app: &App, from: u64, to: u64) -> Result<(Vec<Row>, u64), Problem> {
+    // Consecutive tiles of one granularity are read as one range.
+    let mut ranges: Vec<(Granularity, u64, u64)> = Vec::new();
+    for (g, start) in tiles(from, to) {
+        let end = g.end_of(start).min(to);
+        match ranges.last_mut() {
+            Some(last) if last.0 == g && last.2 == start => last.2 = end,
+            _ => ranges.push((g, start, end)),
+        }
+    }
+    let mut rows = Vec::new();
+    let mut last_seq = 0;
+    for (g, start, end) in ranges {
+        let (r, seq) = period_rows(app, g, start, end).await?;
+        rows.extend(r);
+        last_seq = last_seq.max(seq);
+    }
+    Ok((rows, last_seq))
+}
+
+fn under(path: &str, filter: Option<&str>) -> bool {
+    filter.is_none_or(|f| {
+        path == f
+            || path
+                .strip_prefix(f)
+                .is_some_and(|rest| rest.starts_with('/'))
+    })
+}
+
+/// An allocation row as the audit shows it.
+pub(crate) fn allocation_json(r: &AllocationRow) -> Value {
+    let f = &r.figures;
+    json!({
+        "allocation": r.path,
+        "incarnation": r.incarnation,
+        "granularity": r.granularity.name(),
+        "from_ms": r.from_ms,
+        "to_ms": r.to_ms,
+        "partial": r.to_ms < r.granularity.end_of(r.from_ms),
+        "entitlement_gpu_hours": f.entitlement_gpu_ms / HOUR_MS,
+        "owed_gpu_hours": f.owed_gpu_ms / HOUR_MS,
+        "delivered_gpu_hours": f.delivered_gpu_ms as f64 / HOUR_MS,
+        "delivered_within_owed_gpu_hours": f.within_owed_gpu_ms / HOUR_MS,
+        "preemptions": f.preemptions.total(),
+        "preemptions_by_reason": {
+            "fair_share": f.preemptions.fair_share,
+            "opportunistic": f.preemptions.opportunistic,
+            "hardware_failure": f.preemptions.hardware_failure,
+        },
+        "cancels": f.cancels,
+        "contract_violations": f.contract_violations,
+        "first_seq": r.seqs.first,
+        "last_seq": r.seqs.last,
+    })
+}
+
+const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,cancels,contract_violations,first_seq,last_seq\n";
+
+fn csv_line(r: &AllocationRow) -> String {
+    let f = &r.figures;
+    let seq = |s: Option<u64>| s.map(|s| s.to_string()).unwrap_or_default();
+    format!(
+        "{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+        r.path,
+        r.incarnation,
+        format_instant(r.from_ms),
+        format_instant(r.to_ms),
+        f.entitlement_gpu_ms / HOUR_MS,
+        f.owed_gpu_ms / HOUR_MS,
+        f.delivered_gpu_ms as f64 / HOUR_MS,
+        f.within_owed_gpu_ms / HOUR_MS,
+        f.preemptions.total(),
+        f.cancels,
+        f.contract_violations,
+        seq(r.seqs.first),
+        seq(r.seqs.last)
+    )
+}
+
+fn granularity_param(value: Option<&str>) -> Result<Granularity, Problem> {
+    let name = value.unwrap_or("day");
+    Granularity::parse(name).ok_or_else(|| {
+        Problem::invalid(
+            "granularity",
+            format!("{name:?} is not hour, day, week or month"),
+        )
+    })
+}
+
+/// Checks that `path` is a valid allocation path that existed at some time.
+async fn known_allocation(app: &App, path: Option<&str>) -> Result<(), Problem> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    ledger::alloc::validate_path(path)
+        .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+    let p = app.inner.projection.read().await;
+    if !p.state().allocations.nodes.iter().any(|a| a.path == path) {
+        return Err(Problem::invalid(
+            "allocation",
+            format!("allocation {path:?} never existed; see GET /v1/allocations"),
+        ));
+    }
+    Ok(())
+}
+
 #[utoipa::path(get, path = "/v1/audit/ledger", tag = "audit", params(AuditQuery),
     responses(
-        (status = 200, description = "rows per leaf and period (JSON, or CSV with Accept: text/csv)", body = serde_json::Value),
+        (status = 200, description = "rows per allocation incarnation and calendar period (JSON, or CSV with Accept: text/csv)", body = serde_json::Value),
         (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn audit_ledger(
@@ -39,110 +193,88 @@ pub(crate) async fn audit_ledger(
     query: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
-    let step_ms: u64 = match q.granularity.as_deref().unwrap_or("day") {
-        "hour" => 3_600_000,
-        "day" => 86_400_000,
-        "week" => 7 * 86_400_000,
-        other => {
+    let g = granularity_param(q.granularity.as_deref())?;
+    let now = scheduler::wall_clock_ms();
+    let (from, to) = period(q.from.as_deref(), q.to.as_deref(), 7 * DAY_MS, g, now)?;
+    let mut periods = 0u64;
+    let mut t = from;
+    while t < to {
+        periods += 1;
+        if periods > AUDIT_PERIODS_MAX {
             return Err(Problem::invalid(
                 "granularity",
-                format!("{other:?} is not hour, day or week"),
-            ))
-        }
-    };
-    // Nothing is delivered in the future: a period reaching past now ends now.
-    let now = scheduler::wall_clock_ms();
-    let to = q.to.unwrap_or(now).min(now);
-    let from = q.from.unwrap_or(to.saturating_sub(7 * 86_400_000));
-    if from >= to {
-        return Err(Problem::invalid(
-            "to",
-            format!("the period must end after it starts (from={from}, to={to}, in ms)"),
-        ));
-    }
-    if (to - from).div_ceil(step_ms) > AUDIT_PERIODS_MAX {
-        return Err(Problem::invalid(
-            "granularity",
-            format!("more than {AUDIT_PERIODS_MAX} periods; use a coarser granularity or a shorter range"),
-        ));
-    }
-    if let Some(path) = &q.allocation {
-        let p = app.inner.projection.read().await;
-        let tree = &p.state().allocations;
-        let known = tree.nodes.iter().any(|a| &a.path == path);
-        if !known {
-            return Err(Problem::invalid(
-                "allocation",
-                format!("allocation {path:?} never existed; see GET /v1/allocations"),
+                format!("more than {AUDIT_PERIODS_MAX} periods; use a coarser granularity or a shorter range"),
             ));
         }
+        t = g.end_of(t);
     }
-    let config = *app.inner.projection.read().await.state().config();
-    let mut audit = ledger::audit::Audit::new(config, from, to, step_ms, q.allocation.as_deref());
-    let last = app.scan(Some(to), |seq, env| audit.apply(seq, env)).await?;
-    let rows = audit.finish();
+    known_allocation(&app, q.allocation.as_deref()).await?;
+    let (rows, last_seq) = period_rows(&app, g, from, to).await?;
+    let rows: Vec<AllocationRow> = rows
+        .into_iter()
+        .filter_map(|r| match r {
+            Row::Allocation(r) if under(&r.path, q.allocation.as_deref()) => Some(r),
+            _ => None,
+        })
+        .collect();
     let csv = headers
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/csv"));
     if csv {
-        let mut out = String::from(
-            "allocation,from_ms,to_ms,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,preemptions,contract_violations,first_seq,last_seq\n",
-        );
+        let mut out = String::from(CSV_HEADER);
         for r in &rows {
-            let seq = |s: Option<u64>| s.map(|s| s.to_string()).unwrap_or_default();
-            out += &format!(
-                "{},{},{},{},{},{},{},{},{},{}\n",
-                r.allocation,
-                r.from_ms,
-                r.to_ms,
-                r.entitlement_gpu_hours,
-                r.owed_gpu_hours,
-                r.delivered_gpu_hours,
-                r.preemptions,
-                r.contract_violations,
-                seq(r.first_seq),
-                seq(r.last_seq)
-            );
+            out += &csv_line(r);
         }
         return Ok(([(axum::http::header::CONTENT_TYPE, "text/csv")], out).into_response());
     }
-    Ok(Json(
-        json!({"from_ms": from, "to_ms": to, "step_ms": step_ms, "last_seq": last, "rows": rows}),
-    )
+    Ok(Json(json!({
+        "from_ms": from,
+        "to_ms": to,
+        "granularity": g.name(),
+        "last_seq": last_seq,
+        "rows": rows.iter().map(allocation_json).collect::<Vec<_>>(),
+    }))
     .into_response())
 }
 
 #[utoipa::path(get, path = "/v1/audit/workloads/{id}", tag = "audit",
     params(("id" = String, Path, description = "workload id (UUID)")),
     responses(
-        (status = 200, description = "every event about the workload, in ledger order, each with its sequence", body = serde_json::Value),
-        (status = 404, description = "no event names this workload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 200, description = "every event about the workload, applied or refused, in ledger order, each with its sequence", body = serde_json::Value),
+        (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn audit_workload(
     State(app): State<App>,
     Path(id): Path<String>,
 ) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let mut history = Vec::new();
-    app.scan(None, |seq, env| {
-        if env.event.workload() == Some(id) {
+    let row = app
+        .inner
+        .projection
+        .read()
+        .await
+        .workload(id)
+        .map_err(|e| Problem::unavailable(e.to_string()))?
+        .ok_or_else(|| Problem::not_found(format!("no event names workload {id}")))?;
+    let mut seqs: Vec<u64> = row.history.iter().chain(&row.rejected).copied().collect();
+    seqs.sort_unstable();
+    let mut history = Vec::with_capacity(seqs.len());
+    for seq in seqs {
+        let stored = app
+            .inner
+            .log
+            .read(seq, 1)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        let Some(e) = stored.into_iter().find(|e| e.seq == seq) else {
+            continue;
+        };
+        if let Ok(env) = projector::decode(&e.payload) {
             history.push(json!({"seq": seq, "event": env}));
         }
-    })
-    .await?;
-    if history.is_empty() {
-        return Err(Problem::not_found(format!("no event names workload {id}")));
     }
-    let rejected: Vec<u64> = {
-        let p = app.inner.projection.read().await;
-        history
-            .iter()
-            .filter_map(|h| h["seq"].as_u64())
-            .filter(|&seq| p.rejection(seq).ok().flatten().is_some())
-            .collect()
-    };
-    Ok(Json(json!({"id": id, "events": history, "rejected_seqs": rejected})).into_response())
+    Ok(Json(json!({"id": id, "events": history, "rejected_seqs": row.rejected})).into_response())
 }
 
 /// The period of `GET /v1/metrics/cluster`.
@@ -150,15 +282,16 @@ pub(crate) async fn audit_workload(
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PeriodQuery {
-    /// Start, in milliseconds since the epoch (default a day before `to`).
-    from: Option<u64>,
-    /// End, in milliseconds since the epoch (default, and at most, now).
-    to: Option<u64>,
+    /// Start: a date, an RFC 3339 date-time or ms since the epoch, moved back to its hour
+    /// (default a day before `to`).
+    from: Option<String>,
+    /// End, the same forms, moved on to the end of its hour (default, and at most, now).
+    to: Option<String>,
 }
 
 #[utoipa::path(get, path = "/v1/metrics/cluster", tag = "audit", params(PeriodQuery),
     responses(
-        (status = 200, description = "availability, occupancy, impact, utilization, stranded GPU-hours, median largest startable gang, preemptions, contract violations", body = serde_json::Value),
+        (status = 200, description = "availability, occupancy, impact, utilization, stranded GPU-hours, median largest startable gang, preemptions by reason, cancels, contract violations", body = serde_json::Value),
         (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn cluster_metrics(
@@ -167,36 +300,34 @@ pub(crate) async fn cluster_metrics(
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
     let now = scheduler::wall_clock_ms();
-    let to = q.to.unwrap_or(now).min(now);
-    let from = q.from.unwrap_or(to.saturating_sub(86_400_000));
-    if from >= to {
-        return Err(Problem::invalid(
-            "to",
-            format!("the period must end after it starts (from={from}, to={to}, in ms)"),
-        ));
+    let (from, to) = period(
+        q.from.as_deref(),
+        q.to.as_deref(),
+        DAY_MS,
+        Granularity::Hour,
+        now,
+    )?;
+    let (rows, last_seq) = tiled_rows(&app, from, to).await?;
+    let mut counters = ledger::metrics::Counters::default();
+    let mut preemptions = ledger::book::Preemptions::default();
+    for r in &rows {
+        if let Row::Cluster(ClusterRow {
+            counters: c,
+            preemptions: p,
+            ..
+        }) = r
+        {
+            counters.add(c);
+            preemptions.fair_share += p.fair_share;
+            preemptions.opportunistic += p.opportunistic;
+            preemptions.hardware_failure += p.hardware_failure;
+        }
     }
-    let config = *app.inner.projection.read().await.state().config();
-    let mut state = ledger::State::new(config);
-    let mut at_start = None;
-    let last = app
-        .scan(Some(to), |seq, env| {
-            if at_start.is_none() && env.occurred_at_ms >= from {
-                state.advance_to(from);
-                at_start = Some(state.counters.clone());
-            }
-            state.apply(seq, env);
-        })
-        .await?;
-    let start = at_start.unwrap_or_else(|| {
-        state.advance_to(from);
-        state.counters.clone()
-    });
-    state.advance_to(to);
-    let m = ledger::metrics::Metrics::between(&start, &state.counters);
+    let m = ledger::metrics::Metrics::between(&ledger::metrics::Counters::default(), &counters);
     Ok(Json(json!({
         "from_ms": from,
         "to_ms": to,
-        "last_seq": last,
+        "last_seq": last_seq,
         "availability": m.availability,
         "occupancy": m.occupancy,
         "impact": m.impact,
@@ -204,7 +335,93 @@ pub(crate) async fn cluster_metrics(
         "stranded_gpu_hours": m.stranded_gpu_hours,
         "largest_startable_gang_p50": m.largest_startable_gang_p50,
         "preemptions": m.preemptions,
+        "preemptions_by_reason": {
+            "fair_share": preemptions.fair_share,
+            "opportunistic": preemptions.opportunistic,
+            "hardware_failure": preemptions.hardware_failure,
+        },
+        "cancels": m.cancels,
         "contract_violations": m.contract_violations,
+    }))
+    .into_response())
+}
+
+/// What `GET /v1/audit/verify` compares.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct VerifyQuery {
+    /// Only periods starting at or after this time (a date, an RFC 3339 date-time or ms).
+    from: Option<String>,
+    /// Only periods starting before this time.
+    to: Option<String>,
+    /// Only this allocation and those below it (and then no cluster rows).
+    allocation: Option<String>,
+}
+
+/// A difference as the verification shows it.
+pub fn difference_json(d: &projector::verify::Difference) -> Value {
+    let side = |r: &Option<Row>| match r {
+        None => Value::Null,
+        Some(Row::Allocation(r)) => allocation_json(r),
+        Some(Row::Cluster(r)) => json!({
+            "cluster": true,
+            "granularity": r.granularity.name(),
+            "from_ms": r.from_ms,
+            "to_ms": r.to_ms,
+            "counters": r.counters,
+            "first_seq": r.seqs.first,
+            "last_seq": r.seqs.last,
+        }),
+    };
+    json!({"kept": side(&d.kept), "refold": side(&d.refold)})
+}
+
+#[utoipa::path(get, path = "/v1/audit/verify", tag = "audit", params(VerifyQuery),
+    responses(
+        (status = 200, description = "the kept rows compared with a refold of the log from its first event: `agrees`, rows compared, and every row that differs with both values", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "a verification is already running", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn audit_verify(
+    State(app): State<App>,
+    query: Result<Query<VerifyQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(q) = query.map_err(bad_query)?;
+    let scope = projector::verify::Scope {
+        from_ms: instant_param("from", q.from.as_deref())?,
+        to_ms: instant_param("to", q.to.as_deref())?,
+        allocation: q.allocation.clone(),
+    };
+    known_allocation(&app, q.allocation.as_deref()).await?;
+    // A refold of the whole log is the most expensive read there is: one at a time, on a thread
+    // of its own, never on the threads that accept submissions.
+    let Ok(_one) = app.inner.verifying.clone().try_acquire_owned() else {
+        return Err(Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "busy",
+            "a verification is already running; try again when it ends",
+        ));
+    };
+    let (kept, config, up_to) = {
+        let p = app.inner.projection.read().await;
+        (p.kept(), *p.state().config(), p.last_seq())
+    };
+    let log = app.inner.log.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let found = tokio::task::spawn_blocking(move || {
+        runtime.block_on(projector::verify::verify(
+            &log, &kept, config, up_to, &scope,
+        ))
+    })
+    .await
+    .map_err(|e| Problem::unavailable(e.to_string()))?
+    .map_err(|e| Problem::unavailable(e.to_string()))?;
+    Ok(Json(json!({
+        "agrees": found.differences.is_empty(),
+        "last_seq": found.last_seq,
+        "compared": found.compared,
+        "differences": found.differences.iter().map(difference_json).collect::<Vec<_>>(),
     }))
     .into_response())
 }

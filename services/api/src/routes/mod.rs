@@ -121,6 +121,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
             routing::get(audit::audit_ledger),
         ),
         (
+            r("GET", "/v1/audit/verify", Needs(ReadAudit)),
+            routing::get(audit::audit_verify),
+        ),
+        (
             r("GET", "/v1/audit/workloads/{id}", Needs(ReadAudit)),
             routing::get(audit::audit_workload),
         ),

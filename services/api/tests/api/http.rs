@@ -344,8 +344,36 @@ async fn bad_input_names_the_field_and_changes_nothing() {
             "GET",
             "/v1/audit/ledger?from=yesterday",
             None,
-            StatusCode::BAD_REQUEST,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("from"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?to=2026-02-30",
             None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("to"),
+        ),
+        (
+            "GET",
+            "/v1/audit/ledger?granularity=fortnight",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("granularity"),
+        ),
+        (
+            "GET",
+            "/v1/metrics/cluster?from=2026-11-01T08:00",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("from"),
+        ),
+        (
+            "GET",
+            "/v1/audit/verify?allocation=a//b",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocation"),
         ),
     ];
     for (method, uri, body, want, field) in cases {
@@ -499,9 +527,49 @@ async fn the_audit_answers_in_json_and_csv() {
     let (status, _, audit) = call(&f, "GET", &uri, None, &[]).await;
     assert_eq!(status, StatusCode::OK, "{audit}");
     let rows = audit["rows"].as_array().unwrap();
-    // Two leaves (a/x and b) over the hour before now.
-    assert_eq!(rows.len(), 2, "{audit}");
-    assert_eq!(audit["to_ms"].as_u64(), Some(now));
+    // Two leaves (a/x and b) for each UTC hour of the ledger from the one an hour ago to now:
+    // the ledger began moments ago, so nothing before.
+    let mut hours: Vec<u64> = rows
+        .iter()
+        .map(|r| r["from_ms"].as_u64().unwrap())
+        .collect();
+    hours.dedup();
+    assert_eq!(rows.len(), 2 * hours.len(), "{audit}");
+    assert_eq!(
+        hours.last(),
+        Some(&(now / 3_600_000 * 3_600_000)),
+        "{audit}"
+    );
+    let hours = hours.len();
+    assert_eq!(
+        audit["from_ms"].as_u64(),
+        Some((now - 3_600_000) / 3_600_000 * 3_600_000)
+    );
+    // The hour still under way ends now, and says so.
+    let to = audit["to_ms"].as_u64().unwrap();
+    assert!(to >= now && to < now + 60_000, "{audit}");
+    let last = rows.last().unwrap();
+    assert_eq!(last["partial"], true, "{audit}");
+    assert_eq!(last["to_ms"].as_u64(), Some(to));
+    // The same, asked with dates as people write them.
+    let hour = time::OffsetDateTime::from_unix_timestamp((now / 1000) as i64)
+        .unwrap()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let (status, _, same) = call(
+        &f,
+        "GET",
+        &format!("/v1/audit/ledger?from={hour}&granularity=hour"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{same}");
+    assert_eq!(
+        same["from_ms"].as_u64(),
+        Some(now / 3_600_000 * 3_600_000),
+        "{same}"
+    );
     // A period reaching into the future is cut at the present.
     let future = format!(
         "/v1/audit/ledger?from={}&to={}",
@@ -526,7 +594,10 @@ async fn the_audit_answers_in_json_and_csv() {
     let text =
         String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    assert!(lines[0].starts_with("allocation,from_ms,to_ms,entitlement_gpu_hours"));
+    assert!(
+        lines[0].starts_with("allocation,incarnation,from,to,entitlement_gpu_hours"),
+        "{text}"
+    );
     // One workload's history, and the cluster's figures over the last minute.
     let id = placed["id"].as_str().unwrap();
     let (status, _, history) =
@@ -564,7 +635,77 @@ async fn the_audit_answers_in_json_and_csv() {
     let (status, _, problem) = call(&f, "GET", "/v1/metrics/cluster?from=10&to=5", None, &[]).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["field"], "to");
-    assert_eq!(lines.len(), 3);
+    assert_eq!(lines.len(), 1 + 2 * hours);
+}
+
+/// A user's cancel of a running workload stops it as a preemption would, but it is the owner's
+/// choice: the audit and the cluster metrics count it as a cancel, not a preemption.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_of_running_work_is_counted_apart_from_preemptions() {
+    let f = fixture(true).await;
+    let (status, _, placed) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"b","gpus_per_node":2}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{placed}");
+    let id = placed["id"].as_str().unwrap();
+    let (status, _, cancel) = call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{cancel}");
+    let (status, _, audit) = call(
+        &f,
+        "GET",
+        "/v1/audit/ledger?allocation=b&granularity=month",
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{audit}");
+    let rows = audit["rows"].as_array().unwrap();
+    let sum = |field: &str| rows.iter().map(|r| r[field].as_u64().unwrap()).sum::<u64>();
+    assert_eq!((sum("cancels"), sum("preemptions")), (1, 0), "{audit}");
+    let row = rows.iter().find(|r| r["cancels"] == 1).unwrap();
+    // The row names the events behind it: b's submission, start and the cancel's stop request.
+    let (first, last) = (
+        row["first_seq"].as_u64().unwrap(),
+        row["last_seq"].as_u64().unwrap(),
+    );
+    assert!(first < last, "{row}");
+    let (_, _, m) = call(&f, "GET", "/v1/metrics/cluster", None, &[]).await;
+    assert_eq!(
+        (m["cancels"].as_u64(), m["preemptions"].as_u64()),
+        (Some(1), Some(0)),
+        "{m}"
+    );
+    assert_eq!(m["preemptions_by_reason"]["fair_share"], 0, "{m}");
+    let (_, _, tree) = call(&f, "GET", "/v1/allocations", None, &[]).await;
+    let b = tree["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "b")
+        .unwrap();
+    assert_eq!(
+        (b["cancels"].as_u64(), b["preemptions"].as_u64()),
+        (Some(1), Some(0)),
+        "{b}"
+    );
+    // The audit of the workload shows every event about it; the kept figures agree with a
+    // refold of the log.
+    let (_, _, history) = call(&f, "GET", &format!("/v1/audit/workloads/{id}"), None, &[]).await;
+    let kinds: Vec<&str> = history["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"]["type"].as_str().unwrap())
+        .collect();
+    assert!(kinds.contains(&"preemption_requested"), "{history}");
+    let (status, _, verified) = call(&f, "GET", "/v1/audit/verify", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{verified}");
+    assert_eq!(verified["agrees"], true, "{verified}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
