@@ -36,7 +36,18 @@ pub(crate) struct Inner {
     pub(crate) health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
     /// One verification of the kept figures at a time.
     pub(crate) verifying: Arc<tokio::sync::Semaphore>,
+    /// Event streams replaying a long stretch of history, a few at a time.
+    pub(crate) replays: Arc<tokio::sync::Semaphore>,
+    /// Audits of periods, at most half the cores at a time: however many auditors query, the
+    /// writers keep the other half.
+    pub(crate) audits: Arc<tokio::sync::Semaphore>,
 }
+
+/// Event streams that may replay more than [`REPLAY_FREE`] past events at once; the others wait
+/// their turn (live streams never wait).
+pub const REPLAYS_AT_ONCE: usize = 4;
+/// A stream starting at most this many events behind is live, not a replay.
+pub const REPLAY_FREE: u64 = 1_000;
 
 /// A node's GPUs go unhealthy after this long without a heartbeat.
 pub const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
@@ -60,6 +71,10 @@ impl App {
                     HEARTBEAT_TIMEOUT_MS,
                 ))),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),
+                replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE)),
+                audits: Arc::new(tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+                )),
             }),
         }
     }
@@ -86,6 +101,16 @@ impl App {
     /// The event log.
     pub fn log(&self) -> &AnyLog {
         &self.inner.log
+    }
+
+    /// Waits for a turn to compute an audit of a period (see `Inner::audits`).
+    pub(crate) async fn audit_turn(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.inner
+            .audits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the audit turns are never closed")
     }
 
     /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).

@@ -4,6 +4,8 @@
 //! events per second and a fingerprint of the ledger each run wrote.
 //! `FAIRLEDGER_BENCH_WORKLOADS=N` sets the generated trace's size (default 1,000,000 over a
 //! simulated year; fewer workloads keep the same load by shortening the year).
+//! `FAIRLEDGER_BENCH_KEEP=DIR` keeps the generated year's scenario, trace and `events.jsonl` in
+//! DIR (the ledger the audit benchmark imports, see BENCHMARKS.md).
 
 use std::io::Write;
 
@@ -18,8 +20,16 @@ use rand_chacha::ChaCha8Rng;
 use sim::scenario::Scenario;
 use sim::trace::{Format, TraceOptions};
 
-fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: Option<u64>) {
+fn run(
+    name: &str,
+    scenario: &Path,
+    workloads: &Path,
+    format: Format,
+    until_s: Option<u64>,
+    keep: Option<&Path>,
+) {
     let out = tempfile::tempdir().unwrap();
+    let out = keep.map_or_else(|| out.path().to_path_buf(), Path::to_path_buf);
     let spec = sim::RunSpec {
         scenario: Scenario::load(scenario).unwrap().prepare(None).unwrap(),
         workloads: workloads.to_path_buf(),
@@ -30,7 +40,7 @@ fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: O
         },
         seed: 1,
         until_s,
-        out: out.path().to_path_buf(),
+        out: out.clone(),
     };
     let t = Instant::now();
     let r = sim::run(&spec, |_| {}).unwrap().report;
@@ -39,7 +49,7 @@ fn run(name: &str, scenario: &Path, workloads: &Path, format: Format, until_s: O
     // only to be faster is checked to change nothing else.
     let fingerprint = {
         use std::hash::Hasher;
-        let bytes = std::fs::read(out.path().join("events.jsonl")).unwrap();
+        let bytes = std::fs::read(out.join("events.jsonl")).unwrap();
         let mut h = std::collections::hash_map::DefaultHasher::new();
         h.write(&bytes);
         format!("{:016x} ({} bytes)", h.finish(), bytes.len())
@@ -65,6 +75,7 @@ fn main() {
         &root.join("traces/alibaba2023/openb_pod_list_default.csv"),
         Format::AlibabaOpenb,
         None,
+        None,
     );
 
     // A year of 1M workloads on 1,250 x 8 = 10,000 GPUs, 30 leaf allocations, offered load about
@@ -75,8 +86,11 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1_000_000);
     let year_s = 365 * 86_400 * n / 1_000_000;
-    let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("year.toml");
+    let keep = std::env::var_os("FAIRLEDGER_BENCH_KEEP").map(std::path::PathBuf::from);
+    let temp = tempfile::tempdir().unwrap();
+    let dir = keep.clone().unwrap_or_else(|| temp.path().to_path_buf());
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenario = dir.join("year.toml");
     let mut toml = String::from(
         "[policy]\nname = \"fairshare\"\n\n[[nodes]]\ncount = 1250\ngpus = 8\nmodel = \"H100\"\n",
     );
@@ -91,7 +105,7 @@ fn main() {
         }
     }
     std::fs::write(&scenario, toml).unwrap();
-    let trace = dir.path().join("year.csv");
+    let trace = dir.join("year.csv");
     let mut f = std::io::BufWriter::new(std::fs::File::create(&trace).unwrap());
     writeln!(f, "id,allocation,submit_s,duration_s,gpus,nodes").unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(42);
@@ -131,5 +145,6 @@ fn main() {
         &trace,
         Format::Native,
         Some(year_s),
+        keep.as_deref(),
     );
 }

@@ -33,6 +33,7 @@ pub(crate) async fn allocations(
                 ledger::book::Granularity::Hour,
                 now,
             )?;
+            let _turn = app.audit_turn().await;
             let (rows, _) = super::audit::tiled_rows(&app, from, to).await?;
             let mut by_id: std::collections::HashMap<u32, (f64, f64)> = Default::default();
             for r in rows {

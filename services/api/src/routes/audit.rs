@@ -105,31 +105,55 @@ fn under(path: &str, filter: Option<&str>) -> bool {
     })
 }
 
-/// An allocation row as the audit shows it.
+/// An allocation row as the audit shows it (serialized straight from the row: an audit of many
+/// rows spends its time here).
+#[derive(serde::Serialize)]
+pub(crate) struct AllocationOut<'a> {
+    allocation: &'a str,
+    incarnation: u64,
+    granularity: &'static str,
+    from_ms: u64,
+    to_ms: u64,
+    partial: bool,
+    entitlement_gpu_hours: f64,
+    owed_gpu_hours: f64,
+    delivered_gpu_hours: f64,
+    delivered_within_owed_gpu_hours: f64,
+    preemptions: u64,
+    preemptions_by_reason: &'a ledger::book::Preemptions,
+    cancels: u64,
+    contract_violations: u64,
+    first_seq: Option<u64>,
+    last_seq: Option<u64>,
+}
+
+impl<'a> From<&'a AllocationRow> for AllocationOut<'a> {
+    fn from(r: &'a AllocationRow) -> Self {
+        let f = &r.figures;
+        AllocationOut {
+            allocation: &r.path,
+            incarnation: r.incarnation,
+            granularity: r.granularity.name(),
+            from_ms: r.from_ms,
+            to_ms: r.to_ms,
+            partial: r.to_ms < r.granularity.end_of(r.from_ms),
+            entitlement_gpu_hours: f.entitlement_gpu_ms / HOUR_MS,
+            owed_gpu_hours: f.owed_gpu_ms / HOUR_MS,
+            delivered_gpu_hours: f.delivered_gpu_ms as f64 / HOUR_MS,
+            delivered_within_owed_gpu_hours: f.within_owed_gpu_ms / HOUR_MS,
+            preemptions: f.preemptions.total(),
+            preemptions_by_reason: &f.preemptions,
+            cancels: f.cancels,
+            contract_violations: f.contract_violations,
+            first_seq: r.seqs.first,
+            last_seq: r.seqs.last,
+        }
+    }
+}
+
+/// An allocation row as the audit shows it, as a JSON value.
 pub(crate) fn allocation_json(r: &AllocationRow) -> Value {
-    let f = &r.figures;
-    json!({
-        "allocation": r.path,
-        "incarnation": r.incarnation,
-        "granularity": r.granularity.name(),
-        "from_ms": r.from_ms,
-        "to_ms": r.to_ms,
-        "partial": r.to_ms < r.granularity.end_of(r.from_ms),
-        "entitlement_gpu_hours": f.entitlement_gpu_ms / HOUR_MS,
-        "owed_gpu_hours": f.owed_gpu_ms / HOUR_MS,
-        "delivered_gpu_hours": f.delivered_gpu_ms as f64 / HOUR_MS,
-        "delivered_within_owed_gpu_hours": f.within_owed_gpu_ms / HOUR_MS,
-        "preemptions": f.preemptions.total(),
-        "preemptions_by_reason": {
-            "fair_share": f.preemptions.fair_share,
-            "opportunistic": f.preemptions.opportunistic,
-            "hardware_failure": f.preemptions.hardware_failure,
-        },
-        "cancels": f.cancels,
-        "contract_violations": f.contract_violations,
-        "first_seq": r.seqs.first,
-        "last_seq": r.seqs.last,
-    })
+    serde_json::to_value(AllocationOut::from(r)).expect("rows serialize")
 }
 
 const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,cancels,contract_violations,first_seq,last_seq\n";
@@ -209,6 +233,7 @@ pub(crate) async fn audit_ledger(
         t = g.end_of(t);
     }
     known_allocation(&app, q.allocation.as_deref()).await?;
+    let _turn = app.audit_turn().await;
     let (rows, last_seq) = period_rows(&app, g, from, to).await?;
     let rows: Vec<AllocationRow> = rows
         .into_iter()
@@ -228,13 +253,21 @@ pub(crate) async fn audit_ledger(
         }
         return Ok(([(axum::http::header::CONTENT_TYPE, "text/csv")], out).into_response());
     }
-    Ok(Json(json!({
-        "from_ms": from,
-        "to_ms": to,
-        "granularity": g.name(),
-        "last_seq": last_seq,
-        "rows": rows.iter().map(allocation_json).collect::<Vec<_>>(),
-    }))
+    #[derive(serde::Serialize)]
+    struct Audit<'a> {
+        from_ms: u64,
+        to_ms: u64,
+        granularity: &'static str,
+        last_seq: u64,
+        rows: Vec<AllocationOut<'a>>,
+    }
+    Ok(Json(Audit {
+        from_ms: from,
+        to_ms: to,
+        granularity: g.name(),
+        last_seq,
+        rows: rows.iter().map(AllocationOut::from).collect(),
+    })
     .into_response())
 }
 

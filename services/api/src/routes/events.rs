@@ -137,7 +137,10 @@ pub(crate) struct StreamQuery {
 }
 
 /// The ledger as Server-Sent Events, one per event, `id` = its sequence and `event` = its
-/// kind, from after `Last-Event-ID` (or `?after=`), then live.
+/// kind, from after `Last-Event-ID` (or `?after=`), then live. A stream that starts far behind
+/// replays history only while it holds one of a few replay turns, so that however many clients
+/// replay a long log at once, they cannot starve the writers; it gives its turn back once it
+/// has caught up.
 #[utoipa::path(get, path = "/v1/events/stream", tag = "events",
     params(StreamQuery, ("Last-Event-ID" = Option<u64>, Header, description = "resume after this sequence")),
     responses((status = 200, description = "Server-Sent Events: id = sequence, event = kind, data = the envelope", content_type = "text/event-stream")))]
@@ -168,6 +171,24 @@ pub(crate) async fn event_stream(
     }
     let tokens = q.allocation.as_ref().map(|p| p.replace('/', "."));
     let kind = q.kind.clone();
+    let last = app
+        .inner
+        .log
+        .last_seq()
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let mut turn = if last.saturating_sub(after) > crate::app::REPLAY_FREE {
+        Some(
+            app.inner
+                .replays
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("the replay turns are never closed"),
+        )
+    } else {
+        None
+    };
     let events = app
         .inner
         .log
@@ -177,29 +198,37 @@ pub(crate) async fn event_stream(
     let sees_commands = caller.sees_commands();
     // A stream lives no longer than its caller's token: revoked or expired, it ends.
     let ended = token_gone(app.clone(), caller);
-    let stream = events.take_until(ended).filter_map(move |item| {
-        let (tokens, kind) = (tokens.clone(), kind.clone());
-        async move {
-            let stored = match item {
-                Ok(s) => s,
-                Err(e) => return Some(Err(std::io::Error::other(e.to_string()))),
-            };
-            let mut text = String::from_utf8_lossy(&stored.payload).into_owned();
-            let mut event = serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
-            if !event_passes(&stored.subject, &event, kind.as_deref(), tokens.as_deref()) {
-                return None;
+    let stream = events
+        .take_until(ended)
+        .inspect(move |item| {
+            if matches!(item, Ok(s) if s.seq >= last) {
+                turn.take();
             }
-            if !sees_commands && event["type"] == "workload_submitted" {
-                redact(&mut event);
-                text = event.to_string();
+        })
+        .filter_map(move |item| {
+            let (tokens, kind) = (tokens.clone(), kind.clone());
+            async move {
+                let stored = match item {
+                    Ok(s) => s,
+                    Err(e) => return Some(Err(std::io::Error::other(e.to_string()))),
+                };
+                let mut text = String::from_utf8_lossy(&stored.payload).into_owned();
+                let mut event =
+                    serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
+                if !event_passes(&stored.subject, &event, kind.as_deref(), tokens.as_deref()) {
+                    return None;
+                }
+                if !sees_commands && event["type"] == "workload_submitted" {
+                    redact(&mut event);
+                    text = event.to_string();
+                }
+                let event_kind = event["type"].as_str().unwrap_or("malformed").to_owned();
+                Some(Ok(Sse::default()
+                    .id(stored.seq.to_string())
+                    .event(event_kind)
+                    .data(text)))
             }
-            let event_kind = event["type"].as_str().unwrap_or("malformed").to_owned();
-            Some(Ok(Sse::default()
-                .id(stored.seq.to_string())
-                .event(event_kind)
-                .data(text)))
-        }
-    });
+        });
     Ok(axum::response::sse::Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())

@@ -934,3 +934,116 @@ async fn cancel_racing_start_never_contradicts_the_ledger() {
         }
     }
 }
+
+/// Readers hammering the audit, the cluster metrics and the verification never stop
+/// submissions from being acknowledged: every submission made meanwhile is durable, folded and
+/// answered, and the readers were answered too. (Progress, not timings: the benchmarks measure
+/// how fast.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submissions_are_acknowledged_while_auditors_hammer_the_audit() {
+    let f = std::sync::Arc::new(fixture(true).await);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for i in 0..4 {
+        let (f, stop) = (f.clone(), stop.clone());
+        readers.push(tokio::spawn(async move {
+            let uris = [
+                "/v1/audit/ledger?granularity=hour",
+                "/v1/metrics/cluster",
+                "/v1/allocations?from=2026-01-01",
+                "/v1/audit/verify",
+            ];
+            let mut answered = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let (status, _, body) = call(&f, "GET", uris[i], None, &[]).await;
+                // One verification runs at a time; the others are told to come back.
+                assert!(
+                    status == StatusCode::OK || status == StatusCode::TOO_MANY_REQUESTS,
+                    "{}: {status} {body}",
+                    uris[i]
+                );
+                answered += 1;
+            }
+            answered
+        }));
+    }
+    let mut acknowledged = 0;
+    for n in 0..200 {
+        let body = format!(r#"{{"allocation":"b","gpus_per_node":1,"name":"w{n}"}}"#);
+        let (status, _, answer) = call(&f, "POST", "/v1/workloads", Some(&body), &[]).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "submission {n}: {answer}");
+        acknowledged += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        assert!(r.await.unwrap() > 0, "every reader was answered");
+    }
+    assert_eq!(acknowledged, 200);
+    // And the audit saw them: 200 submissions' events are behind b's rows.
+    let (_, _, audit) = call(
+        &f,
+        "GET",
+        "/v1/audit/ledger?allocation=b&granularity=month",
+        None,
+        &[],
+    )
+    .await;
+    let last: u64 = audit["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["last_seq"].as_u64())
+        .max()
+        .unwrap();
+    assert!(last >= SETUP_EVENTS + 200, "{audit}");
+}
+
+/// More clients than there are replay turns replay a log longer than a live stream's stretch
+/// at once: each gets every event in order (a turn is given back once its stream catches up),
+/// and submissions made meanwhile are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
+    let f = std::sync::Arc::new(fixture(false).await);
+    let history = api::app::REPLAY_FREE as usize + 500;
+    let appends: Vec<eventlog::Append> = (0..history)
+        .map(|i| {
+            let e = ledger::Event::AllocationSet(ledger::event::AllocationSet {
+                path: format!("c/t{}", i % 10),
+                weight: 1 + (i % 3) as u32,
+                max_gpus: None,
+            });
+            let env =
+                ledger::Envelope::new(uuid::Uuid::now_v7(), scheduler::wall_clock_ms(), "test", e);
+            eventlog::Append::event(&env, None, None)
+        })
+        .collect();
+    for chunk in appends.chunks(500) {
+        f.log.append_batch(chunk.to_vec()).await.unwrap();
+    }
+    let total = SETUP_EVENTS as usize + history;
+    assert!(f.app.folded(total as u64).await);
+    let streams = 3 * api::app::REPLAYS_AT_ONCE;
+    let mut readers = Vec::new();
+    for _ in 0..streams {
+        let f = f.clone();
+        readers.push(tokio::spawn(async move {
+            let req = Request::get("/v1/events/stream")
+                .header("authorization", format!("Bearer {}", f.admin))
+                .body(Body::empty())
+                .unwrap();
+            let res = f.router.clone().oneshot(req).await.unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+            sse_events(res.into_body(), total).await
+        }));
+    }
+    for n in 0..20 {
+        let body = format!(r#"{{"allocation":"b","gpus_per_node":1,"name":"r{n}"}}"#);
+        let (status, _, answer) = call(&f, "POST", "/v1/workloads", Some(&body), &[]).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    }
+    for r in readers {
+        let events = r.await.unwrap();
+        let seqs: Vec<u64> = events.iter().map(|e| e.0).collect();
+        assert_eq!(seqs, (1..=total as u64).collect::<Vec<_>>());
+    }
+}

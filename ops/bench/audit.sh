@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Auditors at scale. Builds a ledger from a simulated year (FAIRLEDGER_BENCH_WORKLOADS workloads,
+# default 1,000,000: about 3 million events), moved in time to end an hour ago, imports it into
+# an embedded log and measures, with wrk against the release `fairledger serve`:
+#   - the projection rebuild (`project --once`), start-up to /readyz, and resident memory;
+#   - an audit of every allocation over the last 30 days by day, and the cluster metrics of
+#     the same period;
+#   - submissions alone, then submissions while 8 connections query the audit;
+#   - `audit verify` of the whole log, offline.
+# Usage: ops/bench/audit.sh [WORK_DIR]   (needs wrk, python3; keeps WORK_DIR for reruns)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WORK=${1:-$(mktemp -d)}
+PORT=${PORT:-18080}
+BIN=target/release/fairledger
+URL=http://127.0.0.1:$PORT
+cargo build --release -p fairledger
+if [ ! -f "$WORK/events.jsonl" ]; then
+  FAIRLEDGER_BENCH_KEEP="$WORK/year" cargo bench -p sim --bench year
+  python3 ops/bench/shift.py "$WORK/year/events.jsonl" "$WORK/events.jsonl"
+fi
+# A fresh log each run: the submissions of an earlier run would otherwise wait in its queue.
+rm -rf "$WORK/data"
+$BIN log import --data "$WORK/data" "$WORK/events.jsonl"
+echo "== projection rebuild"
+/usr/bin/time -f "%e s, %M KB max resident" $BIN project --once --data "$WORK/data"
+
+start=$(date +%s.%N)
+$BIN serve --data "$WORK/data" --config "$WORK/year/year.toml" --no-agents \
+  --heartbeat-timeout-s 1000000000 --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
+SERVE=$!
+trap 'kill $SERVE 2>/dev/null || true' EXIT
+until curl -sf "$URL/readyz" >/dev/null; do sleep 0.05; done
+echo "== start-up to /readyz: $(echo "$(date +%s.%N) - $start" | bc) s"
+echo "== resident: $(ps -o rss= -p $SERVE) KB"
+export FAIRLEDGER_TOKEN=$(cat "$WORK/data/admin.token")
+FROM=$(date -u -d '30 days ago' +%Y-%m-%d)
+AUDIT="$URL/v1/audit/ledger?from=$FROM&granularity=day"
+METRICS="$URL/v1/metrics/cluster?from=$FROM"
+curl -sf -H "Authorization: Bearer $FAIRLEDGER_TOKEN" "$AUDIT" | python3 -c 'import json,sys; d=json.load(sys.stdin); print("audit rows:", len(d["rows"]))'
+echo "== audit, 30 days by day, 8 connections"
+wrk -t1 -c8 -d10s --latency -s ops/bench/get.lua "$AUDIT" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+echo "== cluster metrics, 30 days, 8 connections"
+wrk -t1 -c8 -d10s --latency -s ops/bench/get.lua "$METRICS" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+echo "== submissions, 64 connections"
+wrk -t1 -c64 -d10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+echo "== submissions, 64 connections, while 8 connections query the audit"
+wrk -t1 -c8 -d12s --latency -s ops/bench/get.lua "$AUDIT" >"$WORK/auditors.txt" &
+AUDITORS=$!
+wrk -t1 -c64 -d10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+wait $AUDITORS
+echo "   (the auditors meanwhile:)"; grep -E "99%|Requests/sec" "$WORK/auditors.txt"
+echo "== resident after: $(ps -o rss= -p $SERVE) KB"
+kill $SERVE; wait $SERVE || true
+echo "== audit verify of the whole log"
+/usr/bin/time -f "%e s, %M KB max resident" $BIN audit verify --data "$WORK/data"

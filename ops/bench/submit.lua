@@ -1,0 +1,5 @@
+-- wrk: POST 1-GPU submissions to an allocation of the bench's year (FAIRLEDGER_TOKEN is the bearer).
+wrk.method = "POST"
+wrk.body = '{"allocation":"org0/team0","gpus_per_node":1}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("FAIRLEDGER_TOKEN")
