@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// (its workloads are requeued as hardware failures).
     #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S", default_value_t = 30.0)]
     pub heartbeat_timeout_s: f64,
+    /// Page cache of each sled database (the embedded log and the projection), in MiB: what
+    /// the server keeps of its history in memory beyond its live work.
+    #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = eventlog::embedded::DEFAULT_CACHE_BYTES / (1024 * 1024))]
+    pub cache_mb: u64,
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
@@ -93,6 +97,10 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     if !(args.heartbeat_timeout_s.is_finite() && args.heartbeat_timeout_s > 0.0) {
         return Err("--heartbeat-timeout-s must be a positive number of seconds".into());
     }
+    if args.cache_mb == 0 {
+        return Err("--cache-mb must be at least 1 (MiB)".into());
+    }
+    eventlog::embedded::set_cache_bytes(args.cache_mb * 1024 * 1024);
     let embedded = args.log.nats.is_none();
     // The nodes the embedded server drives itself, with fake GPUs: the demo's or the config's.
     let fake_nodes: Vec<ledger::event::NodeRegistered> = setup
