@@ -1,6 +1,6 @@
 //! The projector: folds the ledger log into a sled projection, exactly once.
 //!
-//! The projection is one sled tree with four key spaces:
+//! The projection is one sled tree of rows in five key spaces:
 //!
 //! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
 //!   malformed events;
@@ -9,16 +9,20 @@
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
 //! - `k/<granularity><period start><allocation>` the kept figures of every closed hour, day,
 //!   ISO week and month, per allocation and for the cluster ([`ledger::book`]), written once
-//!   when the period closes and read by [`Kept`] without holding up the fold;
-//! - `s/…` the checkpoint: the whole folded [`ledger::State`], its [`Book`] and the sequence
-//!   they are at.
+//!   when the period closes and read by [`Kept`] without holding up the fold.
+//!
+//! The checkpoint — the whole folded [`ledger::State`], its [`Book`] and the sequence they are
+//! at — lives in a tree of its own: in the same tree, the few keys beside it that every batch
+//! writes shared its sled page, and sled rewrote the whole multi-megabyte page with them (it
+//! took half the server's CPU under load). It is written just after the batch it follows, so
+//! after a crash between the two the older checkpoint stands, and the refold from it is longer.
 //!
 //! Every batch of events is written as one atomic sled batch together with the new last
 //! sequence, so after a crash at any point the projection is exactly the fold of a prefix of the
 //! log, and projecting resumes after that prefix: nothing skipped, nothing applied twice. The
 //! in-memory state resumes from the checkpoint and refolds the few events after it.
 //!
-//! The digest is a SHA-256 over every row but the checkpoint, in key order: two projections of
+//! The digest is a SHA-256 over every row, in key order: two projections of
 //! the same log prefix have the same digest however the work was split into batches, which is
 //! how tests prove the incrementally maintained projection equals a full replay.
 
@@ -44,11 +48,11 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 7;
+const FORMAT: u32 = 8;
 const STATS: &[u8] = b"m/stats";
-const CHECKPOINT_SEQ: &[u8] = b"s/seq";
-const CHECKPOINT_STATE: &[u8] = b"s/state";
-const CHECKPOINT_BOOK: &[u8] = b"s/book";
+const CHECKPOINT_SEQ: &[u8] = b"seq";
+const CHECKPOINT_STATE: &[u8] = b"state";
+const CHECKPOINT_BOOK: &[u8] = b"book";
 
 /// Counts of what the projector did with the events it read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -236,6 +240,8 @@ pub struct Projector {
     dir: PathBuf,
     db: sled::Db,
     tree: sled::Tree,
+    /// The checkpoint's tree.
+    checkpoints: sled::Tree,
     state: State,
     book: Book,
     last_seq: u64,
@@ -358,6 +364,7 @@ impl Projector {
         };
         let db = eventlog::embedded::open_sled(sled::Config::new().path(dir)).map_err(storage)?;
         let tree = db.open_tree("projection").map_err(storage)?;
+        let checkpoints = db.open_tree("checkpoint").map_err(storage)?;
         // The fold settings and row format the projection is built with, fixed at creation.
         let stored = tree.get(CONFIG).map_err(storage)?;
         let config = match (config, &stored) {
@@ -396,12 +403,12 @@ impl Projector {
             None => Stats::default(),
             Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt(format!("stats: {e}")))?,
         };
-        let (state, book) = match tree.get(CHECKPOINT_STATE).map_err(storage)? {
+        let (state, book) = match checkpoints.get(CHECKPOINT_STATE).map_err(storage)? {
             None => (State::new(config), Book::new()),
             Some(v) => {
                 let state: State =
                     postcard::from_bytes(&v).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
-                let seq = tree
+                let seq = checkpoints
                     .get(CHECKPOINT_SEQ)
                     .map_err(storage)?
                     .and_then(|v| u64_of(&v));
@@ -416,7 +423,7 @@ impl Projector {
                         dir: dir.to_owned(),
                     });
                 }
-                let book = tree
+                let book = checkpoints
                     .get(CHECKPOINT_BOOK)
                     .map_err(storage)?
                     .ok_or_else(|| corrupt("the checkpoint has no book".into()))?;
@@ -435,6 +442,7 @@ impl Projector {
             dir: dir.to_owned(),
             db,
             tree,
+            checkpoints,
             state,
             book,
             last_seq,
@@ -467,7 +475,11 @@ impl Projector {
 
     /// The sequence of the stored checkpoint, if one was written.
     pub fn checkpoint_seq(&self) -> Result<Option<u64>, ProjectionError> {
-        match self.tree.get(CHECKPOINT_SEQ).map_err(|e| self.storage(e))? {
+        match self
+            .checkpoints
+            .get(CHECKPOINT_SEQ)
+            .map_err(|e| self.storage(e))?
+        {
             None => Ok(None),
             Some(v) => u64_of(&v)
                 .map(Some)
@@ -557,14 +569,11 @@ impl Projector {
         }
     }
 
-    /// SHA-256 over every row but the checkpoint, in key order, as hex.
+    /// SHA-256 over every row (the checkpoint is not one), in key order, as hex.
     pub fn digest(&self) -> Result<String, ProjectionError> {
         let mut hash = Sha256::new();
         for entry in self.tree.iter() {
             let (k, v) = entry.map_err(|e| self.storage(e))?;
-            if k.starts_with(b"s/") {
-                continue;
-            }
             hash.update((k.len() as u64).to_be_bytes());
             hash.update(&k);
             hash.update((v.len() as u64).to_be_bytes());
@@ -773,19 +782,22 @@ impl Projector {
         }
         batch.insert(LAST_SEQ, &self.last_seq.to_be_bytes());
         batch.insert(STATS, json(&self.stats));
-        if self.since_checkpoint >= self.checkpoint_every
-            && self.last_checkpoint.elapsed() >= self.checkpoint_gap
-        {
-            self.add_checkpoint(&mut batch);
-        }
         if let Err(e) = self.tree.apply_batch(batch) {
             self.poisoned = true;
             return Err(self.storage(e));
         }
+        if self.since_checkpoint >= self.checkpoint_every
+            && self.last_checkpoint.elapsed() >= self.checkpoint_gap
+        {
+            self.write_checkpoint()?;
+        }
         Ok(())
     }
 
-    fn add_checkpoint(&mut self, batch: &mut sled::Batch) {
+    /// Writes the state and the book as they are, with their sequence, in one batch of the
+    /// checkpoint's tree.
+    fn write_checkpoint(&mut self) -> Result<(), ProjectionError> {
+        let mut batch = sled::Batch::default();
         let bytes = postcard::to_stdvec(&self.state).expect("the state always serializes");
         batch.insert(CHECKPOINT_STATE, bytes);
         let book = postcard::to_stdvec(&self.book).expect("the book always serializes");
@@ -793,16 +805,17 @@ impl Projector {
         batch.insert(CHECKPOINT_SEQ, &self.state.last_seq.to_be_bytes());
         self.since_checkpoint = 0;
         self.last_checkpoint = std::time::Instant::now();
+        if let Err(e) = self.checkpoints.apply_batch(batch) {
+            self.poisoned = true;
+            return Err(self.storage(e));
+        }
+        Ok(())
     }
 
     /// Writes a checkpoint now and flushes everything to disk (on shutdown).
     pub fn checkpoint(&mut self) -> Result<(), ProjectionError> {
-        let mut batch = sled::Batch::default();
-        self.add_checkpoint(&mut batch);
-        self.tree
-            .apply_batch(batch)
-            .and_then(|()| self.db.flush().map(|_| ()))
-            .map_err(|e| self.storage(e))
+        self.write_checkpoint()?;
+        self.db.flush().map(|_| ()).map_err(|e| self.storage(e))
     }
 
     /// Reads and folds up to `max` events after the last applied one, without waiting for

@@ -198,8 +198,8 @@ async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
     // Damage the checkpoint.
     {
         let db = eventlog::embedded::open_sled(sled::Config::new().path(&pdir)).unwrap();
-        let tree = db.open_tree("projection").unwrap();
-        tree.insert(b"s/state", b"garbage".to_vec()).unwrap();
+        let tree = db.open_tree("checkpoint").unwrap();
+        tree.insert(b"state", b"garbage".to_vec()).unwrap();
         db.flush().unwrap();
     }
     let err = Projector::open(&pdir, config(), &log).await.err().unwrap();
