@@ -358,7 +358,14 @@ struct Open {
     cluster_start: Counters,
     cluster_preemptions_start: Preemptions,
     cluster_seqs: Seqs,
+    /// In the middle of a long stretch without events: no rows until it opens again.
+    #[serde(default)]
+    skipping: bool,
 }
+
+/// A stretch without events longer than this keeps month rows only in its middle (see
+/// [`Book::advance`]): about 400 days.
+pub const FILL_MAX_MS: u64 = 400 * DAY_MS;
 
 /// The kept figures, fed by the fold. See the [module](self) documentation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -401,6 +408,7 @@ impl Book {
                     cluster_start: Counters::default(),
                     cluster_preemptions_start: Preemptions::default(),
                     cluster_seqs: Seqs::default(),
+                    skipping: false,
                 })
                 .collect(),
             closed: Vec::new(),
@@ -476,6 +484,12 @@ impl Book {
     }
 
     /// Moves the state's clock to `t_ms`, closing every period that ends on the way.
+    ///
+    /// A stretch of more than [`FILL_MAX_MS`] without events (a ledger imported from a
+    /// simulation that began at the epoch, then served live) keeps every month's row, but the
+    /// hours, days and weeks skip its middle: their rows close at the first boundary and open
+    /// again at the period holding `t_ms`, rather than filling the stretch with millions of rows
+    /// alike. Months still add up to the whole.
     pub fn advance(&mut self, state: &mut State, t_ms: u64) {
         let t_ms = t_ms.max(state.now_ms);
         if !self.started {
@@ -484,20 +498,51 @@ impl Book {
                 open.from_ms = open.granularity.start_of(t_ms);
             }
         }
+        // Where each granularity that skips the middle of a long stretch opens again.
+        let resume: Vec<Option<u64>> = self
+            .open
+            .iter()
+            .map(|o| {
+                let g = o.granularity;
+                let (first_end, again) = (g.end_of(o.from_ms), g.start_of(t_ms));
+                (g != Granularity::Month && again > first_end.saturating_add(FILL_MAX_MS))
+                    .then_some(again)
+            })
+            .collect();
         loop {
-            // Every boundary is an hour's.
-            let next = Granularity::Hour.end_of(self.open[0].from_ms);
+            let next = (0..self.open.len())
+                .map(|g| self.boundary(g, resume[g]))
+                .min()
+                .unwrap_or(u64::MAX);
             if next > t_ms {
                 break;
             }
             self.integrate(state, next);
-            for g in 0..self.open.len() {
-                if self.open[g].granularity.end_of(self.open[g].from_ms) == next {
+            for (g, &again) in resume.iter().enumerate() {
+                if self.boundary(g, again) != next {
+                    continue;
+                }
+                if self.open[g].skipping {
+                    self.reopen(state, g, next);
+                } else {
                     self.close(state, g, next);
+                    if again.is_some_and(|again| again > next) {
+                        self.open[g].skipping = true;
+                    }
                 }
             }
         }
         self.integrate(state, t_ms);
+    }
+
+    /// The next boundary of granularity index `g`: its period's end, or, while it skips a long
+    /// stretch, where it opens again.
+    fn boundary(&self, g: usize, resume: Option<u64>) -> u64 {
+        let o = &self.open[g];
+        match resume {
+            Some(again) if o.skipping => again,
+            _ => o.granularity.end_of(o.from_ms),
+        }
     }
 
     /// Integrates entitlement to `t_ms` and moves the state there.
@@ -571,6 +616,25 @@ impl Book {
         open.cluster_preemptions_start = self.cluster_preemptions;
         open.cluster_seqs = Seqs::default();
         open.from_ms = end;
+    }
+
+    /// Opens the period of granularity index `g` again at `at` (the state's clock) after a
+    /// skipped stretch, with no row for the stretch.
+    fn reopen(&mut self, state: &State, g: usize, at: u64) {
+        let readings: Vec<Figures> = (0..self.entitlement_gpu_ms.len() as AllocId)
+            .map(|a| self.reading(state, a))
+            .collect();
+        let open = &mut self.open[g];
+        for (a, (o, reading)) in open.allocations.iter_mut().zip(readings).enumerate() {
+            o.start = reading;
+            o.seqs = Seqs::default();
+            o.present = !state.allocations.node(a as AllocId).removed;
+        }
+        open.cluster_start = state.counters.clone();
+        open.cluster_preemptions_start = self.cluster_preemptions;
+        open.cluster_seqs = Seqs::default();
+        open.from_ms = at;
+        open.skipping = false;
     }
 
     /// The rows closed since the last call, in the order they closed.

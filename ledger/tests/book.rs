@@ -289,3 +289,58 @@ fn a_cancel_by_the_owner_is_not_a_preemption_and_incarnations_are_told_apart() {
     assert_eq!(hour4.len(), 1);
     assert_eq!(hour4[0].incarnation, 12);
 }
+
+#[test]
+fn a_stretch_of_years_without_events_keeps_its_months_and_skips_its_hours() {
+    // a's workload runs on all 8 GPUs from 0:00; the next event comes two years and five hours
+    // later. Months keep every row; hours and days skip the middle of the stretch.
+    let mut events: Vec<Envelope> = ledger().into_iter().take(5).collect();
+    let later = 2 * 365 * 24 * H + 5 * H;
+    events.push(at(
+        later,
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(
+            Uuid::from_u128(3),
+            Some("b".into()),
+            1,
+            1,
+        )),
+    ));
+    let mut state = State::new(StateConfig::default());
+    let mut book = Book::new();
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(book.apply(&mut state, i as u64 + 1, e), Outcome::Applied);
+    }
+    let rows = book.take_closed();
+    let a = |g: Granularity| -> Vec<AllocationRow> {
+        rows.iter()
+            .filter_map(|r| match r {
+                Row::Allocation(r) if r.granularity == g && r.path == "a" => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // Two years of months (1970 and 1971) are closed; their delivered add up to every GPU-hour
+    // since the start but those of the month under way.
+    let months = a(Granularity::Month);
+    assert_eq!(months.len(), 24);
+    let open_month = book.open_from(Granularity::Month);
+    let delivered: u64 = months.iter().map(|r| r.figures.delivered_gpu_ms).sum();
+    assert_eq!(delivered, 8 * open_month);
+    // The first hour, day and week closed, then each opens again at the period holding the new
+    // event: one row each, not 17,500 hours.
+    let hours = a(Granularity::Hour);
+    assert_eq!(
+        hours.len(),
+        1,
+        "{:?}",
+        hours.iter().map(|r| r.from_ms).collect::<Vec<_>>()
+    );
+    assert_eq!((hours[0].from_ms, hours[0].to_ms), (0, H));
+    assert_eq!(a(Granularity::Day).len(), 1);
+    assert_eq!(a(Granularity::Week).len(), 1);
+    assert_eq!(book.open_from(Granularity::Hour), later);
+    assert_eq!(book.open_from(Granularity::Day), later - 5 * H);
+    // The book goes on as before once events come again.
+    let open = book.open_rows(&state, Granularity::Hour, 0, later + 2 * H);
+    assert_eq!(open.iter().filter(|r| r.allocation() == Some(0)).count(), 2);
+}
