@@ -238,21 +238,28 @@ pub async fn shutdown_signal() {
 /// `events.jsonl`, an export) to the log, in order, each event keyed by its id so that running
 /// the import again appends nothing twice.
 pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), String> {
-    let text = std::fs::read_to_string(events)
-        .map_err(|e| format!("cannot read {}: {e}", events.display()))?;
-    let mut parsed = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    // Two passes over the file, so that memory does not grow with its length: the first checks
+    // every line (nothing is imported from a file with a bad one), the second appends.
+    let lines = || -> Result<_, String> {
+        let file = std::fs::File::open(events)
+            .map_err(|e| format!("cannot read {}: {e}", events.display()))?;
+        Ok(std::io::BufRead::lines(std::io::BufReader::new(file)).enumerate())
+    };
+    let parse = |i: usize, line: std::io::Result<String>| -> Result<Option<Envelope>, String> {
+        let line = line.map_err(|e| format!("cannot read {}: {e}", events.display()))?;
         if line.trim().is_empty() {
-            continue;
+            return Ok(None);
         }
-        let env: Envelope = serde_json::from_str(line).map_err(|e| {
+        serde_json::from_str(&line).map(Some).map_err(|e| {
             format!(
                 "{}:{}: not a ledger event ({e}); nothing was imported",
                 events.display(),
                 i + 1
             )
-        })?;
-        parsed.push(env);
+        })
+    };
+    for (i, line) in lines()? {
+        parse(i, line)?;
     }
     let batch = batch.clamp(1, eventlog::MAX_BATCH);
     runtime()?.block_on(async {
@@ -260,7 +267,21 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
         let started = Instant::now();
         let mut router = eventlog::subject::Router::default();
         let (mut written, mut duplicates) = (0u64, 0u64);
-        for chunk in parsed.chunks(batch) {
+        let mut chunk: Vec<Envelope> = Vec::with_capacity(batch);
+        let mut lines = lines()?.peekable();
+        while lines.peek().is_some() {
+            chunk.clear();
+            for (i, line) in lines.by_ref() {
+                if let Some(env) = parse(i, line)? {
+                    chunk.push(env);
+                    if chunk.len() == batch {
+                        break;
+                    }
+                }
+            }
+            if chunk.is_empty() {
+                break;
+            }
             let appends: Vec<_> = chunk.iter().map(|e| router.append(e, None)).collect();
             // Append one by one where a batch would be refused for holding a known key (a
             // second import of the same file).
