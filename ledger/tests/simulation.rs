@@ -511,23 +511,6 @@ fn simulation_invariants_hold_for_every_seed() {
 
 #[test]
 fn simulation_is_deterministic() {
-    let ledger_of = |seed| {
-        let sc = scenario(seed);
-        let mut engine = Engine::new(State::new(sc.state_config), sc.policy.clone());
-        let mut lines = Vec::new();
-        let mut observe =
-            |_: &State, seq: u64, env: &Envelope, _: &Outcome| lines.push(format!("{seq} {env:?}"));
-        for event in sc.setup {
-            engine.write(0, event, &mut observe);
-        }
-        engine.submit_all(sc.workloads);
-        engine.inject(sc.faults);
-        for (at, event) in sc.operations {
-            engine.schedule(at, event);
-        }
-        engine.run(None, &mut observe);
-        lines
-    };
     for seed in [1, 7, 42] {
         let (a, b) = (ledger_of(seed), ledger_of(seed));
         assert!(a.len() > 10);

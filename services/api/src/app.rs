@@ -113,6 +113,39 @@ impl App {
             .expect("the audit turns are never closed")
     }
 
+    /// The projection's row of workload `id`, or a 404 saying there is none.
+    pub(crate) async fn workload_row(&self, id: Uuid) -> Result<projector::WorkloadRow, Problem> {
+        self.inner
+            .projection
+            .read()
+            .await
+            .workload(id)
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+            .ok_or_else(|| Problem::not_found(format!("no workload {id}")))
+    }
+
+    /// The events at `seqs` (in that order), read back from the log; a sequence the log lacks,
+    /// or whose event does not decode, is left out.
+    pub(crate) async fn events_at(&self, seqs: &[u64]) -> Result<Vec<(u64, Envelope)>, Problem> {
+        let mut out = Vec::with_capacity(seqs.len());
+        for &seq in seqs {
+            let stored = self
+                .inner
+                .log
+                .read(seq, 1)
+                .await
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
+            if let Some(env) = stored
+                .into_iter()
+                .find(|e| e.seq == seq)
+                .and_then(|e| projector::decode(&e.payload).ok())
+            {
+                out.push((seq, env));
+            }
+        }
+        Ok(out)
+    }
+
     /// Marks the projection as caught up with the log (`/readyz` answers 200 from now on).
     pub fn set_ready(&self) {
         self.inner.ready.store(true, Ordering::Release);

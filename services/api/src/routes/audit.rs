@@ -10,7 +10,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use eventlog::EventLog;
 use ledger::book::{tiles, AllocationRow, ClusterRow, Granularity, Row};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -282,31 +281,15 @@ pub(crate) async fn audit_workload(
     Path(id): Path<String>,
 ) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let row = app
-        .inner
-        .projection
-        .read()
-        .await
-        .workload(id)
-        .map_err(|e| Problem::unavailable(e.to_string()))?
-        .ok_or_else(|| Problem::not_found(format!("no event names workload {id}")))?;
+    let row = app.workload_row(id).await?;
     let mut seqs: Vec<u64> = row.history.iter().chain(&row.rejected).copied().collect();
     seqs.sort_unstable();
-    let mut history = Vec::with_capacity(seqs.len());
-    for seq in seqs {
-        let stored = app
-            .inner
-            .log
-            .read(seq, 1)
-            .await
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
-        let Some(e) = stored.into_iter().find(|e| e.seq == seq) else {
-            continue;
-        };
-        if let Ok(env) = projector::decode(&e.payload) {
-            history.push(json!({"seq": seq, "event": env}));
-        }
-    }
+    let history: Vec<Value> = app
+        .events_at(&seqs)
+        .await?
+        .into_iter()
+        .map(|(seq, env)| json!({"seq": seq, "event": env}))
+        .collect();
     Ok(Json(json!({"id": id, "events": history, "rejected_seqs": row.rejected})).into_response())
 }
 

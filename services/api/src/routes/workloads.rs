@@ -11,7 +11,7 @@ use eventlog::EventLog;
 use ledger::event::*;
 use ledger::identity::Action;
 use ledger::policy::{decide, Blocked, PolicyConfig};
-use ledger::{Envelope, Phase};
+use ledger::Phase;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use uuid::Uuid;
@@ -303,37 +303,22 @@ pub(crate) async fn workload(
     Path(id): Path<String>,
 ) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    let row = app
-        .inner
-        .projection
-        .read()
-        .await
-        .workload(id)
-        .map_err(|e| Problem::unavailable(e.to_string()))?
-        .ok_or_else(|| Problem::not_found(format!("no workload {id}")))?;
+    let row = app.workload_row(id).await?;
     // Its history: the kind, time and actor of every event about it the fold applied, oldest
     // first (GET /v1/audit/workloads/{id} also shows the ones it refused).
-    let mut history = Vec::with_capacity(row.history.len());
-    for &seq in &row.history {
-        let stored = app
-            .inner
-            .log
-            .read(seq, 1)
-            .await
-            .map_err(|e| Problem::unavailable(e.to_string()))?;
-        let Some(e) = stored.into_iter().find(|e| e.seq == seq) else {
-            continue;
-        };
-        let Ok(env) = serde_json::from_slice::<Envelope>(&e.payload) else {
-            continue;
-        };
-        history.push(json!({
-            "seq": seq,
-            "type": env.event.kind(),
-            "occurred_at_ms": env.occurred_at_ms,
-            "actor": env.actor,
-        }));
-    }
+    let history: Vec<serde_json::Value> = app
+        .events_at(&row.history)
+        .await?
+        .into_iter()
+        .map(|(seq, env)| {
+            json!({
+                "seq": seq,
+                "type": env.event.kind(),
+                "occurred_at_ms": env.occurred_at_ms,
+                "actor": env.actor,
+            })
+        })
+        .collect();
     let mut body = serde_json::to_value(&row).expect("rows serialize");
     body["history"] = json!(history);
     Ok(Json(body).into_response())

@@ -166,3 +166,24 @@ pub async fn token(
     assert_eq!(status, StatusCode::CREATED, "{answer}");
     answer["token"].as_str().unwrap().to_owned()
 }
+
+/// Submits `body` and waits until it is placed; the answer.
+pub async fn place(f: &Fixture, body: &str) -> Value {
+    let (status, _, placed) = call(
+        f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(body),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{placed}");
+    placed
+}
+
+/// Submits `body`; the answer, once the ledger accepted it (202).
+pub async fn submit(f: &Fixture, body: &str) -> Value {
+    let (status, _, answer) = call(f, "POST", "/v1/workloads", Some(body), &[]).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}: {answer}");
+    answer
+}

@@ -28,15 +28,7 @@ async fn submit_then_placed_then_cancel() {
     assert!(body["workload"]["protected_until_ms"].as_u64().unwrap() > 0);
 
     // The cluster is full: the next waits, and the queue says why.
-    let (status, _, queued) = call(
-        &f,
-        "POST",
-        "/v1/workloads",
-        Some(r#"{"allocation":"b","gpus_per_node":4}"#),
-        &[],
-    )
-    .await;
-    assert_eq!(status, StatusCode::ACCEPTED, "{queued}");
+    let queued = submit(&f, r#"{"allocation":"b","gpus_per_node":4}"#).await;
     let (_, _, queue) = call(&f, "GET", "/v1/queue", None, &[]).await;
     let pending = queue["pending"].as_array().unwrap();
     assert_eq!(pending.len(), 1, "{queue}");
@@ -509,15 +501,7 @@ async fn allocations_are_set_removed_and_listed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_answers_in_json_and_csv() {
     let f = fixture(true).await;
-    let (status, _, placed) = call(
-        &f,
-        "POST",
-        "/v1/workloads?wait=placed&timeout_s=10",
-        Some(r#"{"allocation":"b","gpus_per_node":2}"#),
-        &[],
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{placed}");
+    let placed = place(&f, r#"{"allocation":"b","gpus_per_node":2}"#).await;
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     let now = scheduler::wall_clock_ms();
     let uri = format!(
@@ -643,15 +627,7 @@ async fn the_audit_answers_in_json_and_csv() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_of_running_work_is_counted_apart_from_preemptions() {
     let f = fixture(true).await;
-    let (status, _, placed) = call(
-        &f,
-        "POST",
-        "/v1/workloads?wait=placed&timeout_s=10",
-        Some(r#"{"allocation":"b","gpus_per_node":2}"#),
-        &[],
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{placed}");
+    let placed = place(&f, r#"{"allocation":"b","gpus_per_node":2}"#).await;
     let id = placed["id"].as_str().unwrap();
     let (status, _, cancel) = call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{cancel}");
@@ -883,15 +859,7 @@ async fn cancel_racing_start_never_contradicts_the_ledger() {
     let f = fixture(true).await;
     let mut outcomes = std::collections::BTreeMap::new();
     for i in 0..12 {
-        let (status, _, submitted) = call(
-            &f,
-            "POST",
-            "/v1/workloads",
-            Some(r#"{"allocation":"b","gpus_per_node":1}"#),
-            &[],
-        )
-        .await;
-        assert_eq!(status, StatusCode::ACCEPTED, "{submitted}");
+        let submitted = submit(&f, r#"{"allocation":"b","gpus_per_node":1}"#).await;
         let id = submitted["id"].as_str().unwrap().to_owned();
         if i % 2 == 1 {
             // Give the scheduler a head start now and then.
@@ -967,18 +935,14 @@ async fn submissions_are_acknowledged_while_auditors_hammer_the_audit() {
             answered
         }));
     }
-    let mut acknowledged = 0;
     for n in 0..200 {
         let body = format!(r#"{{"allocation":"b","gpus_per_node":1,"name":"w{n}"}}"#);
-        let (status, _, answer) = call(&f, "POST", "/v1/workloads", Some(&body), &[]).await;
-        assert_eq!(status, StatusCode::ACCEPTED, "submission {n}: {answer}");
-        acknowledged += 1;
+        submit(&f, &body).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for r in readers {
         assert!(r.await.unwrap() > 0, "every reader was answered");
     }
-    assert_eq!(acknowledged, 200);
     // And the audit saw them: 200 submissions' events are behind b's rows.
     let (_, _, audit) = call(
         &f,
@@ -1038,8 +1002,7 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
     }
     for n in 0..20 {
         let body = format!(r#"{{"allocation":"b","gpus_per_node":1,"name":"r{n}"}}"#);
-        let (status, _, answer) = call(&f, "POST", "/v1/workloads", Some(&body), &[]).await;
-        assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+        submit(&f, &body).await;
     }
     for r in readers {
         let events = r.await.unwrap();
