@@ -76,8 +76,9 @@ impl Granularity {
         self as u8
     }
 
-    /// The start of the period holding `t_ms`.
+    /// The start of the period holding `t_ms` (times past [`MAX_TIME_MS`] read as it).
     pub fn start_of(self, t_ms: u64) -> u64 {
+        let t_ms = t_ms.min(MAX_TIME_MS);
         match self {
             Granularity::Hour => t_ms - t_ms % HOUR_MS,
             Granularity::Day => t_ms - t_ms % DAY_MS,
@@ -89,9 +90,13 @@ impl Granularity {
         }
     }
 
-    /// The end of the period that starts at or holds `t_ms` (the start of the next one).
+    /// The end of the period that starts at or holds `t_ms` (the start of the next one); the
+    /// period holding [`MAX_TIME_MS`] never ends.
     pub fn end_of(self, t_ms: u64) -> u64 {
         let start = self.start_of(t_ms);
+        if t_ms >= self.start_of(MAX_TIME_MS) {
+            return u64::MAX;
+        }
         match self {
             Granularity::Hour => start + HOUR_MS,
             Granularity::Day => start + DAY_MS,
@@ -133,6 +138,9 @@ fn date_of(t_ms: u64) -> time::Date {
 fn ms_of(date: time::Date) -> u64 {
     (date.to_julian_day() - UNIX_EPOCH_JULIAN_DAY) as u64 * DAY_MS
 }
+
+/// The last time the calendar reckons with: 9999-12-31T23:59:59.999Z.
+pub const MAX_TIME_MS: u64 = 253_402_300_799_999;
 
 /// The Julian day number of 1970-01-01.
 const UNIX_EPOCH_JULIAN_DAY: i32 = 2_440_588;
@@ -493,9 +501,13 @@ impl Book {
     pub fn advance(&mut self, state: &mut State, t_ms: u64) {
         let t_ms = t_ms.max(state.now_ms);
         if !self.started {
+            // Nothing happened before the first event: the periods' readings start there, not
+            // at the epoch (the clock's integrals of an empty cluster still count the time).
             self.started = true;
+            self.integrate(state, t_ms);
             for open in &mut self.open {
                 open.from_ms = open.granularity.start_of(t_ms);
+                open.cluster_start = state.counters.clone();
             }
         }
         // Where each granularity that skips the middle of a long stretch opens again.

@@ -344,3 +344,35 @@ fn a_stretch_of_years_without_events_keeps_its_months_and_skips_its_hours() {
     let open = book.open_rows(&state, Granularity::Hour, 0, later + 2 * H);
     assert_eq!(open.iter().filter(|r| r.allocation() == Some(0)).count(), 2);
 }
+
+#[test]
+fn the_first_periods_start_at_the_first_event_not_at_the_epoch() {
+    // The hand-worked ledger moved ten hours on: the cluster's first hour row counts that hour
+    // of 8 GPUs only, not the ten hours before the ledger began.
+    let events: Vec<Envelope> = ledger()
+        .into_iter()
+        .map(|mut e| {
+            e.occurred_at_ms += 10 * H;
+            if let Event::WorkloadStarted(s) = &mut e.event {
+                s.protected_until_ms += 10 * H;
+            }
+            e
+        })
+        .collect();
+    let mut state = State::new(StateConfig::default());
+    let mut book = Book::new();
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(book.apply(&mut state, i as u64 + 1, e), Outcome::Applied);
+    }
+    let first = book
+        .take_closed()
+        .into_iter()
+        .find_map(|r| match r {
+            Row::Cluster(r) if r.granularity == Granularity::Hour => Some(r),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(first.from_ms, 10 * H);
+    assert_eq!(first.counters.total_gpu_ms, 8 * H);
+    assert_eq!(first.counters.largest_gang_ms.values().sum::<u64>(), H);
+}

@@ -14,7 +14,11 @@ pub fn parse_instant(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let bad = || format!("{text:?} is not {INSTANT_FORMS}");
     if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
-        return text.parse().map_err(|_| bad());
+        return text
+            .parse()
+            .ok()
+            .filter(|&ms| ms <= ledger::book::MAX_TIME_MS)
+            .ok_or_else(|| format!("{text:?} is not {INSTANT_FORMS} before the year 10000"));
     }
     let nanos = if text.len() == 10 {
         let date = time::Date::parse(
@@ -70,7 +74,7 @@ pub fn period(
             ));
         }
     }
-    let to = to_asked.map_or(now, |t| align.ceil(t).min(now));
+    let to = to_asked.map_or(now, |t| align.ceil(t.min(now)).min(now));
     let from = align.start_of(from_asked.unwrap_or(to.saturating_sub(default_span_ms)));
     if from >= to {
         return Err(Problem::invalid(
@@ -137,5 +141,8 @@ mod tests {
         assert_eq!(e.field.as_deref(), Some("from"));
         let e = period(Some("soon"), None, 0, Granularity::Day, now).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("from"));
+        // The far future is now; the end of the calendar does not panic.
+        let (_, to) = period(None, Some("9999-12-31"), 0, Granularity::Month, now).unwrap();
+        assert_eq!(to, now);
     }
 }

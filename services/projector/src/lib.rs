@@ -48,7 +48,7 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 8;
+const FORMAT: u32 = 9;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -740,7 +740,12 @@ impl Projector {
             return Ok(());
         };
         let live = self.state.workloads.contains_key(&id);
-        let mut trail = self.trail(id, false)?;
+        // Its trail: in memory while it lives, else the row's own (which may be newer than
+        // the stored one, from this very batch).
+        let mut trail = self.trails.remove(&id).unwrap_or_else(|| Trail {
+            history: row.history.clone(),
+            rejected: row.rejected.clone(),
+        });
         trail.rejected.push(seq);
         row.rejected = trail.rejected.clone();
         if live {

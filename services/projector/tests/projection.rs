@@ -376,3 +376,78 @@ async fn a_checkpoint_gap_holds_checkpoints_back_however_many_events_arrive() {
     held.checkpoint().unwrap();
     assert_eq!(held.checkpoint_seq().unwrap(), Some(3000));
 }
+
+/// The events about a workload that the fold refuses are kept on its row, before and after it
+/// ends, the same however the events are split into batches (and so the digest is too).
+#[tokio::test]
+async fn refused_events_stay_on_the_row_however_the_batches_fall() {
+    use ledger::event::*;
+    use ledger::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let id = uuid::Uuid::from_u128(7);
+    let finished = || {
+        Event::WorkloadFinished(WorkloadFinished {
+            workload: id,
+            exit_code: Some(0),
+            signal: None,
+        })
+    };
+    let events = [
+        Event::AllocationSet(AllocationSet {
+            path: "lab".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        Event::NodeRegistered(NodeRegistered {
+            node: "n".into(),
+            gpus: 2,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("lab".into()), 1, 1)),
+        // 4: refused, it is not running yet.
+        finished(),
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: id,
+            placement: vec![PlacedNode {
+                node: "n".into(),
+                gpus: vec![0],
+            }],
+            protected_until_ms: 10_000,
+        }),
+        finished(),
+        // 7 and 8: refused, it has ended.
+        finished(),
+        finished(),
+    ];
+    let envelopes: Vec<Envelope> = events
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            Envelope::new(
+                uuid::Uuid::from_u128(i as u128 + 1),
+                1_000 * i as u64,
+                "t",
+                e,
+            )
+        })
+        .collect();
+    write_all(&log, &envelopes).await;
+    let stored = log.read(1, 100).await.unwrap();
+    let mut digests = Vec::new();
+    for split in [1, 3, 8] {
+        let mut p = Projector::open(&dir.path().join(format!("p{split}")), config(), &log)
+            .await
+            .unwrap();
+        for chunk in stored.chunks(split) {
+            p.apply(chunk).unwrap();
+        }
+        let row = p.workload(id).unwrap().unwrap();
+        assert_eq!(row.phase, "finished");
+        assert_eq!(row.history, vec![3, 5, 6], "batches of {split}");
+        assert_eq!(row.rejected, vec![4, 7, 8], "batches of {split}");
+        digests.push(p.digest().unwrap());
+    }
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+}
