@@ -323,12 +323,6 @@ pub(crate) async fn cluster_metrics(
         Granularity::Hour,
         now,
     )?;
-    if to - from > AUDIT_PERIODS_MAX * DAY_MS {
-        return Err(Problem::invalid(
-            "from",
-            format!("the period is longer than {AUDIT_PERIODS_MAX} days; ask for a shorter one"),
-        ));
-    }
     let _turn = app.audit_turn().await;
     let (rows, last_seq) = tiled_rows(&app, from, to).await?;
     let mut counters = ledger::metrics::Counters::default();

@@ -362,13 +362,6 @@ async fn bad_input_names_the_field_and_changes_nothing() {
         ),
         (
             "GET",
-            "/v1/metrics/cluster?from=0",
-            None,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            Some("from"),
-        ),
-        (
-            "GET",
             "/v1/audit/ledger?to=99999999999999999999",
             None,
             StatusCode::UNPROCESSABLE_ENTITY,
