@@ -14,6 +14,22 @@ fn alibaba_events() -> Vec<Envelope> {
     sim::read_ledger(&out.path().join("events.jsonl")).unwrap()
 }
 
+/// `events` as envelopes a second apart from the epoch, numbered from 1.
+fn one_a_second(events: impl IntoIterator<Item = ledger::Event>) -> Vec<Envelope> {
+    events
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            Envelope::new(
+                uuid::Uuid::from_u128(i as u128 + 1),
+                1_000 * i as u64,
+                "t",
+                e,
+            )
+        })
+        .collect()
+}
+
 async fn write_all(log: &EmbeddedLog, events: &[Envelope]) {
     let mut router = eventlog::subject::Router::default();
     for chunk in events.chunks(500) {
@@ -325,19 +341,7 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
             reason: StopReason::Cancelled,
         }),
     ];
-    let envelopes: Vec<Envelope> = events
-        .into_iter()
-        .enumerate()
-        .map(|(i, e)| {
-            Envelope::new(
-                uuid::Uuid::from_u128(i as u128 + 1),
-                1_000 * i as u64,
-                "t",
-                e,
-            )
-        })
-        .collect();
-    write_all(&log, &envelopes).await;
+    write_all(&log, &one_a_second(events)).await;
     let mut p = Projector::open(&dir.path().join("p"), config(), &log)
         .await
         .unwrap();
@@ -421,19 +425,7 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
         finished(),
         finished(),
     ];
-    let envelopes: Vec<Envelope> = events
-        .into_iter()
-        .enumerate()
-        .map(|(i, e)| {
-            Envelope::new(
-                uuid::Uuid::from_u128(i as u128 + 1),
-                1_000 * i as u64,
-                "t",
-                e,
-            )
-        })
-        .collect();
-    write_all(&log, &envelopes).await;
+    write_all(&log, &one_a_second(events)).await;
     let stored = log.read(1, 100).await.unwrap();
     let mut digests = Vec::new();
     for split in [1, 3, 8] {
