@@ -196,7 +196,8 @@ impl Preemptions {
         }
     }
 
-    fn add(&mut self, other: &Preemptions) {
+    /// Adds the preemptions of a following period.
+    pub fn add(&mut self, other: &Preemptions) {
         self.fair_share += other.fair_share;
         self.opportunistic += other.opportunistic;
         self.hardware_failure += other.hardware_failure;
@@ -588,6 +589,19 @@ impl Book {
 
     /// Closes the open period of granularity index `g` at `end` (the state's clock).
     fn close(&mut self, state: &State, g: usize, end: u64) {
+        self.roll(state, g, end, true);
+    }
+
+    /// Opens the period of granularity index `g` again at `at` (the state's clock) after a
+    /// skipped stretch, with no row for the stretch.
+    fn reopen(&mut self, state: &State, g: usize, at: u64) {
+        self.roll(state, g, at, false);
+        self.open[g].skipping = false;
+    }
+
+    /// Starts the period of granularity index `g` anew at `at` (the state's clock), keeping the
+    /// rows of the one that ends there when `keep`.
+    fn roll(&mut self, state: &State, g: usize, at: u64, keep: bool) {
         let readings: Vec<Figures> = (0..self.entitlement_gpu_ms.len() as AllocId)
             .map(|a| self.reading(state, a))
             .collect();
@@ -598,11 +612,11 @@ impl Book {
             }
             let node = state.allocations.node(a as AllocId);
             let figures = reading.since(&o.start);
-            if node.is_leaf() || figures != Figures::default() || o.seqs.first.is_some() {
+            if keep && (node.is_leaf() || figures != Figures::default() || o.seqs.first.is_some()) {
                 self.closed.push(Row::Allocation(AllocationRow {
                     granularity: open.granularity,
                     from_ms: open.from_ms,
-                    to_ms: end,
+                    to_ms: at,
                     allocation: a as AllocId,
                     path: node.path.clone(),
                     incarnation: node.created_seq,
@@ -614,39 +628,22 @@ impl Book {
             o.seqs = Seqs::default();
             o.present = !node.removed;
         }
-        self.closed.push(Row::Cluster(ClusterRow {
-            granularity: open.granularity,
-            from_ms: open.from_ms,
-            to_ms: end,
-            counters: state.counters.since(&open.cluster_start),
-            preemptions: self
-                .cluster_preemptions
-                .since(&open.cluster_preemptions_start),
-            seqs: open.cluster_seqs,
-        }));
-        open.cluster_start = state.counters.clone();
-        open.cluster_preemptions_start = self.cluster_preemptions;
-        open.cluster_seqs = Seqs::default();
-        open.from_ms = end;
-    }
-
-    /// Opens the period of granularity index `g` again at `at` (the state's clock) after a
-    /// skipped stretch, with no row for the stretch.
-    fn reopen(&mut self, state: &State, g: usize, at: u64) {
-        let readings: Vec<Figures> = (0..self.entitlement_gpu_ms.len() as AllocId)
-            .map(|a| self.reading(state, a))
-            .collect();
-        let open = &mut self.open[g];
-        for (a, (o, reading)) in open.allocations.iter_mut().zip(readings).enumerate() {
-            o.start = reading;
-            o.seqs = Seqs::default();
-            o.present = !state.allocations.node(a as AllocId).removed;
+        if keep {
+            self.closed.push(Row::Cluster(ClusterRow {
+                granularity: open.granularity,
+                from_ms: open.from_ms,
+                to_ms: at,
+                counters: state.counters.since(&open.cluster_start),
+                preemptions: self
+                    .cluster_preemptions
+                    .since(&open.cluster_preemptions_start),
+                seqs: open.cluster_seqs,
+            }));
         }
         open.cluster_start = state.counters.clone();
         open.cluster_preemptions_start = self.cluster_preemptions;
         open.cluster_seqs = Seqs::default();
         open.from_ms = at;
-        open.skipping = false;
     }
 
     /// The rows closed since the last call, in the order they closed.

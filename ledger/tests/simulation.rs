@@ -547,6 +547,14 @@ fn leaf_shares(state: &State) -> Vec<f64> {
         .collect()
 }
 
+/// Adds each leaf's entitlement from the state's clock to `t`: healthy GPUs times its share.
+fn accrue(state: &State, entitlement: &mut [f64], t: u64) {
+    let dt = t.saturating_sub(state.now_ms) as f64;
+    for (e, s) in entitlement.iter_mut().zip(leaf_shares(state)) {
+        *e += state.cluster.healthy_gpus as f64 * s * dt;
+    }
+}
+
 /// A reference refold, apart from the book: a plain fold whose cumulative integrals are read at
 /// each boundary, with entitlement integrated on the side. Returns, per boundary, every
 /// allocation's (entitlement, owed, delivered, within owed, cancels, contract violations), the
@@ -570,11 +578,7 @@ fn reference(
                 entitlement: &mut Vec<f64>,
                 seqs: &mut (Option<u64>, Option<u64>),
                 t: u64| {
-        let shares = leaf_shares(state);
-        let dt = t.saturating_sub(state.now_ms) as f64;
-        for (e, s) in entitlement.iter_mut().zip(shares) {
-            *e += state.cluster.healthy_gpus as f64 * s * dt;
-        }
+        accrue(state, entitlement, t);
         state.advance_to(t);
         let figures = state
             .allocations
@@ -606,11 +610,7 @@ fn reference(
             next += 1;
         }
         // Entitlement up to the event, under the shares before it.
-        let shares = leaf_shares(&state);
-        let dt = t.saturating_sub(state.now_ms) as f64;
-        for (e, s) in entitlement.iter_mut().zip(shares) {
-            *e += state.cluster.healthy_gpus as f64 * s * dt;
-        }
+        accrue(&state, &mut entitlement, t);
         if state.apply(*seq, env) == Outcome::Applied && next > 0 {
             seqs.0.get_or_insert(*seq);
             seqs.1 = Some(*seq);

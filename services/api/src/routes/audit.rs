@@ -335,9 +335,7 @@ pub(crate) async fn cluster_metrics(
         }) = r
         {
             counters.add(c);
-            preemptions.fair_share += p.fair_share;
-            preemptions.opportunistic += p.opportunistic;
-            preemptions.hardware_failure += p.hardware_failure;
+            preemptions.add(p);
         }
     }
     let m = ledger::metrics::Metrics::between(&ledger::metrics::Counters::default(), &counters);
