@@ -88,39 +88,6 @@ pub struct AllocationTree {
     buf: SplitBuffers,
 }
 
-/// Checks a path: non-empty segments of `[A-Za-z0-9_-]`, at most 8 levels.
-pub fn validate_path(path: &str) -> Result<(), Rejection> {
-    let bad = |reason| {
-        Err(Rejection::InvalidAllocationPath {
-            path: path.to_string(),
-            reason,
-        })
-    };
-    if path.is_empty() {
-        return bad("it is empty");
-    }
-    if path.len() > 255 {
-        return bad("it is longer than 255 bytes");
-    }
-    let mut depth = 0;
-    for seg in path.split('/') {
-        depth += 1;
-        if seg.is_empty() {
-            return bad("it has an empty segment (leading, trailing or double '/')");
-        }
-        if !seg
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        {
-            return bad("segments may hold only letters, digits, '_' and '-'");
-        }
-    }
-    if depth > 8 {
-        return bad("it is deeper than 8 levels");
-    }
-    Ok(())
-}
-
 impl AllocationTree {
     /// The live allocation at `path`.
     pub fn get(&self, path: &str) -> Option<AllocId> {
@@ -141,7 +108,7 @@ impl AllocationTree {
 
     /// Checks that `set` can be applied, without changing anything.
     pub(crate) fn check_set(&self, path: &str, weight: u32) -> Result<(), Rejection> {
-        validate_path(path)?;
+        crate::names::path(path)?;
         if weight == 0 {
             return Err(Rejection::MustBePositive { field: "weight" });
         }
@@ -319,7 +286,7 @@ impl AllocationTree {
 
     /// Checks that `path` can be removed.
     pub(crate) fn check_remove(&self, path: &str) -> Result<AllocId, Rejection> {
-        validate_path(path)?;
+        crate::names::path(path)?;
         let id = self.get(path).ok_or_else(|| Rejection::UnknownAllocation {
             path: path.to_string(),
         })?;
@@ -540,13 +507,5 @@ mod tests {
         t.recompute_demands();
         t.split_owed(10.0);
         assert_eq!([owed(&t, "p"), owed(&t, "q")], [9.0, 1.0]);
-    }
-
-    #[test]
-    fn paths_are_validated() {
-        for bad in ["", "/a", "a/", "a//b", "a b", "a/é"] {
-            assert!(validate_path(bad).is_err(), "{bad:?} should be rejected");
-        }
-        assert!(validate_path("ai2/olmo-3/pre_train").is_ok());
     }
 }

@@ -363,39 +363,6 @@ pub struct PrincipalRevoked {
     pub reason: Option<String>,
 }
 
-/// Checks a principal's name: 1 to 64 ASCII letters, digits, `-` or `_`, starting with a letter
-/// or digit (it becomes a subject token and an actor).
-pub fn validate_name(name: &str) -> Result<(), &'static str> {
-    if name.is_empty() || name.len() > 64 {
-        return Err("a name has 1 to 64 characters");
-    }
-    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
-        return Err("a name starts with a letter or digit");
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        return Err("a name holds only letters, digits, '-' and '_'");
-    }
-    Ok(())
-}
-
-/// Checks a node's name: 1 to 128 ASCII letters, digits, `-` or `_` (it becomes a subject
-/// token, a key and a directory name).
-pub fn validate_node_name(node: &str) -> Result<(), &'static str> {
-    if node.is_empty() || node.len() > 128 {
-        return Err("a node name has 1 to 128 characters");
-    }
-    if !node
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        return Err("a node name holds only letters, digits, '-' and '_'");
-    }
-    Ok(())
-}
-
 /// The live principals, by name and by token digest, and the digests of revoked tokens.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Principals {
@@ -445,7 +412,7 @@ impl Principals {
     ) -> Result<(), Rejection> {
         let invalid =
             |field: &'static str, reason: String| Err(Rejection::InvalidGrant { field, reason });
-        if let Err(reason) = validate_name(&e.name) {
+        if let Err(reason) = crate::names::principal(&e.name) {
             return invalid("name", reason.into());
         }
         if self.by_name.contains_key(&e.name) {
@@ -479,7 +446,7 @@ impl Principals {
             }
             (Role::Submitter, false, None) => {
                 for path in e.allocations.iter().filter(|p| *p != ANY_ALLOCATION) {
-                    crate::alloc::validate_path(path)?;
+                    crate::names::path(path)?;
                     let live = tree.get(path).is_some_and(|id| !tree.node(id).removed);
                     if !live {
                         return Err(Rejection::UnknownAllocation { path: path.clone() });
@@ -487,7 +454,7 @@ impl Principals {
                 }
             }
             (Role::Agent, true, Some(node)) => {
-                if let Err(reason) = validate_node_name(node) {
+                if let Err(reason) = crate::names::node(node) {
                     return invalid("node", reason.into());
                 }
                 // One actor per node, `agent:<node>`, whether the agent speaks HTTP or NATS.
@@ -534,8 +501,9 @@ impl Principals {
         );
     }
 
-    /// Revokes the live principal `name`; never the last admin, so someone can always grant.
-    pub fn revoke(&mut self, name: &str) -> Result<(), Rejection> {
+    /// Whether [`Principals::revoke`] would revoke `name`: a live principal, and not the last
+    /// admin.
+    pub fn check_revoke(&self, name: &str) -> Result<(), Rejection> {
         let target = self
             .by_name
             .get(name)
@@ -548,7 +516,13 @@ impl Principals {
                 name: name.to_owned(),
             });
         }
-        let p = self.by_name.remove(name).expect("looked up above");
+        Ok(())
+    }
+
+    /// Revokes the live principal `name`; never the last admin, so someone can always grant.
+    pub fn revoke(&mut self, name: &str) -> Result<(), Rejection> {
+        self.check_revoke(name)?;
+        let p = self.by_name.remove(name).expect("checked above");
         self.by_token.remove(&p.token_sha256);
         self.revoked.insert(p.token_sha256, p.name);
         Ok(())
@@ -573,12 +547,12 @@ mod tests {
     #[test]
     fn names_that_could_become_subjects_or_paths_are_refused() {
         for bad in ["", "a.b", "a/b", "-a", "a b", "a*", &"x".repeat(65)] {
-            assert!(validate_name(bad).is_err(), "{bad:?}");
+            assert!(crate::names::principal(bad).is_err(), "{bad:?}");
         }
         for good in ["alice", "nlp-bot", "gpu_17", "A1"] {
-            assert!(validate_name(good).is_ok(), "{good:?}");
+            assert!(crate::names::principal(good).is_ok(), "{good:?}");
         }
-        assert!(validate_node_name("gpu.1").is_err());
-        assert!(validate_node_name(&"n".repeat(129)).is_err());
+        assert!(crate::names::node("gpu.1").is_err());
+        assert!(crate::names::node(&"n".repeat(129)).is_err());
     }
 }

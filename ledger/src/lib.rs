@@ -13,6 +13,7 @@
 //!   the events fold.
 //! - [`metrics`]: availability, occupancy, impact, utilization and fragmentation for any period.
 //! - [`identity`]: principals, roles and the rules of who may do what.
+//! - [`names`]: the one check of every name and string that comes from outside.
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
 //!   starts, preemptions, the reservation and why each pending workload waits.
 //!
@@ -53,6 +54,7 @@ pub mod cluster;
 pub mod event;
 pub mod identity;
 pub mod metrics;
+pub mod names;
 pub mod policy;
 pub mod rejection;
 pub mod sim;

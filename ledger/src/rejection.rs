@@ -39,13 +39,22 @@ pub enum Rejection {
         /// The version supported.
         supported: u16,
     },
-    /// A path is empty, has an empty segment or a character outside `[A-Za-z0-9_-]`.
+    /// A path is not one [`crate::names::path`] accepts.
     #[error("allocation path {path:?} is invalid: {reason}")]
     InvalidAllocationPath {
         /// The path given.
         path: String,
         /// What is wrong with it.
-        reason: &'static str,
+        reason: String,
+    },
+    /// A field of the event is not what [`crate::names`] accepts (a node's name, a command with
+    /// a NUL byte, an environment variable named `A=B`).
+    #[error("{field} is invalid: {reason}")]
+    InvalidField {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
     },
     /// A count that must be at least 1 was 0.
     #[error("{field} must be at least 1")]
@@ -289,6 +298,7 @@ impl Rejection {
             Rejection::TimeWentBackwards { .. } => "time_went_backwards",
             Rejection::UnsupportedSchemaVersion { .. } => "unsupported_schema_version",
             Rejection::InvalidAllocationPath { .. } => "invalid_allocation_path",
+            Rejection::InvalidField { .. } => "invalid_field",
             Rejection::MustBePositive { .. } => "must_be_positive",
             Rejection::TooManyGpusOnNode { .. } => "too_many_gpus_on_node",
             Rejection::UnknownAllocation { .. } => "unknown_allocation",
@@ -319,6 +329,27 @@ impl Rejection {
             Rejection::PrincipalExists { .. } => "principal_exists",
             Rejection::UnknownPrincipal { .. } => "unknown_principal",
             Rejection::LastAdmin { .. } => "last_admin",
+        }
+    }
+
+    /// The field of the event at fault when the event itself is invalid whatever the state (a
+    /// request that carries it answers 422 naming the field); `None` when the event only does
+    /// not fit the state now (409).
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            Rejection::InvalidAllocationPath { .. } => Some("allocation"),
+            Rejection::InvalidField { field, .. }
+            | Rejection::MustBePositive { field }
+            | Rejection::InvalidGrant { field, .. } => Some(field),
+            Rejection::TooManyGpusOnNode { .. } => Some("gpus"),
+            Rejection::UnknownAllocation { .. } | Rejection::AllocationNotLeaf { .. } => {
+                Some("allocation")
+            }
+            Rejection::UnknownGpuModel { .. } => Some("model"),
+            Rejection::GpusPerNodeExceedLargestNode { .. } => Some("gpus_per_node"),
+            Rejection::GangLargerThanCluster { .. } => Some("nodes"),
+            Rejection::MinRuntimeAboveCap { .. } => Some("min_runtime_s"),
+            _ => None,
         }
     }
 }

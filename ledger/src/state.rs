@@ -347,6 +347,48 @@ impl State {
         self.shape
     }
 
+    /// The rule the fold would apply to `env` if it were the next event, changing nothing:
+    /// `Ok` when it would be applied (or answered as a duplicate). Writers call it to refuse a
+    /// request before appending it; an event folded in between can still change the verdict,
+    /// and then the fold's rejection stands in the ledger.
+    pub fn check(&self, env: &Envelope) -> Result<(), Rejection> {
+        if env.occurred_at_ms + self.config.clock_skew_tolerance_ms < self.now_ms {
+            return Err(Rejection::TimeWentBackwards {
+                occurred_at_ms: env.occurred_at_ms,
+                now_ms: self.now_ms,
+                tolerance_ms: self.config.clock_skew_tolerance_ms,
+            });
+        }
+        if env.schema_version != SCHEMA_VERSION {
+            return Err(Rejection::UnsupportedSchemaVersion {
+                version: env.schema_version,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        let now = self.now_ms.max(env.occurred_at_ms);
+        match &env.event {
+            Event::AllocationSet(e) => self.allocations.check_set(&e.path, e.weight),
+            Event::AllocationRemoved(e) => self.allocations.check_remove(&e.path).map(drop),
+            Event::NodeRegistered(e) => self.check_node_registered(e).map(drop),
+            Event::GpuHeartbeat(e) => e
+                .readings
+                .iter()
+                .try_for_each(|r| self.gpu_of(&e.node, r.gpu).map(drop)),
+            Event::GpuHealthChanged(e) => self.gpu_of(&e.node, e.gpu).map(drop),
+            Event::NodeDrained(e) => self.node_idx(&e.node).map(drop),
+            Event::NodeResumed(e) => self.node_idx(&e.node).map(drop),
+            Event::WorkloadSubmitted(e) => self.check_submitted(e).map(drop),
+            Event::WorkloadCancelled(e) => self.check_cancelled(e).map(drop),
+            Event::WorkloadStarted(e) => self.check_started(e, now).map(drop),
+            Event::PreemptionRequested(e) => self.check_preemption(e, now),
+            Event::WorkloadStopped(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
+            Event::WorkloadFinished(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
+            Event::WorkloadRequeued(e) => self.expect_phase(e.workload, Phase::Stopped).map(drop),
+            Event::PrincipalGranted(e) => self.principals.check_grant(e, &self.allocations),
+            Event::PrincipalRevoked(e) => self.principals.check_revoke(&e.name),
+        }
+    }
+
     /// Applies the event at `seq`: all of it, or nothing but a recorded rejection.
     pub fn apply(&mut self, seq: u64, env: &Envelope) -> Outcome {
         if seq <= self.last_seq {
@@ -533,10 +575,15 @@ impl State {
 
     // ---- nodes and GPUs ----------------------------------------------------------------------
 
-    fn node_registered(&mut self, e: &NodeRegistered) -> Result<Outcome, Rejection> {
-        if e.node.is_empty() {
-            return Err(Rejection::MustBePositive { field: "node" });
-        }
+    /// Checks a registration: `true` when it repeats the node's (an agent re-registering
+    /// after a restart).
+    fn check_node_registered(&self, e: &NodeRegistered) -> Result<bool, Rejection> {
+        crate::names::node(&e.node).map_err(|reason| Rejection::InvalidField {
+            field: "node",
+            reason,
+        })?;
+        crate::names::model(&e.model)?;
+        crate::names::labels(&e.labels)?;
         if e.gpus == 0 {
             return Err(Rejection::MustBePositive { field: "gpus" });
         }
@@ -549,13 +596,20 @@ impl State {
         if let Some(idx) = self.cluster.get(&e.node) {
             let n = self.cluster.node(idx);
             if n.gpu_count == e.gpus && n.model == e.model {
-                return Ok(Outcome::Applied); // an agent re-registering after a restart
+                return Ok(true);
             }
             return Err(Rejection::NodeAlreadyRegistered {
                 node: e.node.clone(),
                 gpus: n.gpu_count,
                 model: n.model.clone(),
             });
+        }
+        Ok(false)
+    }
+
+    fn node_registered(&mut self, e: &NodeRegistered) -> Result<Outcome, Rejection> {
+        if self.check_node_registered(e)? {
+            return Ok(Outcome::Applied);
         }
         self.cluster
             .register(&e.node, e.gpus, &e.model, e.labels.clone());
@@ -675,15 +729,16 @@ impl State {
         Ok(w)
     }
 
-    fn workload_submitted(
-        &mut self,
-        seq: u64,
+    /// Checks a submission: `Err(Ok(original))` for a key used before, else its allocation and
+    /// GPU model.
+    #[allow(clippy::type_complexity)]
+    fn check_submitted(
+        &self,
         e: &WorkloadSubmitted,
-        actor: &str,
-    ) -> Result<Outcome, Rejection> {
+    ) -> Result<Result<(Option<AllocId>, Option<u32>), WorkloadId>, Rejection> {
         if let Some(key) = &e.idempotency_key {
             if let Some(&original) = self.idempotency.get(key) {
-                return Ok(Outcome::Duplicate { original });
+                return Ok(Err(original));
             }
         }
         if self.workloads.contains_key(&e.workload) || self.ended.contains_key(&e.workload) {
@@ -702,7 +757,7 @@ impl State {
         let allocation = match &e.allocation {
             None => None,
             Some(path) => {
-                crate::alloc::validate_path(path)?;
+                crate::names::path(path)?;
                 let id = self
                     .allocations
                     .get(path)
@@ -745,6 +800,20 @@ impl State {
                 });
             }
         }
+        crate::names::workload(e.name.as_deref(), &e.command, &e.env)?;
+        Ok(Ok((allocation, model)))
+    }
+
+    fn workload_submitted(
+        &mut self,
+        seq: u64,
+        e: &WorkloadSubmitted,
+        actor: &str,
+    ) -> Result<Outcome, Rejection> {
+        let (allocation, model) = match self.check_submitted(e)? {
+            Ok(checked) => checked,
+            Err(original) => return Ok(Outcome::Duplicate { original }),
+        };
         let w = Workload {
             id: e.workload,
             allocation,
@@ -883,25 +952,25 @@ impl State {
         self.ended.insert(id, phase);
     }
 
-    fn workload_cancelled(&mut self, e: &WorkloadCancelled) -> Result<Outcome, Rejection> {
+    /// Checks a cancel: the workload's phase, pending or stopped.
+    fn check_cancelled(&self, e: &WorkloadCancelled) -> Result<Phase, Rejection> {
         self.check_known(e.workload)?;
-        let phase = self.workloads[&e.workload].phase;
-        match phase {
-            Phase::Pending => {
-                self.dequeue(e.workload);
-                self.end(e.workload, Phase::Cancelled);
-                Ok(Outcome::Applied)
-            }
-            Phase::Stopped => {
-                self.end(e.workload, Phase::Cancelled);
-                Ok(Outcome::Applied)
-            }
-            _ => Err(Rejection::WrongPhase {
+        match self.workloads[&e.workload].phase {
+            phase @ (Phase::Pending | Phase::Stopped) => Ok(phase),
+            phase => Err(Rejection::WrongPhase {
                 workload: e.workload,
                 phase: phase.name(),
                 expected: "pending or stopped (preempt a running workload first)",
             }),
         }
+    }
+
+    fn workload_cancelled(&mut self, e: &WorkloadCancelled) -> Result<Outcome, Rejection> {
+        if self.check_cancelled(e)? == Phase::Pending {
+            self.dequeue(e.workload);
+        }
+        self.end(e.workload, Phase::Cancelled);
+        Ok(Outcome::Applied)
     }
 
     /// Resolves and checks a placement against the workload and the cluster.
@@ -977,16 +1046,17 @@ impl State {
         Ok(parts)
     }
 
-    fn workload_started(&mut self, e: &WorkloadStarted) -> Result<Outcome, Rejection> {
+    /// Checks a start at `now`: the placement, resolved.
+    fn check_started(&self, e: &WorkloadStarted, now: u64) -> Result<Vec<Part>, Rejection> {
         let w = self.expect_phase(e.workload, Phase::Pending)?;
         let parts = self.check_placement(w, &e.placement)?;
-        if e.protected_until_ms < self.now_ms {
+        if e.protected_until_ms < now {
             return Err(Rejection::ProtectedUntilBeforeStart {
                 protected_until_ms: e.protected_until_ms,
-                started_at_ms: self.now_ms,
+                started_at_ms: now,
             });
         }
-        if e.protected_until_ms - self.now_ms > self.config.min_runtime_cap_ms {
+        if e.protected_until_ms - now > self.config.min_runtime_cap_ms {
             return Err(Rejection::ProtectionAboveCap {
                 protected_until_ms: e.protected_until_ms,
                 cap_s: self.config.min_runtime_cap_ms / 1000,
@@ -1008,7 +1078,12 @@ impl State {
                 }
             }
         }
-        // Checked; from here on nothing fails.
+        Ok(parts)
+    }
+
+    fn workload_started(&mut self, e: &WorkloadStarted) -> Result<Outcome, Rejection> {
+        let parts = self.check_started(e, self.now_ms)?;
+        let w = &self.workloads[&e.workload];
         let (id, gpus, alloc) = (w.id, w.gpus(), w.allocation);
         let hold = Hold {
             allocation: alloc,
@@ -1057,7 +1132,9 @@ impl State {
             .any(|p| p.gpus & !self.cluster.node(p.node).healthy != 0)
     }
 
-    fn preemption_requested(&mut self, e: &PreemptionRequested) -> Result<Outcome, Rejection> {
+    /// Checks a preemption at `now`: the workload runs, is not being preempted, and its
+    /// contract allows it.
+    fn check_preemption(&self, e: &PreemptionRequested, now: u64) -> Result<(), Rejection> {
         let w = self.expect_phase(e.workload, Phase::Running)?;
         if w.preempting.is_some() {
             return Err(Rejection::AlreadyPreempting {
@@ -1069,13 +1146,18 @@ impl State {
             PreemptionReason::UserCancelled => false,
             PreemptionReason::FairShare | PreemptionReason::Opportunistic => w.allocation.is_some(),
         };
-        if contract_applies && self.now_ms < w.protected_until_ms {
+        if contract_applies && now < w.protected_until_ms {
             return Err(Rejection::ContractProtected {
                 workload: e.workload,
                 protected_until_ms: w.protected_until_ms,
             });
         }
-        let alloc = w.allocation;
+        Ok(())
+    }
+
+    fn preemption_requested(&mut self, e: &PreemptionRequested) -> Result<Outcome, Rejection> {
+        self.check_preemption(e, self.now_ms)?;
+        let alloc = self.workloads[&e.workload].allocation;
         let now = self.now_ms;
         let w = self.workloads.get_mut(&e.workload).expect("checked");
         self.contracts.remove(w);

@@ -715,3 +715,141 @@ fn kept_figures_equal_a_refold_for_random_periods() {
         assert!(!sums.is_empty(), "seed {seed}: no allocation rows");
     }
 }
+
+/// A careless or hostile writer's event about the state as it stands at `t`: unknown and ended
+/// workloads, bad names, shapes that do not fit, backdated times.
+fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
+    let live: Vec<Uuid> = state.workloads.keys().copied().collect();
+    let ended: Vec<Uuid> = state.ended.keys().copied().collect();
+    let workload = match rng.random_range(0..5) {
+        0 | 1 | 2 if !live.is_empty() => live[rng.random_range(0..live.len())],
+        3 if !ended.is_empty() => ended[rng.random_range(0..ended.len())],
+        _ => Uuid::from_u128(rng.random()),
+    };
+    let names = ["n0", "n1", "n9", "a.b", "a b", "a\0b", "a\x1bb", "_x", ""];
+    let name = names[rng.random_range(0..names.len())].to_string();
+    let paths: Vec<String> = state
+        .allocations
+        .nodes
+        .iter()
+        .map(|a| a.path.clone())
+        .chain(["_unallocated".into(), "x/y".into(), "a//b".into()])
+        .collect();
+    let path = paths[rng.random_range(0..paths.len())].clone();
+    let event = match rng.random_range(0..11) {
+        0 => Event::WorkloadCancelled(WorkloadCancelled {
+            workload,
+            reason: None,
+        }),
+        1 => Event::PreemptionRequested(PreemptionRequested {
+            workload,
+            reason: [
+                PreemptionReason::FairShare,
+                PreemptionReason::Opportunistic,
+                PreemptionReason::HardwareFailure,
+                PreemptionReason::UserCancelled,
+            ][rng.random_range(0..4)],
+            beneficiary: None,
+            grace_s: 0,
+        }),
+        2 => Event::WorkloadStopped(WorkloadStopped {
+            workload,
+            reason: StopReason::Lost,
+        }),
+        3 => Event::WorkloadFinished(WorkloadFinished {
+            workload,
+            exit_code: Some(1),
+            signal: None,
+        }),
+        4 => Event::WorkloadRequeued(WorkloadRequeued {
+            workload,
+            work_lost_s: 0,
+        }),
+        5 => Event::WorkloadStarted(WorkloadStarted {
+            workload,
+            placement: vec![PlacedNode {
+                node: name,
+                gpus: vec![rng.random_range(0..9)],
+            }],
+            protected_until_ms: t + rng.random_range(0..3 * HOUR),
+        }),
+        6 => Event::NodeRegistered(NodeRegistered {
+            node: name,
+            gpus: rng.random_range(0..10),
+            model: ["H100", "A100", "x\ny"][rng.random_range(0..3)].into(),
+            labels: Default::default(),
+        }),
+        7 => {
+            let mut w = WorkloadSubmitted::new(
+                Uuid::from_u128(rng.random()),
+                rng.random_bool(0.8).then_some(path),
+                rng.random_range(0..10),
+                rng.random_range(0..3),
+            );
+            match rng.random_range(0..4) {
+                0 => w.command = vec!["sh".into(), "a\0b".into()],
+                1 => w.env = BTreeMap::from([("A=B".into(), "x".into())]),
+                _ => {}
+            }
+            Event::WorkloadSubmitted(w)
+        }
+        8 => Event::AllocationRemoved(AllocationRemoved { path }),
+        9 => Event::NodeDrained(NodeDrained {
+            node: name,
+            reason: None,
+        }),
+        _ => Event::GpuHealthChanged(GpuHealthChanged {
+            node: name,
+            gpu: rng.random_range(0..9),
+            healthy: rng.random_bool(0.5),
+            reason: "probe".into(),
+        }),
+    };
+    let at = if rng.random_bool(0.05) {
+        t.saturating_sub(HOUR)
+    } else {
+        t
+    };
+    Envelope::new(Uuid::from_u128(rng.random()), at, "probe", event)
+}
+
+#[test]
+fn the_dry_run_verdict_is_the_folds() {
+    let seeds: u64 = std::env::var("FAIRLEDGER_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(500)
+        .min(100);
+    let (mut applied, mut rejected) = (0, 0);
+    for seed in 0..seeds {
+        let _guard = SeedGuard(seed);
+        let config = scenario(seed).state_config;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut state = State::new(config);
+        let mut seq = 0;
+        for (_, env) in ledger_of(seed) {
+            let mut events = vec![env.clone()];
+            for _ in 0..rng.random_range(0..3) {
+                events.push(hostile(&mut rng, &state, env.occurred_at_ms));
+            }
+            for env in events {
+                seq += 1;
+                let verdict = state.check(&env);
+                let outcome = state.apply(seq, &env);
+                match (&verdict, &outcome) {
+                    (Err(r), Outcome::Rejected(f)) if r == f => rejected += 1,
+                    (Ok(()), Outcome::Applied | Outcome::Duplicate { .. }) => applied += 1,
+                    _ => panic!(
+                        "seed {seed}, seq {seq}: the dry run said {verdict:?} but the fold {outcome:?} for {:?}",
+                        env.event
+                    ),
+                }
+            }
+        }
+    }
+    assert!(
+        applied > 0 && rejected > 0,
+        "{applied} applied, {rejected} rejected"
+    );
+    eprintln!("{applied} events applied and {rejected} rejected as the dry run said");
+}

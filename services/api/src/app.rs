@@ -167,8 +167,10 @@ impl App {
             .unwrap_or(false)
     }
 
-    /// Appends one event about `allocation` keyed by `key`, written by `actor`, waits for the
-    /// fold, and turns a rejection by the fold into a 409 naming the rule. Answers its sequence.
+    /// Appends one event about `allocation` keyed by `key`, written by `actor`, unless the fold
+    /// would refuse it now ([`ledger::State::check`]: 422 naming the field, or 409 naming the
+    /// rule, and nothing written); waits for the fold, and turns a rejection by the fold (the
+    /// state moved in between) into a 409 naming the rule. Answers its sequence.
     pub async fn write(
         &self,
         event: Event,
@@ -192,6 +194,14 @@ impl App {
         fence: Option<eventlog::Expect>,
     ) -> Result<u64, Option<Problem>> {
         let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
+        // Refused means nothing written: what the fold would reject now is not appended.
+        self.inner
+            .projection
+            .read()
+            .await
+            .state()
+            .check(&env)
+            .map_err(|r| Some(Problem::refused(&r)))?;
         let mut append = Append::event(&env, allocation, key);
         let fenced = fence.is_some();
         if let Some(fence) = fence {

@@ -57,6 +57,15 @@ impl Problem {
         Problem::new(StatusCode::FORBIDDEN, "forbidden", detail)
     }
 
+    /// The rule the fold would refuse an event by: 422 naming the field when the event is
+    /// invalid whatever the state, 409 naming the rule when it does not fit the state now.
+    pub fn refused(r: &ledger::Rejection) -> Self {
+        match r.field() {
+            Some(field) => Problem::invalid(field, r.to_string()),
+            None => Problem::new(StatusCode::CONFLICT, r.code(), r.to_string()),
+        }
+    }
+
     /// The event log could not take or give the data.
     pub fn unavailable(detail: impl Into<String>) -> Self {
         Problem::new(StatusCode::SERVICE_UNAVAILABLE, "log-unavailable", detail)

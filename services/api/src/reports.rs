@@ -312,7 +312,7 @@ async fn answer_report(
         .strip_prefix(eventlog::subject::REPORTS_PREFIX)
         .and_then(|rest| rest.strip_prefix('.'))
         .unwrap_or_default();
-    ledger::identity::validate_node_name(node).map_err(|r| Problem::invalid("node", r))?;
+    ledger::names::node(node).map_err(|r| Problem::invalid("node", r))?;
     let body: NodeEventsBody =
         serde_json::from_slice(&message.payload).map_err(|e| crate::problem::json_error(&e))?;
     let actor = format!("agent:{node}");

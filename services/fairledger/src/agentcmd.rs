@@ -162,7 +162,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
         return Err("--heartbeat-s must be a positive number of seconds".into());
     }
     let node = args.node.clone().unwrap_or_else(host_name);
-    ledger::identity::validate_node_name(&node)
+    ledger::names::node(&node)
         .map_err(|reason| format!("node name {node:?}: {reason}; pass --node"))?;
     let source = source(&args)?;
     let shim = shim()?;

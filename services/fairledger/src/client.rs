@@ -615,7 +615,7 @@ pub fn audit(
     }
     let mut path = format!("/v1/audit/ledger?granularity={granularity}");
     if let Some(a) = allocation {
-        ledger::alloc::validate_path(a).map_err(|r| format!("--allocation: {r}"))?;
+        ledger::names::path(a).map_err(|r| format!("--allocation: {r}"))?;
         path += &format!("&allocation={a}");
     }
     // Times go over the wire as milliseconds: nothing to escape.

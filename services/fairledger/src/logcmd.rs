@@ -364,7 +364,7 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
         allocation: args.allocation.clone(),
     };
     if let Some(a) = &scope.allocation {
-        ledger::alloc::validate_path(a).map_err(|r| format!("--allocation: {r}"))?;
+        ledger::names::path(a).map_err(|r| format!("--allocation: {r}"))?;
     }
     let started = Instant::now();
     let found = runtime()?.block_on(async {

@@ -27,15 +27,15 @@ pub struct NatsAuthArgs {
 pub fn nats_auth(args: NatsAuthArgs) -> Result<(), String> {
     let mut wanted: Vec<(String, NatsRole)> = Vec::new();
     for name in &args.service {
-        ledger::identity::validate_name(name).map_err(|r| format!("--service {name:?}: {r}"))?;
+        ledger::names::principal(name).map_err(|r| format!("--service {name:?}: {r}"))?;
         wanted.push((name.clone(), NatsRole::Service));
     }
     for node in &args.agents {
-        ledger::identity::validate_node_name(node).map_err(|r| format!("--agent {node:?}: {r}"))?;
+        ledger::names::node(node).map_err(|r| format!("--agent {node:?}: {r}"))?;
         wanted.push((node.clone(), NatsRole::Agent { node: node.clone() }));
     }
     for name in &args.readers {
-        ledger::identity::validate_name(name).map_err(|r| format!("--reader {name:?}: {r}"))?;
+        ledger::names::principal(name).map_err(|r| format!("--reader {name:?}: {r}"))?;
         wanted.push((name.clone(), NatsRole::Reader));
     }
     let mut names: Vec<&str> = wanted.iter().map(|(n, _)| n.as_str()).collect();

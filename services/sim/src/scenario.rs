@@ -272,8 +272,7 @@ impl Scenario {
         }
         let mut weights = BTreeMap::new();
         for a in &self.allocations {
-            ledger::alloc::validate_path(&a.path)
-                .map_err(|e| bad(format!("[[allocations]] {e}")))?;
+            ledger::names::path(&a.path).map_err(|e| bad(format!("[[allocations]] {e}")))?;
             if a.weight == 0 {
                 return Err(bad(format!(
                     "[[allocations]] {:?}: weight must be at least 1",

@@ -165,7 +165,7 @@ pub(crate) async fn set_allocation(
     body: Result<Json<AllocationBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(body) = body.map_err(bad_body)?;
-    ledger::alloc::validate_path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    ledger::names::path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
     if body.weight == 0 {
         return Err(Problem::invalid("weight", "must be at least 1"));
     }
@@ -190,7 +190,7 @@ pub(crate) async fn remove_allocation(
     caller: Caller,
     Path(path): Path<String>,
 ) -> Result<Response, Problem> {
-    ledger::alloc::validate_path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    ledger::names::path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
     {
         let p = app.inner.projection.read().await;
         let tree = &p.state().allocations;

@@ -193,8 +193,7 @@ async fn known_allocation(app: &App, path: Option<&str>) -> Result<(), Problem> 
     let Some(path) = path else {
         return Ok(());
     };
-    ledger::alloc::validate_path(path)
-        .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+    ledger::names::path(path).map_err(|r| Problem::invalid("allocation", r.to_string()))?;
     let p = app.inner.projection.read().await;
     if !p.state().allocations.nodes.iter().any(|a| a.path == path) {
         return Err(Problem::invalid(

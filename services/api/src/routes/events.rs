@@ -74,8 +74,7 @@ pub(crate) async fn events(
         return Err(Problem::invalid("limit", "1 to 1000"));
     }
     if let Some(path) = &query.allocation {
-        ledger::alloc::validate_path(path)
-            .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+        ledger::names::path(path).map_err(|r| Problem::invalid("allocation", r.to_string()))?;
     }
     let tokens = query.allocation.as_ref().map(|p| p.replace('/', "."));
     let filtered = tokens.is_some() || query.kind.is_some();
@@ -166,8 +165,7 @@ pub(crate) async fn event_stream(
     };
     let after = resume.or(q.after).unwrap_or(0);
     if let Some(path) = &q.allocation {
-        ledger::alloc::validate_path(path)
-            .map_err(|r| Problem::invalid("allocation", r.to_string()))?;
+        ledger::names::path(path).map_err(|r| Problem::invalid("allocation", r.to_string()))?;
     }
     let tokens = q.allocation.as_ref().map(|p| p.replace('/', "."));
     let kind = q.kind.clone();

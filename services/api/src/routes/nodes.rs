@@ -21,7 +21,7 @@ use crate::{problem, App, Problem};
 
 /// A node name from outside (a path, a body): checked before it becomes a subject or a key.
 fn node_name(field: &str, node: &str) -> Result<(), Problem> {
-    ledger::identity::validate_node_name(node).map_err(|reason| Problem::invalid(field, reason))
+    ledger::names::node(node).map_err(|reason| Problem::invalid(field, reason))
 }
 
 /// The body of `POST /v1/nodes`.

@@ -172,7 +172,7 @@ pub(crate) async fn revoke(
     caller: Caller,
     Path(name): Path<String>,
 ) -> Result<Response, Problem> {
-    ledger::identity::validate_name(&name).map_err(|r| Problem::invalid("name", r))?;
+    ledger::names::principal(&name).map_err(|r| Problem::invalid("name", r))?;
     {
         let p = app.inner.projection.read().await;
         let principals = &p.state().principals;

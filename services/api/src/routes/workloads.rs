@@ -68,104 +68,6 @@ pub(crate) struct SubmitQuery {
     timeout_s: Option<u64>,
 }
 
-/// Checks a submission against the cluster and the tree as they stand; the fold checks again.
-fn check_submission(
-    state: &ledger::State,
-    r: &SubmitRequest,
-    policy: &PolicyConfig,
-) -> Result<(), Problem> {
-    if r.gpus_per_node == 0 {
-        return Err(Problem::invalid("gpus_per_node", "must be at least 1"));
-    }
-    let nodes = r.nodes.unwrap_or(1);
-    if nodes == 0 {
-        return Err(Problem::invalid("nodes", "must be at least 1"));
-    }
-    let model = match &r.model {
-        None => None,
-        Some(m) => Some(
-            state
-                .cluster
-                .models
-                .iter()
-                .position(|g| &g.model == m)
-                .ok_or_else(|| {
-                    let known: Vec<&str> = state
-                        .cluster
-                        .models
-                        .iter()
-                        .map(|g| g.model.as_str())
-                        .collect();
-                    Problem::invalid(
-                        "model",
-                        format!("no node has model {m:?}; the cluster has {known:?}"),
-                    )
-                })? as u32,
-        ),
-    };
-    let largest = state.cluster.largest_node(model);
-    if r.gpus_per_node > largest {
-        return Err(Problem::invalid(
-            "gpus_per_node",
-            format!(
-                "{} GPUs per node is more than the largest node has ({largest})",
-                r.gpus_per_node
-            ),
-        ));
-    }
-    let fitting = state
-        .cluster
-        .nodes
-        .iter()
-        .filter(|n| n.gpu_count >= r.gpus_per_node)
-        .filter(|n| model.is_none_or(|m| n.model_idx == m))
-        .count() as u32;
-    if nodes > fitting {
-        return Err(Problem::invalid(
-            "nodes",
-            format!(
-                "a gang of {nodes} nodes × {} GPUs is larger than the cluster: {fitting} nodes have that many GPUs",
-                r.gpus_per_node
-            ),
-        ));
-    }
-    let cap_s = state.config().min_runtime_cap_ms / 1000;
-    if let Some(m) = r.min_runtime_s {
-        if m > cap_s {
-            return Err(Problem::invalid(
-                "min_runtime_s",
-                format!("{m} s is above the cluster's cap of {cap_s} s"),
-            ));
-        }
-    }
-    if let Some(path) = &r.allocation {
-        let Some(id) = state.allocations.get(path) else {
-            return Err(Problem::invalid(
-                "allocation",
-                format!("allocation {path:?} does not exist; see GET /v1/allocations"),
-            ));
-        };
-        let a = state.allocations.node(id);
-        if a.removed {
-            return Err(Problem::invalid(
-                "allocation",
-                format!("allocation {path:?} was removed"),
-            ));
-        }
-        if !a.is_leaf() {
-            return Err(Problem::invalid(
-                "allocation",
-                format!("allocation {path:?} has children; charge one of its leaves"),
-            ));
-        }
-    }
-    if r.name.as_ref().is_some_and(|n| n.len() > 256) {
-        return Err(Problem::invalid("name", "at most 256 bytes"));
-    }
-    let _ = policy;
-    Ok(())
-}
-
 #[utoipa::path(post, path = "/v1/workloads", tag = "workloads",
     params(SubmitQuery, ("Idempotency-Key" = Option<String>, Header, description = "a retry with the same key returns the same workload")),
     request_body = SubmitRequest,
@@ -224,7 +126,6 @@ pub(crate) async fn submit(
         if let Some(id) = key.as_ref().and_then(|k| state.idempotency.get(k)) {
             return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
         }
-        check_submission(state, &request, &app.inner.policy)?;
     }
     let id = Uuid::now_v7();
     let submitted = WorkloadSubmitted {
@@ -253,14 +154,21 @@ pub(crate) async fn submit(
             &caller.actor(),
         )
         .await?;
-    // A retry whose first attempt landed between the check above and the append: the fold
-    // answered it with the original workload.
-    let id = {
+    // A retry whose first attempt landed between the check above and the append (the log or
+    // the fold answered it with the original workload): the original, said to be one.
+    let original = {
         let p = app.inner.projection.read().await;
         key.as_ref()
             .and_then(|k| p.state().idempotency.get(k).copied())
-            .unwrap_or(id)
+            .filter(|&original| original != id)
     };
+    if let Some(original) = original {
+        return Ok((
+            StatusCode::OK,
+            Json(json!({"id": original, "duplicate": true})),
+        )
+            .into_response());
+    }
     if wait_placed {
         let timeout = Duration::from_secs(query.timeout_s.unwrap_or(30).min(300));
         let placed = async {

@@ -1,0 +1,316 @@
+//! Every name that comes from outside, checked in one place before it becomes a subject token,
+//! a key, a directory or a line on someone's terminal.
+//!
+//! | name | characters | length |
+//! | --- | --- | --- |
+//! | node, principal, allocation path segment | ASCII letters, digits, `-`, `_`; first a letter or digit | node 1–128, principal 1–64, segment 1–64 |
+//! | allocation path | segments joined by `/` | at most 8 levels, 255 bytes |
+//! | node label key | ASCII letters, digits, `-`, `_`, `.`, `/`; first a letter or digit | 1–128 |
+//! | node label value, GPU model | printable ASCII (space to `~`) | model 1–64, value 0–128 |
+//! | workload name | any text without control characters | 0–256 bytes |
+//! | environment variable name | ASCII letters, digits, `_`; first not a digit | 1–256 |
+//! | environment value, command argument | any text without NUL | 32 KiB each, 256 arguments, 256 variables |
+//!
+//! A name of the first kind is its own subject token (NATS tokens may not hold `.`, `*`, `>` or
+//! white space), so two different names never share a subject, and the longest subject the
+//! ledger writes stays far under the 1,024 bytes NATS and the embedded log allow. The leading
+//! letter or digit keeps names clear of the tokens the ledger keeps for itself
+//! (`_unallocated`) and of options on a command line (`-x`).
+
+use std::collections::BTreeMap;
+
+use crate::Rejection;
+
+/// The longest node name.
+pub const NODE_MAX: usize = 128;
+/// The longest principal name.
+pub const PRINCIPAL_MAX: usize = 64;
+/// The longest allocation path segment.
+pub const SEGMENT_MAX: usize = 64;
+/// The longest allocation path.
+pub const PATH_MAX: usize = 255;
+/// The deepest allocation path.
+pub const PATH_DEPTH_MAX: usize = 8;
+/// The longest workload name.
+pub const WORKLOAD_NAME_MAX: usize = 256;
+/// The most command arguments and the most environment variables.
+pub const ARGS_MAX: usize = 256;
+/// The longest command argument or environment value.
+pub const ARG_MAX: usize = 32 * 1024;
+/// The most labels on a node.
+pub const LABELS_MAX: usize = 32;
+
+/// A token: `max` bytes at most of ASCII letters, digits, `-` and `_`, the first a letter or
+/// digit; `what` names it in the reason.
+fn token(s: &str, max: usize, what: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > max {
+        return Err(format!("{what} has 1 to {max} characters"));
+    }
+    if !s.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err(format!("{what} starts with a letter or digit"));
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|&c| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+    {
+        return Err(format!(
+            "{what} holds only letters, digits, '-' and '_', not {}",
+            shown(c)
+        ));
+    }
+    Ok(())
+}
+
+/// `c` as a reason shows it: printable characters quoted, others by their code.
+fn shown(c: char) -> String {
+    if c.is_ascii_graphic() {
+        format!("'{c}'")
+    } else {
+        format!("U+{:04X}", c as u32)
+    }
+}
+
+/// Checks a node's name (a subject token, a key and a directory name).
+pub fn node(name: &str) -> Result<(), String> {
+    token(name, NODE_MAX, "a node name")
+}
+
+/// Checks a principal's name (a subject token and an actor).
+pub fn principal(name: &str) -> Result<(), String> {
+    token(name, PRINCIPAL_MAX, "a name")
+}
+
+/// Checks an allocation path: segments joined by `/`, each a token, at most
+/// [`PATH_DEPTH_MAX`] levels and [`PATH_MAX`] bytes.
+pub fn path(path: &str) -> Result<(), Rejection> {
+    let bad = |reason: String| {
+        Err(Rejection::InvalidAllocationPath {
+            path: path.to_string(),
+            reason,
+        })
+    };
+    if path.is_empty() {
+        return bad("it is empty".into());
+    }
+    if path.len() > PATH_MAX {
+        return bad(format!("it is longer than {PATH_MAX} bytes"));
+    }
+    let mut depth = 0;
+    for seg in path.split('/') {
+        depth += 1;
+        if seg.is_empty() {
+            return bad("it has an empty segment (leading, trailing or double '/')".into());
+        }
+        if let Err(reason) = token(seg, SEGMENT_MAX, "a segment") {
+            return bad(reason);
+        }
+    }
+    if depth > PATH_DEPTH_MAX {
+        return bad(format!("it is deeper than {PATH_DEPTH_MAX} levels"));
+    }
+    Ok(())
+}
+
+/// Printable ASCII, `min..=max` bytes.
+fn printable(s: &str, min: usize, max: usize, what: &str) -> Result<(), String> {
+    if s.len() < min || s.len() > max {
+        return Err(format!("{what} has {min} to {max} characters"));
+    }
+    if let Some(c) = s.chars().find(|&c| !(c == ' ' || c.is_ascii_graphic())) {
+        return Err(format!(
+            "{what} holds only printable ASCII, not {}",
+            shown(c)
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a GPU model's name.
+pub fn model(model: &str) -> Result<(), Rejection> {
+    printable(model, 1, 64, "a GPU model").map_err(|reason| invalid("model", reason))
+}
+
+/// Checks a node's labels.
+pub fn labels(labels: &BTreeMap<String, String>) -> Result<(), Rejection> {
+    if labels.len() > LABELS_MAX {
+        return Err(invalid("labels", format!("at most {LABELS_MAX} labels")));
+    }
+    for (k, v) in labels {
+        let key_ok = !k.is_empty()
+            && k.len() <= 128
+            && k.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+        if !key_ok {
+            return Err(invalid(
+                "labels",
+                format!(
+                    "label {:?}: a key has 1 to 128 letters, digits, '-', '_', '.' or '/', the first a letter or digit",
+                    k.escape_debug().to_string()
+                ),
+            ));
+        }
+        printable(v, 0, 128, "a label value")
+            .map_err(|reason| invalid("labels", format!("label {k}: {reason}")))?;
+    }
+    Ok(())
+}
+
+/// Checks what a submission asks a node to run: its name, command and environment. The
+/// environment's names are what POSIX shells accept, so a node can always set them.
+pub fn workload(
+    name: Option<&str>,
+    command: &[String],
+    env: &BTreeMap<String, String>,
+) -> Result<(), Rejection> {
+    if let Some(name) = name {
+        if name.len() > WORKLOAD_NAME_MAX {
+            return Err(invalid(
+                "name",
+                format!("at most {WORKLOAD_NAME_MAX} bytes"),
+            ));
+        }
+        if let Some(c) = name.chars().find(|c| c.is_control()) {
+            return Err(invalid(
+                "name",
+                format!("a name holds no control characters, not {}", shown(c)),
+            ));
+        }
+    }
+    if command.len() > ARGS_MAX {
+        return Err(invalid("command", format!("at most {ARGS_MAX} arguments")));
+    }
+    for (i, arg) in command.iter().enumerate() {
+        if arg.len() > ARG_MAX || arg.contains('\0') {
+            return Err(invalid(
+                "command",
+                format!("argument {i}: at most {ARG_MAX} bytes and no NUL character"),
+            ));
+        }
+    }
+    if command.first().is_some_and(String::is_empty) {
+        return Err(invalid("command", "the program (argument 0) is empty"));
+    }
+    if env.len() > ARGS_MAX {
+        return Err(invalid("env", format!("at most {ARGS_MAX} variables")));
+    }
+    for (k, v) in env {
+        let key_ok = !k.is_empty()
+            && k.len() <= 256
+            && !k.starts_with(|c: char| c.is_ascii_digit())
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !key_ok {
+            return Err(invalid(
+                "env",
+                format!(
+                    "variable {:?}: a name has 1 to 256 letters, digits and '_', not starting with a digit",
+                    k.escape_debug().to_string()
+                ),
+            ));
+        }
+        if v.len() > ARG_MAX || v.contains('\0') {
+            return Err(invalid(
+                "env",
+                format!("variable {k}: at most {ARG_MAX} bytes and no NUL character"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> Rejection {
+    Rejection::InvalidField {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// `s` safe to print on a terminal: control characters (escape sequences, carriage returns,
+/// NUL) shown escaped, everything else as it is.
+pub fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return s.into();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_refuse_what_would_share_a_subject_or_reach_a_terminal() {
+        for bad in [
+            "",
+            "a.b",
+            "a b",
+            "a\nb",
+            "a\tb",
+            "a\0b",
+            "a\x1bb",
+            "_unallocated",
+            "-x",
+            "a*",
+            "a>",
+            "é",
+        ] {
+            assert!(node(bad).is_err(), "{bad:?}");
+            assert!(principal(bad).is_err(), "{bad:?}");
+            assert!(path(bad).is_err(), "{bad:?}");
+        }
+        assert!(node(&"n".repeat(NODE_MAX)).is_ok());
+        assert!(node(&"n".repeat(NODE_MAX + 1)).is_err());
+        assert!(path("ai2/olmo-3/pre_train").is_ok());
+        let deep = format!("{}a", "a/".repeat(PATH_DEPTH_MAX));
+        for bad in [
+            "/a",
+            "a/",
+            "a//b",
+            "a/_b",
+            &deep,
+            &"a".repeat(SEGMENT_MAX + 1),
+        ] {
+            assert!(path(bad).is_err(), "{bad:?}");
+        }
+        let reason = node("a\x1bb").unwrap_err();
+        assert!(reason.contains("U+001B"), "{reason}");
+    }
+
+    #[test]
+    fn a_workload_runs_what_a_node_can_launch() {
+        let env = |k: &str, v: &str| BTreeMap::from([(k.to_owned(), v.to_owned())]);
+        let none = BTreeMap::new();
+        assert!(workload(
+            Some("train"),
+            &["python".into(), "x.py".into()],
+            &env("A_1", "v")
+        )
+        .is_ok());
+        let field = |r: Result<(), Rejection>| match r {
+            Err(Rejection::InvalidField { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(workload(None, &["a\0b".into()], &none)), "command");
+        assert_eq!(field(workload(None, &["".into()], &none)), "command");
+        for key in ["A\0", "A=B", "", "1A", "A B"] {
+            assert_eq!(field(workload(None, &[], &env(key, "v"))), "env", "{key:?}");
+        }
+        assert_eq!(field(workload(None, &[], &env("A", "x\0"))), "env");
+        assert_eq!(field(workload(Some("a\x1b[2J"), &[], &none)), "name");
+    }
+
+    #[test]
+    fn terminal_output_escapes_control_characters() {
+        assert_eq!(terminal_safe("demo-0"), "demo-0");
+        assert_eq!(terminal_safe("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+    }
+}
