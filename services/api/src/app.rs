@@ -34,6 +34,8 @@ pub(crate) struct Inner {
     pub(crate) policy: PolicyConfig,
     pub(crate) ready: AtomicBool,
     pub(crate) health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
+    /// Decisions the log refuses for good, which the scheduler leaves out.
+    pub(crate) stuck: Arc<scheduler::Stuck>,
     /// One verification of the kept figures at a time.
     pub(crate) verifying: Arc<tokio::sync::Semaphore>,
     /// Event streams replaying a long stretch of history, a few at a time.
@@ -70,6 +72,7 @@ impl App {
                 health: Arc::new(std::sync::Mutex::new(scheduler::HealthMonitor::new(
                     HEARTBEAT_TIMEOUT_MS,
                 ))),
+                stuck: Default::default(),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),
                 replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE)),
                 audits: Arc::new(tokio::sync::Semaphore::new(

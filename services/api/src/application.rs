@@ -148,6 +148,7 @@ impl Application {
                 policy: settings.policy.clone(),
                 tick: settings.scheduler_tick,
                 health: Some(app.health()),
+                stuck: app.inner.stuck.clone(),
             };
             let lease = match &log {
                 AnyLog::JetStream(js) => Some(

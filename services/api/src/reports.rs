@@ -141,6 +141,25 @@ pub fn check(
                 ))
             });
         }
+        // What the fold would reject is refused, not appended. A report after another about
+        // the same run in this batch (a stop's requeue) is judged with it above.
+        let run = env.event.workload();
+        let follows = run.is_some()
+            && reports[..i]
+                .iter()
+                .any(|r| r.envelope.event.workload() == run);
+        if !follows {
+            state.check(env).map_err(|r| {
+                let problem = Problem::refused(&r);
+                Problem {
+                    field: Some(match &problem.field {
+                        Some(f) => format!("{field}.payload.{f}"),
+                        None => field.clone(),
+                    }),
+                    ..problem
+                }
+            })?;
+        }
         let allocation = state.allocation_of(&env.event);
         // Keys are the sender's own: another principal's equal key is another report.
         appends.push(Append::event(

@@ -34,6 +34,60 @@ pub struct SchedulerConfig {
     pub tick: Duration,
     /// Heartbeats, turned into GPU health changes.
     pub health: Option<std::sync::Arc<std::sync::Mutex<HealthMonitor>>>,
+    /// Decisions the log refuses, left out so that the rest go on.
+    pub stuck: std::sync::Arc<Stuck>,
+}
+
+/// Decisions the log would refuse for good (a subject no NATS server takes, for a node whose
+/// name was registered before names were checked): each is left out of every pass, so the
+/// others still land, logged once, and shown to operators (`/readyz`, `/metrics`).
+#[derive(Debug, Default)]
+pub struct Stuck {
+    /// Why, and when last left out, by the refused event's subject.
+    refused: std::sync::Mutex<std::collections::BTreeMap<String, (String, u64)>>,
+    /// Decisions left out, counting every pass.
+    total: std::sync::atomic::AtomicU64,
+}
+
+impl Stuck {
+    /// A decision left out within this long is stuck; one no longer decided since is not.
+    pub const RECENT_MS: u64 = 60_000;
+
+    /// The decisions stuck as of `now_ms`: subject (printable) and why.
+    pub fn list(&self, now_ms: u64) -> Vec<(String, String)> {
+        let refused = self.refused.lock().expect("never poisoned");
+        refused
+            .iter()
+            .filter(|(_, (_, at))| at + Self::RECENT_MS > now_ms)
+            .map(|(s, (why, _))| (s.escape_debug().to_string(), why.clone()))
+            .collect()
+    }
+
+    /// Decisions left out so far, counting each pass.
+    pub fn total(&self) -> u64 {
+        self.total.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Leaves out of `events` those the log would refuse at `now_ms`, recording them.
+    fn leave_out(&self, state: &State, events: Vec<Event>, now_ms: u64) -> Vec<Event> {
+        let mut kept = Vec::with_capacity(events.len());
+        for event in events {
+            let subject = eventlog::subject::for_event(&event, state.allocation_of(&event));
+            let Err(why) = eventlog::check_subject(&subject) else {
+                kept.push(event);
+                continue;
+            };
+            self.total
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut refused = self.refused.lock().expect("never poisoned");
+            refused.retain(|_, (_, at)| *at + Self::RECENT_MS > now_ms);
+            if !refused.contains_key(&subject) {
+                tracing::error!(subject = %subject.escape_debug(), "the log refuses this decision for good; scheduling everything else: {why}");
+            }
+            refused.insert(subject, (why.to_string(), now_ms));
+        }
+        kept
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -42,6 +96,7 @@ impl Default for SchedulerConfig {
             policy: PolicyConfig::default(),
             tick: Duration::from_secs(1),
             health: None,
+            stuck: Default::default(),
         }
     }
 }
@@ -54,9 +109,10 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     if let Some(health) = &config.health {
         let mut monitor = health.lock().expect("the health monitor is never poisoned");
         monitor.watch_registered(state, now_ms);
-        let mut changes = monitor.changes(state, now_ms);
+        let stuck = &config.stuck;
+        let mut changes = stuck.leave_out(state, monitor.changes(state, now_ms), now_ms);
         if changes.is_empty() {
-            changes = monitor.lost_run_reports(state, now_ms);
+            changes = stuck.leave_out(state, monitor.lost_run_reports(state, now_ms), now_ms);
         }
         if !changes.is_empty() {
             changes.truncate(eventlog::MAX_BATCH);
@@ -67,6 +123,7 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
     let plan = decide(state, now_ms, &config.policy);
     let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
     events.extend(samples);
+    let mut events = config.stuck.leave_out(state, events, now_ms);
     events.truncate(eventlog::MAX_BATCH);
     events
 }
@@ -303,5 +360,43 @@ pub async fn watch_heartbeats(
             }
         }
         *before = problems;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::event::GpuHealthChanged;
+    use ledger::StateConfig;
+
+    fn health(node: &str) -> Event {
+        Event::GpuHealthChanged(GpuHealthChanged {
+            node: node.into(),
+            gpu: 0,
+            healthy: false,
+            reason: "silent".into(),
+        })
+    }
+
+    #[test]
+    fn a_decision_the_log_refuses_is_left_out_and_shown_until_no_longer_decided() {
+        let state = State::new(StateConfig::default());
+        let stuck = Stuck::default();
+        let long = "n".repeat(1_000);
+        let kept = stuck.leave_out(&state, vec![health(&long), health("n1")], 1_000);
+        assert_eq!(kept, vec![health("n1")], "the other decision goes on");
+        let shown = stuck.list(2_000);
+        assert_eq!(shown.len(), 1);
+        assert!(
+            shown[0].0.contains(&long) && !shown[0].1.is_empty(),
+            "{shown:?}"
+        );
+        stuck.leave_out(&state, vec![health(&long)], 3_000);
+        assert_eq!(stuck.total(), 2, "every pass that leaves it out counts");
+        assert_eq!(
+            stuck.list(3_000 + Stuck::RECENT_MS).len(),
+            0,
+            "no longer decided"
+        );
     }
 }

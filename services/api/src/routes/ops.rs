@@ -24,18 +24,29 @@ pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
 }
 
 #[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
-    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up", body = problem::Problem, content_type = "application/problem+json")))]
+    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up, or degraded: the log refuses some decisions", body = problem::Problem, content_type = "application/problem+json")))]
 pub(crate) async fn readyz(State(app): State<App>) -> Response {
-    if app.inner.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        Problem::new(
+    if !app.inner.ready.load(Ordering::Acquire) {
+        return Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "not-ready",
             "the projection is still catching up with the log",
         )
-        .into_response()
+        .into_response();
     }
+    let stuck = app.inner.stuck.list(scheduler::wall_clock_ms());
+    if let Some((subject, why)) = stuck.first() {
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "degraded",
+            format!(
+                "the log refuses {} decision(s), which the scheduler leaves out while it schedules everything else; the first, on {subject}: {why}",
+                stuck.len()
+            ),
+        )
+        .into_response();
+    }
+    (StatusCode::OK, "ready\n").into_response()
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
@@ -63,7 +74,10 @@ pub(crate) async fn metrics(State(app): State<App>) -> Response {
          # HELP fairledger_workloads Live workloads.\n\
          # TYPE fairledger_workloads gauge\n\
          fairledger_workloads{{phase=\"running\"}} {}\n\
-         fairledger_workloads{{phase=\"live\"}} {}\n",
+         fairledger_workloads{{phase=\"live\"}} {}\n\
+         # HELP fairledger_scheduler_refused_decisions_total Decisions left out because the log refuses them, counting every pass.\n\
+         # TYPE fairledger_scheduler_refused_decisions_total counter\n\
+         fairledger_scheduler_refused_decisions_total {}\n",
         p.last_seq(),
         s.applied,
         s.rejected,
@@ -74,6 +88,7 @@ pub(crate) async fn metrics(State(app): State<App>) -> Response {
         c.allocated_gpus,
         state.running.len(),
         state.workloads.len(),
+        app.inner.stuck.total(),
     );
     (
         [(
