@@ -108,6 +108,7 @@ fn stream(workloads: u64, backlog: u64) -> Vec<(u64, Envelope)> {
                     workload: Uuid::from_u128(u128::from(i - slots)),
                     exit_code: Some(0),
                     signal: None,
+                    error: None,
                 }),
             ));
         }

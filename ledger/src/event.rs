@@ -431,6 +431,9 @@ pub struct WorkloadFinished {
     /// Signal number, when a signal ended it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signal: Option<i32>,
+    /// Why it failed without running its command (the node could not launch it), when so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A stopped workload went back to the queue, keeping its place in submission order.

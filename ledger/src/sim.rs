@@ -300,6 +300,7 @@ impl Engine {
                             workload: id,
                             exit_code: Some(0),
                             signal: None,
+                            error: None,
                         }),
                         observe,
                     );

@@ -38,6 +38,7 @@ fn ledger() -> Vec<Envelope> {
                 workload: w,
                 exit_code: Some(0),
                 signal: None,
+                error: None,
             }),
         )
     };

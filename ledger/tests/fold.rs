@@ -309,6 +309,7 @@ fn bad_input_is_rejected_with_a_reason_and_changes_nothing() {
             workload: wid(9),
             exit_code: None,
             signal: None,
+            error: None,
         }),
         "unknown_workload",
     );

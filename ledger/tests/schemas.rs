@@ -123,6 +123,7 @@ fn samples() -> Vec<Event> {
             workload: w,
             exit_code: Some(0),
             signal: None,
+            error: None,
         }),
         Event::WorkloadRequeued(WorkloadRequeued {
             workload: w,

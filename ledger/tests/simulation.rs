@@ -760,6 +760,7 @@ fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
             workload,
             exit_code: Some(1),
             signal: None,
+            error: None,
         }),
         4 => Event::WorkloadRequeued(WorkloadRequeued {
             workload,

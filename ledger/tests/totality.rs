@@ -154,7 +154,8 @@ fn event() -> impl Strategy<Value = Event> {
         workload().prop_map(|workload| Event::WorkloadFinished(WorkloadFinished {
             workload,
             exit_code: Some(1),
-            signal: None
+            signal: None,
+            error: None
         })),
         (workload(), 0u64..100).prop_map(|(workload, work_lost_s)| Event::WorkloadRequeued(
             WorkloadRequeued {

@@ -139,6 +139,7 @@ impl Ledger {
                 workload: id,
                 exit_code: Some(0),
                 signal: None,
+                error: None,
             }),
         );
     }

@@ -183,7 +183,28 @@ struct Run {
     reported: bool,
     /// Reports the ledger refused so far: each new attempt has new idempotency keys.
     attempt: u32,
+    /// The launch failed this many times; the next try is due then.
+    launch_failures: Option<(u32, Instant)>,
 }
+
+impl Run {
+    /// A run in `dir` not launched yet.
+    fn new(dir: PathBuf) -> Run {
+        Run {
+            dir,
+            shim: None,
+            kill_at: None,
+            killed: false,
+            reported: false,
+            attempt: 0,
+            launch_failures: None,
+        }
+    }
+}
+
+/// A run whose launch fails this many times, a little longer apart each time, fails: the
+/// workload ends as failed with the reason instead of going back to the queue for ever.
+pub const LAUNCH_ATTEMPTS: u32 = 3;
 
 /// A run's end is reported with its real time if the ledger's clock is at most this far past
 /// it; later, with the ledger's clock less this (a ledger refuses events much older than its
@@ -564,12 +585,8 @@ impl<L: EventLog> Agent<L> {
                 self.orphans.insert(
                     dir.clone(),
                     Run {
-                        dir,
-                        shim: None,
-                        kill_at: None,
-                        killed: false,
                         reported: true,
-                        attempt: 0,
+                        ..Run::new(dir)
                     },
                 );
             }
@@ -581,9 +598,20 @@ impl<L: EventLog> Agent<L> {
         let placed = self.placed_here();
         // Launch or adopt what is placed here.
         for (key, gpus) in &placed {
-            if !self.runs.contains_key(key) {
-                let run = self.start(*key, gpus);
-                self.runs.insert(*key, run);
+            match self.runs.remove(key) {
+                None => {
+                    let run = self.start(*key, gpus);
+                    self.runs.insert(*key, run);
+                }
+                Some(mut run) => {
+                    if run
+                        .launch_failures
+                        .is_some_and(|(_, at)| Instant::now() >= at)
+                    {
+                        self.launch(*key, gpus, &mut run);
+                    }
+                    self.runs.insert(*key, run);
+                }
             }
         }
         // Runs the ledger no longer places here (finished, reported lost, cancelled before the
@@ -742,14 +770,7 @@ impl<L: EventLog> Agent<L> {
     /// Launches a new start, or adopts one launched before (by this agent or an earlier one).
     fn start(&mut self, key: (WorkloadId, u64), gpus: &[u32]) -> Run {
         let dir = run::dir(&self.runs_dir, key.0, key.1);
-        let mut new = Run {
-            dir: dir.clone(),
-            shim: None,
-            kill_at: None,
-            killed: false,
-            reported: false,
-            attempt: 0,
-        };
+        let mut new = Run::new(dir.clone());
         match run::claim(&dir) {
             Ok(true) => {}
             Ok(false) => {
@@ -761,17 +782,36 @@ impl<L: EventLog> Agent<L> {
                 return new;
             }
         }
-        let spec = self.spec(key.0, gpus, &dir);
-        match run::launch(&dir, &spec, &self.config.shim) {
+        self.launch(key, gpus, &mut new);
+        new
+    }
+
+    /// Launches the claimed `run`; after a failure, tries again later, and after
+    /// [`LAUNCH_ATTEMPTS`] records the run as failed with the reason.
+    fn launch(&self, key: (WorkloadId, u64), gpus: &[u32], run: &mut Run) {
+        let spec = self.spec(key.0, gpus, &run.dir);
+        match run::launch(&run.dir, &spec, &self.config.shim) {
             Ok(child) => {
                 tracing::info!(workload = %key.0, gpus = ?gpus, "launched");
-                new.shim = Some(child);
+                run.shim = Some(child);
+                run.launch_failures = None;
             }
             Err(e) => {
-                tracing::warn!(workload = %key.0, error = %e, "cannot launch the shim: the run is lost");
+                let failures = run.launch_failures.map_or(1, |(n, _)| n + 1);
+                if failures < LAUNCH_ATTEMPTS {
+                    let wait = Duration::from_millis(250 << failures);
+                    tracing::warn!(workload = %key.0, error = %e, "cannot launch the run; trying again in {} ms", wait.as_millis());
+                    run.launch_failures = Some((failures, Instant::now() + wait));
+                } else {
+                    tracing::warn!(workload = %key.0, error = %e, "cannot launch the run after {failures} tries: it fails");
+                    run.launch_failures = None;
+                    let reason = format!("the node could not launch it: {e}");
+                    if let Err(e) = run::record_failure(&run.dir, &reason) {
+                        tracing::error!(workload = %key.0, error = %e, "cannot record the failed launch");
+                    }
+                }
             }
         }
-        new
     }
 
     /// The command and environment of a workload's run here.
@@ -846,6 +886,7 @@ impl<L: EventLog> Agent<L> {
                         workload: id,
                         exit_code: exit.exit_code,
                         signal: exit.signal,
+                        error: exit.error,
                     });
                     (at, vec![finished])
                 }
@@ -1049,7 +1090,9 @@ fn reap(run: &mut Run) {
 fn status_of(run: &mut Run) -> run::Status {
     reap(run);
     match run::status(&run.dir) {
-        run::Status::Lost if run.shim.is_some() => run::Status::Running,
+        run::Status::Lost if run.shim.is_some() || run.launch_failures.is_some() => {
+            run::Status::Running
+        }
         status => status,
     }
 }

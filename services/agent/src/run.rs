@@ -115,6 +115,28 @@ pub fn launch(
     cmd.spawn()
 }
 
+/// Records that the run in `dir` failed without running its command, for `reason`: it ends
+/// as the shim records a command it cannot start (exit code 127).
+pub fn record_failure(dir: &Path, reason: &str) -> std::io::Result<()> {
+    if let Ok(mut log) = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(dir.join("output.log"))
+    {
+        let _ = writeln!(log, "fairledger: {reason}");
+    }
+    let exit = Exit {
+        exit_code: Some(127),
+        signal: None,
+        ended_at_ms: now_ms(),
+        error: Some(reason.to_owned()),
+    };
+    write_atomic(
+        &dir.join("exit.json"),
+        &serde_json::to_vec(&exit).expect("exits serialize"),
+    )
+}
+
 /// Where the run in `dir` stands.
 pub fn status(dir: &Path) -> Status {
     if let Some(exit) = read_exit(dir) {
@@ -236,19 +258,12 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
         }
     };
     let failed = |reason: String| {
-        if let Ok(mut log) = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(dir.join("output.log"))
-        {
-            let _ = writeln!(log, "fairledger: {reason}");
+        if let Err(e) = record_failure(dir, &reason) {
+            eprintln!(
+                "fairledger shim: cannot record the exit in {}: {e}",
+                dir.display()
+            );
         }
-        record(&Exit {
-            exit_code: Some(127),
-            signal: None,
-            ended_at_ms: now_ms(),
-            error: Some(reason),
-        });
         0
     };
     let log = match log {

@@ -67,11 +67,17 @@ pub struct AgentArgs {
     pub clock_skew_ms: i64,
 }
 
-/// How agents of this binary launch a workload: through `fairledger agent-shim`.
+/// How agents of this binary launch a workload: through `fairledger agent-shim`, or through
+/// the program `FAIRLEDGER_AGENT_SHIM` names, given the same arguments (a site's wrapper that
+/// sets up the run and then executes `fairledger agent-shim DIR -- COMMAND...`).
 pub fn shim() -> Result<Vec<OsString>, String> {
-    let program = std::env::current_exe()
-        .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?;
-    Ok(vec![program.into_os_string(), OsString::from("agent-shim")])
+    let program = match std::env::var_os("FAIRLEDGER_AGENT_SHIM") {
+        Some(program) => program,
+        None => std::env::current_exe()
+            .map_err(|e| format!("cannot find this program to launch workloads through: {e}"))?
+            .into_os_string(),
+    };
+    Ok(vec![program, OsString::from("agent-shim")])
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {

@@ -787,3 +787,58 @@ fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only(
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("refused the credentials"));
 }
+
+#[test]
+fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    let server = Server::start(&[
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let api = format!("http://{}", server.addr);
+    let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
+    // This node launches through a program that is not there: every launch fails.
+    let agent = Agent::start_with_env(
+        &["--api", &api],
+        "gpu-h",
+        &tmp.path().join("agent"),
+        &["--fake-gpus", "2"],
+        &[
+            ("FAIRLEDGER_TOKEN", &token),
+            ("FAIRLEDGER_AGENT_SHIM", "/nonexistent/fairledger"),
+        ],
+    );
+    wait_for_node(&server, "gpu-h");
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["true"]}),
+    );
+    let row = wait_for(&server, &id, "finished");
+    assert_eq!(row["exit_code"], 127, "{row}");
+    assert!(row["error"].as_str().is_some(), "{row}");
+    let h = history(&server, &id);
+    assert_eq!(
+        kinds(&h),
+        [
+            "workload_submitted",
+            "workload_started",
+            "workload_finished"
+        ],
+        "launched once, tried a few times on the node, then failed: {h:?}"
+    );
+    let end = &h[2]["payload"];
+    assert_eq!(end["exit_code"], 127, "{end}");
+    assert!(
+        end["error"].as_str().unwrap().contains("could not launch"),
+        "{end}"
+    );
+    let log = agent.log();
+    assert_eq!(
+        log.matches("trying again").count() as u32,
+        agent::LAUNCH_ATTEMPTS - 1,
+        "{log}"
+    );
+}

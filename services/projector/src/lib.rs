@@ -48,7 +48,7 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 9;
+const FORMAT: u32 = 10;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -125,6 +125,15 @@ pub struct WorkloadRow {
     /// Sequences of the events about it that the fold refused, oldest first.
     #[serde(default)]
     pub rejected: Vec<u64>,
+    /// How its last run ended, once it finished: 0 succeeded, anything else failed.
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    /// The signal that ended its last run, if one did.
+    #[serde(default)]
+    pub signal: Option<i32>,
+    /// Why it failed without running its command (its node could not launch it), if so.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// The sequences of the events about a live workload, kept in memory so that its row need not
@@ -670,6 +679,11 @@ impl Projector {
                                         row.preempting = false;
                                         row.protected_until_ms = None;
                                         row.ended_at_ms = Some(self.state.now_ms);
+                                        if let Event::WorkloadFinished(f) = &env.event {
+                                            row.exit_code = f.exit_code;
+                                            row.signal = f.signal;
+                                            row.error.clone_from(&f.error);
+                                        }
                                         row
                                     }
                                 };
@@ -912,6 +926,9 @@ impl Projector {
             ended_at_ms: None,
             history: Vec::new(),
             rejected: Vec::new(),
+            exit_code: None,
+            signal: None,
+            error: None,
         })
     }
 

@@ -395,6 +395,7 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
             workload: id,
             exit_code: Some(0),
             signal: None,
+            error: None,
         })
     };
     let events = [

@@ -362,6 +362,7 @@ async fn an_agent_reports_for_its_own_node_and_as_itself_only() {
             workload: id,
             exit_code: Some(0),
             signal: None,
+            error: None,
         });
         report(actor, end, "end-1")
     };
