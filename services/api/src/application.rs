@@ -60,6 +60,8 @@ pub struct Settings {
     pub replicas: usize,
     /// Serve HTTPS with this certificate chain and private key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// What a connection may hold.
+    pub limits: crate::conn::Limits,
 }
 
 impl Settings {
@@ -76,6 +78,7 @@ impl Settings {
             scheduler_tick: SchedulerConfig::default().tick,
             replicas: 1,
             tls: None,
+            limits: Default::default(),
         }
     }
 }
@@ -95,6 +98,7 @@ pub struct Application {
     tasks: Vec<tokio::task::JoinHandle<Result<(), String>>>,
     admin_token: Option<PathBuf>,
     tls: Option<axum_server::tls_rustls::RustlsConfig>,
+    limits: crate::conn::Limits,
 }
 
 impl Application {
@@ -205,6 +209,10 @@ impl Application {
         } else {
             crate::health_router(app.clone())
         };
+        let body_timeout = settings.limits.body_timeout;
+        let router = router.layer(axum::middleware::from_fn(move |request, next| {
+            crate::conn::body_within(body_timeout, request, next)
+        }));
         let mut application = Application {
             app,
             listener,
@@ -213,6 +221,7 @@ impl Application {
             tasks,
             admin_token: None,
             tls,
+            limits: settings.limits.fitted(),
         };
         if settings.serving.api() {
             application.admin_token = application.first_admin(&settings.data).await?;
@@ -300,30 +309,36 @@ impl Application {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), String> {
+        let handle = axum_server::Handle::new();
+        let stopping = handle.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            stopping.graceful_shutdown(Some(Duration::from_secs(10)));
+        });
+        let limits = self.limits;
+        let scheme = if self.tls.is_some() { "HTTPS" } else { "HTTP" };
+        let failed = |e: std::io::Error| format!("the {scheme} server failed: {e}");
+        let listener = self.listener.into_std().map_err(failed)?;
+        let service = self.router.into_make_service();
         let served = match self.tls {
-            None => axum::serve(self.listener, self.router)
-                .with_graceful_shutdown(shutdown)
-                .await
-                .map_err(|e| format!("the HTTP server failed: {e}")),
-            Some(config) => {
-                let handle = axum_server::Handle::new();
-                let stopping = handle.clone();
-                tokio::spawn(async move {
-                    shutdown.await;
-                    stopping.graceful_shutdown(Some(Duration::from_secs(10)));
-                });
-                let failed = |e: std::io::Error| format!("the HTTPS server failed: {e}");
-                let listener = self.listener.into_std().map_err(failed)?;
-                match axum_server::from_tcp_rustls(listener, config) {
-                    Ok(server) => server
-                        .handle(handle)
-                        .serve(self.router.into_make_service())
-                        .await
-                        .map_err(failed),
-                    Err(e) => Err(failed(e)),
-                }
+            None => {
+                let mut server = axum_server::from_tcp(listener)
+                    .map_err(failed)?
+                    .http1_only()
+                    .map(|plain| crate::conn::Capped::new(plain, &limits));
+                configure(server.http_builder(), &limits);
+                server.handle(handle).serve(service).await
             }
-        };
+            Some(config) => {
+                let mut server = axum_server::from_tcp_rustls(listener, config)
+                    .map_err(failed)?
+                    .http1_only()
+                    .map(|tls| crate::conn::Capped::new(tls, &limits));
+                configure(server.http_builder(), &limits);
+                server.handle(handle).serve(service).await
+            }
+        }
+        .map_err(failed);
         let _ = self.stop.0.send(true);
         let mut failed = None;
         for task in self.tasks {
@@ -341,6 +356,18 @@ impl Application {
     pub fn stop(&self) {
         let _ = self.stop.0.send(true);
     }
+}
+
+/// HTTP/1 only, with the header deadline (which also closes idle keep-alive connections).
+fn configure(
+    builder: &mut hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
+    limits: &crate::conn::Limits,
+) {
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
 }
 
 /// Stops the background tasks when the application is dropped, served or not.

@@ -40,6 +40,7 @@
 pub mod app;
 pub mod application;
 pub mod auth;
+pub mod conn;
 pub mod period;
 pub mod problem;
 pub mod reports;

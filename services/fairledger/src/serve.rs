@@ -58,6 +58,13 @@ pub struct ServeArgs {
     /// the server keeps of its history in memory beyond its live work.
     #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = eventlog::embedded::DEFAULT_CACHE_BYTES / (1024 * 1024))]
     pub cache_mb: u64,
+    /// Connections open at once (lowered to what the file-descriptor limit allows); each must
+    /// send its request headers within --header-timeout-s, which also closes idle ones.
+    #[arg(long, env = "FAIRLEDGER_MAX_CONNECTIONS", default_value_t = api::conn::Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, or stay idle between requests.
+    #[arg(long, env = "FAIRLEDGER_HEADER_TIMEOUT_S", default_value_t = api::conn::Limits::default().header_timeout.as_secs_f64())]
+    pub header_timeout_s: f64,
 }
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
@@ -94,6 +101,15 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             (StateConfig::default(), policy, crate::demo::cluster())
         }
     };
+    if args.max_connections == 0 {
+        return Err("--max-connections must be at least 1".into());
+    }
+    if !(args.header_timeout_s.is_finite()
+        && args.header_timeout_s > 0.0
+        && args.header_timeout_s < 86_400.0)
+    {
+        return Err("--header-timeout-s must be a positive number of seconds under a day".into());
+    }
     if !(args.heartbeat_timeout_s.is_finite() && args.heartbeat_timeout_s > 0.0) {
         return Err("--heartbeat-timeout-s must be a positive number of seconds".into());
     }
@@ -156,6 +172,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             checkpoint_gap: CHECKPOINT_GAP,
             replicas: args.log.replicas,
             tls: args.tls_cert.clone().zip(args.tls_key.clone()),
+            limits: api::conn::Limits {
+                max_connections: args.max_connections,
+                header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
+                ..Default::default()
+            },
             ..api::Settings::new(&args.listen, args.log.data.clone())
         };
         let application = api::Application::build(settings, log.clone()).await?;

@@ -4,8 +4,9 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use eventlog::EventLog;
+use eventlog::{AnyLog, EmbeddedLog, EventLog};
 use http_body_util::BodyExt;
+use std::time::Duration;
 use tower::ServiceExt;
 
 use crate::helpers::*;
@@ -1016,4 +1017,103 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
         let seqs: Vec<u64> = events.iter().map(|e| e.0).collect();
         assert_eq!(seqs, (1..=total as u64).collect::<Vec<_>>());
     }
+}
+
+/// Reads what the server says on `stream` until it closes the connection or `within` passes:
+/// `None` when it is still open then.
+async fn said_before_closing(
+    stream: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut said = Vec::new();
+    let read = tokio::time::timeout(within, stream.read_to_end(&mut said)).await;
+    match read {
+        Ok(_) => Some(String::from_utf8_lossy(&said).into_owned()),
+        Err(_) => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_slow_and_surplus_connections_are_cut_off_and_the_server_answers_on() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    let dir = tempfile::tempdir().unwrap();
+    let log = AnyLog::Embedded(EmbeddedLog::open(&dir.path().join("log")).unwrap());
+    let limits = api::conn::Limits {
+        max_connections: 8,
+        header_timeout: Duration::from_millis(500),
+        body_timeout: Duration::from_millis(500),
+    };
+    let settings = api::Settings {
+        serving: api::Serving::Api,
+        limits,
+        ..api::Settings::new("127.0.0.1:0", dir.path().join("data"))
+    };
+    let application = api::Application::build(settings, log).await.unwrap();
+    let addr = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(application.run_until(async {
+        let _ = stopped.await;
+    }));
+    let healthz = || async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        said_before_closing(&mut s, Duration::from_secs(5)).await
+    };
+    let wait = Duration::from_secs(5);
+
+    // Eight connections that say nothing hold every place; a ninth is closed at once.
+    let mut idle = Vec::new();
+    for _ in 0..8 {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut surplus = TcpStream::connect(addr).await.unwrap();
+    let said = said_before_closing(&mut surplus, Duration::from_millis(400)).await;
+    assert_eq!(
+        said.as_deref(),
+        Some(""),
+        "a connection over the cap is closed"
+    );
+    // The idle ones are closed after the header deadline, and the server answers again.
+    for s in &mut idle {
+        assert!(
+            said_before_closing(s, wait).await.is_some(),
+            "an idle connection stayed open"
+        );
+    }
+    let answer = healthz()
+        .await
+        .expect("answers after the idle ones are gone");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    // Headers that never end, and a body that never ends, are cut off too.
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    assert!(
+        said_before_closing(&mut slow, wait).await.is_some(),
+        "slow headers held the connection"
+    );
+    let mut dribble = TcpStream::connect(addr).await.unwrap();
+    dribble
+        .write_all(
+            b"POST /v1/workloads HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let said = said_before_closing(&mut dribble, wait)
+        .await
+        .expect("a dribbled body held the connection");
+    assert!(said.starts_with("HTTP/1.1 408"), "{said}");
+    assert!(said.contains("body-timeout"), "{said}");
+
+    let answer = healthz().await.expect("still answers");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    stop.send(()).unwrap();
+    served.await.unwrap().unwrap();
 }
