@@ -2,7 +2,7 @@
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ledger::event::*;
@@ -150,6 +150,19 @@ pub(crate) struct AllocationBody {
     max_gpus: Option<u32>,
 }
 
+/// The allocation path a route's `{*path}` names, as written: checked, and without
+/// percent-encoding (`a%2Fb` would be one segment to the client and two to the tree).
+fn allocation_path(uri: &Uri, path: String) -> Result<String, Problem> {
+    if uri.path().contains('%') {
+        return Err(Problem::invalid(
+            "path",
+            "write the path as it is, segments of letters, digits, '-' and '_' between plain '/'; percent-encoded characters are not allowed",
+        ));
+    }
+    ledger::names::path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    Ok(path)
+}
+
 #[utoipa::path(put, path = "/v1/allocations/{path}", tag = "allocations",
     params(("path" = String, Path, description = "allocation path, e.g. ai2/olmo/pretrain")),
     request_body = AllocationBody,
@@ -161,14 +174,12 @@ pub(crate) struct AllocationBody {
 pub(crate) async fn set_allocation(
     State(app): State<App>,
     caller: Caller,
+    uri: Uri,
     Path(path): Path<String>,
     body: Result<Json<AllocationBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(body) = body.map_err(bad_body)?;
-    ledger::names::path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
-    if body.weight == 0 {
-        return Err(Problem::invalid("weight", "must be at least 1"));
-    }
+    let path = allocation_path(&uri, path)?;
     let event = Event::AllocationSet(AllocationSet {
         path: path.clone(),
         weight: body.weight,
@@ -188,34 +199,21 @@ pub(crate) async fn set_allocation(
 pub(crate) async fn remove_allocation(
     State(app): State<App>,
     caller: Caller,
+    uri: Uri,
     Path(path): Path<String>,
 ) -> Result<Response, Problem> {
-    ledger::names::path(&path).map_err(|r| Problem::invalid("path", r.to_string()))?;
+    let path = allocation_path(&uri, path)?;
+    if app
+        .inner
+        .projection
+        .read()
+        .await
+        .state()
+        .allocations
+        .get(&path)
+        .is_none()
     {
-        let p = app.inner.projection.read().await;
-        let tree = &p.state().allocations;
-        let Some(id) = tree.get(&path) else {
-            return Err(Problem::not_found(format!("no allocation {path:?}")));
-        };
-        let a = tree.node(id);
-        // The fold would reject these; answer before writing anything.
-        if !a.children.is_empty() {
-            return Err(Problem::new(
-                StatusCode::CONFLICT,
-                "allocation_has_children",
-                format!("allocation {path:?} has children; remove them first"),
-            ));
-        }
-        if a.live_workloads > 0 {
-            return Err(Problem::new(
-                StatusCode::CONFLICT,
-                "allocation_in_use",
-                format!(
-                    "allocation {path:?} has {} live workloads; cancel them or let them finish",
-                    a.live_workloads
-                ),
-            ));
-        }
+        return Err(Problem::not_found(format!("no allocation {path:?}")));
     }
     let event = Event::AllocationRemoved(AllocationRemoved { path: path.clone() });
     let seq = app.write(event, None, None, &caller.actor()).await?;

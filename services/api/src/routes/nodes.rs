@@ -86,13 +86,6 @@ pub(crate) async fn register_node(
         &Action::RegisterNode { node: &body.node },
         app.inner.projection.read().await.state(),
     )?;
-    let max = ledger::cluster::GPUS_PER_NODE_MAX;
-    if body.gpus == 0 || body.gpus > max {
-        return Err(Problem::invalid("gpus", format!("1 to {max}")));
-    }
-    if body.model.is_empty() {
-        return Err(Problem::invalid("model", "name the GPU model, e.g. H100"));
-    }
     let event = Event::NodeRegistered(NodeRegistered {
         node: body.node.clone(),
         gpus: body.gpus,
