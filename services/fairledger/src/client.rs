@@ -254,7 +254,11 @@ fn print(args: &ClientArgs, value: &Value, table: impl FnOnce(&Value) -> String)
             serde_json::to_string_pretty(value).expect("serializes")
         );
     } else {
-        print!("{}", table(value));
+        // Names and messages come from others: what could move the cursor or clear the
+        // screen is shown escaped.
+        for line in table(value).lines() {
+            println!("{}", ledger::names::terminal_safe(line));
+        }
     }
 }
 
@@ -265,7 +269,7 @@ fn hours(v: &Value) -> String {
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => ledger::names::terminal_safe(s).into_owned(),
         other => other.to_string(),
     }
 }
@@ -743,7 +747,7 @@ pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Resu
             if args.json {
                 println!("{}", data.trim());
             } else {
-                println!("{id}  {kind}");
+                println!("{}", ledger::names::terminal_safe(&format!("{id}  {kind}")));
             }
         }
     }

@@ -291,7 +291,9 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            eprintln!("fairledger: {message}");
+            // A message may quote a name from someone else: shown escaped, line by line.
+            let safe: Vec<_> = message.lines().map(ledger::names::terminal_safe).collect();
+            eprintln!("fairledger: {}", safe.join("\n"));
             ExitCode::FAILURE
         }
     }
