@@ -1,5 +1,6 @@
--- wrk: POST 1-GPU submissions to an allocation of the bench's year (FAIRLEDGER_TOKEN is the bearer).
+-- wrk: POST 1-GPU submissions to FAIRLEDGER_BENCH_ALLOCATION (default: an allocation of the
+-- bench's year); FAIRLEDGER_TOKEN is the bearer.
 wrk.method = "POST"
-wrk.body = '{"allocation":"org0/team0","gpus_per_node":1}'
+wrk.body = '{"allocation":"' .. (os.getenv("FAIRLEDGER_BENCH_ALLOCATION") or "org0/team0") .. '","gpus_per_node":1}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer " .. os.getenv("FAIRLEDGER_TOKEN")

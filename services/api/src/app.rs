@@ -45,8 +45,8 @@ pub(crate) struct Inner {
     pub(crate) audits: Arc<tokio::sync::Semaphore>,
 }
 
-/// Event streams that may replay more than [`REPLAY_FREE`] past events at once; the others wait
-/// their turn (live streams never wait).
+/// Event streams that may replay more than [`REPLAY_FREE`] past events at once, and at most
+/// half the cores; the others wait their turn (live streams never wait).
 pub const REPLAYS_AT_ONCE: usize = 4;
 /// A stream starting at most this many events behind is live, not a replay.
 pub const REPLAY_FREE: u64 = 1_000;
@@ -74,7 +74,9 @@ impl App {
                 ))),
                 stuck: Default::default(),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),
-                replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE)),
+                replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE.min(
+                    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+                ))),
                 audits: Arc::new(tokio::sync::Semaphore::new(
                     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
                 )),

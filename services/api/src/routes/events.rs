@@ -43,12 +43,7 @@ const EVENTS_SCAN_MAX: usize = 10_000;
 
 /// Whether an event on `subject` whose payload is `event` passes the filters: `tokens` is an
 /// allocation path with `/` turned into `.` (the subject ends in it, or in a path below it).
-fn event_passes(
-    subject: &str,
-    event: &serde_json::Value,
-    kind: Option<&str>,
-    tokens: Option<&str>,
-) -> bool {
+fn event_passes(subject: &str, event_kind: &str, kind: Option<&str>, tokens: Option<&str>) -> bool {
     if let Some(t) = tokens {
         let scope: Vec<&str> = subject.splitn(5, '.').collect();
         let under = scope
@@ -58,7 +53,18 @@ fn event_passes(
             return false;
         }
     }
-    kind.is_none_or(|k| event["type"].as_str() == Some(k))
+    kind.is_none_or(|k| event_kind == k)
+}
+
+/// The kind of a stored event, read without building the event (a stream sends most events
+/// as they are stored): `malformed` when it has none.
+fn kind_of(payload: &[u8]) -> std::borrow::Cow<'_, str> {
+    #[derive(Deserialize)]
+    struct Head<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: std::borrow::Cow<'a, str>,
+    }
+    serde_json::from_slice::<Head>(payload).map_or("malformed".into(), |h| h.kind)
 }
 
 #[utoipa::path(get, path = "/v1/events", tag = "events", params(EventsQuery),
@@ -97,9 +103,15 @@ pub(crate) async fn events(
             cursor = e.seq;
             next = Some(e.seq);
             scanned += 1;
-            let mut event: serde_json::Value = serde_json::from_slice(&e.payload)
-                .unwrap_or_else(|_| json!({"malformed": String::from_utf8_lossy(&e.payload)}));
-            if event_passes(&e.subject, &event, query.kind.as_deref(), tokens.as_deref()) {
+            let event_kind = kind_of(&e.payload);
+            if event_passes(
+                &e.subject,
+                &event_kind,
+                query.kind.as_deref(),
+                tokens.as_deref(),
+            ) {
+                let mut event: serde_json::Value = serde_json::from_slice(&e.payload)
+                    .unwrap_or_else(|_| json!({"malformed": String::from_utf8_lossy(&e.payload)}));
                 if !caller.sees_commands() {
                     redact(&mut event);
                 }
@@ -210,17 +222,22 @@ pub(crate) async fn event_stream(
                     Ok(s) => s,
                     Err(e) => return Some(Err(std::io::Error::other(e.to_string()))),
                 };
-                let mut text = String::from_utf8_lossy(&stored.payload).into_owned();
-                let mut event =
-                    serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
-                if !event_passes(&stored.subject, &event, kind.as_deref(), tokens.as_deref()) {
+                let event_kind = kind_of(&stored.payload).into_owned();
+                if !event_passes(
+                    &stored.subject,
+                    &event_kind,
+                    kind.as_deref(),
+                    tokens.as_deref(),
+                ) {
                     return None;
                 }
-                if !sees_commands && event["type"] == "workload_submitted" {
+                let mut text = String::from_utf8_lossy(&stored.payload).into_owned();
+                if !sees_commands && event_kind == "workload_submitted" {
+                    let mut event =
+                        serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
                     redact(&mut event);
                     text = event.to_string();
                 }
-                let event_kind = event["type"].as_str().unwrap_or("malformed").to_owned();
                 Some(Ok(Sse::default()
                     .id(stored.seq.to_string())
                     .event(event_kind)
