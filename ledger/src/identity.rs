@@ -413,7 +413,7 @@ impl Principals {
         let invalid =
             |field: &'static str, reason: String| Err(Rejection::InvalidGrant { field, reason });
         if let Err(reason) = crate::names::principal(&e.name) {
-            return invalid("name", reason.into());
+            return invalid("name", reason);
         }
         if self.by_name.contains_key(&e.name) {
             return Err(Rejection::PrincipalExists {
@@ -455,7 +455,7 @@ impl Principals {
             }
             (Role::Agent, true, Some(node)) => {
                 if let Err(reason) = crate::names::node(node) {
-                    return invalid("node", reason.into());
+                    return invalid("node", reason);
                 }
                 // One actor per node, `agent:<node>`, whether the agent speaks HTTP or NATS.
                 if *node != e.name {

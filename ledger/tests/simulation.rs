@@ -722,7 +722,7 @@ fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
     let live: Vec<Uuid> = state.workloads.keys().copied().collect();
     let ended: Vec<Uuid> = state.ended.keys().copied().collect();
     let workload = match rng.random_range(0..5) {
-        0 | 1 | 2 if !live.is_empty() => live[rng.random_range(0..live.len())],
+        0..=2 if !live.is_empty() => live[rng.random_range(0..live.len())],
         3 if !ended.is_empty() => ended[rng.random_range(0..ended.len())],
         _ => Uuid::from_u128(rng.random()),
     };

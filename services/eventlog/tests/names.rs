@@ -80,7 +80,7 @@ fn the_longest_names_stay_far_under_the_subject_limit() {
     assert!(ledger::names::node(&node).is_ok());
     assert!(eventlog::check_subject(&node_subject(&node)).is_ok());
     let segment = "s".repeat(31);
-    let path = vec![segment.as_str(); 8].join("/");
+    let path = [segment.as_str(); 8].join("/");
     assert!(ledger::names::path(&path).is_ok(), "{}", path.len());
     let subject = workload_subject(&path);
     assert!(subject.len() < 512, "{} bytes", subject.len());
