@@ -106,9 +106,18 @@ impl AllocationTree {
         &mut self.nodes[id as usize]
     }
 
-    /// Checks that `set` can be applied, without changing anything.
-    pub(crate) fn check_set(&self, path: &str, weight: u32) -> Result<(), Rejection> {
-        crate::names::path(path)?;
+    /// Checks that `set`, from an event of `schema_version`, can be applied, without changing
+    /// anything. A live allocation can always be reweighted, whatever rules its name was
+    /// created under.
+    pub(crate) fn check_set(
+        &self,
+        schema_version: u16,
+        path: &str,
+        weight: u32,
+    ) -> Result<(), Rejection> {
+        if self.get(path).is_none() {
+            crate::names::path_as_of(schema_version, path)?;
+        }
         if weight == 0 {
             return Err(Rejection::MustBePositive { field: "weight" });
         }
@@ -284,12 +293,22 @@ impl AllocationTree {
         id
     }
 
+    /// The live allocation at `path`; for a path that names none, why: it is no valid path, or
+    /// no allocation has it. Looked up before checked, so an allocation created under older
+    /// rules stays reachable.
+    pub(crate) fn live(&self, path: &str) -> Result<AllocId, Rejection> {
+        if let Some(id) = self.get(path) {
+            return Ok(id);
+        }
+        crate::names::path(path)?;
+        Err(Rejection::UnknownAllocation {
+            path: path.to_string(),
+        })
+    }
+
     /// Checks that `path` can be removed.
     pub(crate) fn check_remove(&self, path: &str) -> Result<AllocId, Rejection> {
-        crate::names::path(path)?;
-        let id = self.get(path).ok_or_else(|| Rejection::UnknownAllocation {
-            path: path.to_string(),
-        })?;
+        let id = self.live(path)?;
         let a = self.node(id);
         if !a.children.is_empty() {
             return Err(Rejection::AllocationHasChildren {
@@ -444,7 +463,8 @@ mod tests {
         let shape = WindowShape::new(1000, 10);
         let mut t = AllocationTree::default();
         for &(path, weight, demand) in specs {
-            t.check_set(path, weight).unwrap();
+            t.check_set(crate::event::SCHEMA_VERSION, path, weight)
+                .unwrap();
             t.set(shape, 1, path, weight, None);
             let id = t.get(path).unwrap();
             t.node_mut(id).demand_gpus = demand;

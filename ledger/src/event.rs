@@ -13,8 +13,18 @@ use uuid::Uuid;
 
 pub use crate::identity::{PrincipalGranted, PrincipalRevoked, Role};
 
-/// The schema version this build writes and understands.
-pub const SCHEMA_VERSION: u16 = 1;
+/// The schema version this build writes. It reads every version from
+/// [`OLDEST_SCHEMA_VERSION`] up: payloads keep their shape across versions (fields are only
+/// added), while what they may hold can narrow.
+///
+/// - 1: the first.
+/// - 2: names hold to [`crate::names`] (node names, GPU models, labels, allocation path
+///   segments, and what a workload runs). A version-1 event is folded by the rules of its day,
+///   so a replay of an old log comes out as it did when it was written.
+pub const SCHEMA_VERSION: u16 = 2;
+
+/// The oldest schema version this build folds.
+pub const OLDEST_SCHEMA_VERSION: u16 = 1;
 
 /// A workload's id: a UUIDv7 chosen by whoever submitted it.
 pub type WorkloadId = Uuid;

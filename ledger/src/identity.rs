@@ -446,11 +446,7 @@ impl Principals {
             }
             (Role::Submitter, false, None) => {
                 for path in e.allocations.iter().filter(|p| *p != ANY_ALLOCATION) {
-                    crate::names::path(path)?;
-                    let live = tree.get(path).is_some_and(|id| !tree.node(id).removed);
-                    if !live {
-                        return Err(Rejection::UnknownAllocation { path: path.clone() });
-                    }
+                    tree.live(path)?;
                 }
             }
             (Role::Agent, true, Some(node)) => {

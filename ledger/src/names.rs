@@ -111,6 +111,29 @@ pub fn path(path: &str) -> Result<(), Rejection> {
     Ok(())
 }
 
+/// Checks the path of an allocation being created by an event of `schema_version`: version 1
+/// events were held only to segments of letters, digits, `-` and `_` (at most 8 levels and
+/// 255 bytes), and are folded so still.
+pub(crate) fn path_as_of(schema_version: u16, p: &str) -> Result<(), Rejection> {
+    if schema_version >= 2 {
+        return path(p);
+    }
+    let segments_ok = !p.is_empty()
+        && p.len() <= PATH_MAX
+        && p.split('/').count() <= PATH_DEPTH_MAX
+        && p.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    if segments_ok {
+        Ok(())
+    } else {
+        path(p)
+    }
+}
+
 /// Printable ASCII, `min..=max` bytes.
 fn printable(s: &str, min: usize, max: usize, what: &str) -> Result<(), String> {
     if s.len() < min || s.len() > max {

@@ -31,12 +31,13 @@ pub enum Rejection {
         /// The skew tolerated.
         tolerance_ms: u64,
     },
-    /// The schema version is not one this build understands.
-    #[error("schema_version {version} is not supported (this build reads {supported}); upgrade fairledger")]
+    /// The schema version is not one this build folds (newer), or not the one it takes new
+    /// events in (older).
+    #[error("schema_version {version} is not taken here (this build writes {supported}); write events with a fairledger of the server's version")]
     UnsupportedSchemaVersion {
         /// The event's version.
         version: u16,
-        /// The version supported.
+        /// The version this build writes.
         supported: u16,
     },
     /// A path is not one [`crate::names::path`] accepts.

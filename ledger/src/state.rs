@@ -367,9 +367,12 @@ impl State {
         }
         let now = self.now_ms.max(env.occurred_at_ms);
         match &env.event {
-            Event::AllocationSet(e) => self.allocations.check_set(&e.path, e.weight),
+            Event::AllocationSet(e) => {
+                self.allocations
+                    .check_set(env.schema_version, &e.path, e.weight)
+            }
             Event::AllocationRemoved(e) => self.allocations.check_remove(&e.path).map(drop),
-            Event::NodeRegistered(e) => self.check_node_registered(e).map(drop),
+            Event::NodeRegistered(e) => self.check_node_registered(env.schema_version, e).map(drop),
             Event::GpuHeartbeat(e) => e
                 .readings
                 .iter()
@@ -377,7 +380,7 @@ impl State {
             Event::GpuHealthChanged(e) => self.gpu_of(&e.node, e.gpu).map(drop),
             Event::NodeDrained(e) => self.node_idx(&e.node).map(drop),
             Event::NodeResumed(e) => self.node_idx(&e.node).map(drop),
-            Event::WorkloadSubmitted(e) => self.check_submitted(e).map(drop),
+            Event::WorkloadSubmitted(e) => self.check_submitted(env.schema_version, e).map(drop),
             Event::WorkloadCancelled(e) => self.check_cancelled(e).map(drop),
             Event::WorkloadStarted(e) => self.check_started(e, now).map(drop),
             Event::PreemptionRequested(e) => self.check_preemption(e, now),
@@ -410,21 +413,23 @@ impl State {
             });
         }
         self.advance_to(env.occurred_at_ms);
-        if env.schema_version != SCHEMA_VERSION {
+        if !(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&env.schema_version) {
             return self.reject(Rejection::UnsupportedSchemaVersion {
                 version: env.schema_version,
                 supported: SCHEMA_VERSION,
             });
         }
         let result = match &env.event {
-            Event::AllocationSet(e) => self.allocation_set(seq, e),
+            Event::AllocationSet(e) => self.allocation_set(seq, env.schema_version, e),
             Event::AllocationRemoved(e) => self.allocation_removed(e),
-            Event::NodeRegistered(e) => self.node_registered(e),
+            Event::NodeRegistered(e) => self.node_registered(env.schema_version, e),
             Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
             Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
             Event::NodeDrained(e) => self.node_draining(&e.node, true),
             Event::NodeResumed(e) => self.node_draining(&e.node, false),
-            Event::WorkloadSubmitted(e) => self.workload_submitted(seq, e, &env.actor),
+            Event::WorkloadSubmitted(e) => {
+                self.workload_submitted(seq, env.schema_version, e, &env.actor)
+            }
             Event::WorkloadCancelled(e) => self.workload_cancelled(e),
             Event::WorkloadStarted(e) => self.workload_started(e),
             Event::PreemptionRequested(e) => self.preemption_requested(e),
@@ -557,8 +562,13 @@ impl State {
 
     // ---- allocations -------------------------------------------------------------------------
 
-    fn allocation_set(&mut self, seq: u64, e: &AllocationSet) -> Result<Outcome, Rejection> {
-        self.allocations.check_set(&e.path, e.weight)?;
+    fn allocation_set(
+        &mut self,
+        seq: u64,
+        version: u16,
+        e: &AllocationSet,
+    ) -> Result<Outcome, Rejection> {
+        self.allocations.check_set(version, &e.path, e.weight)?;
         self.allocations
             .set(self.shape, seq, &e.path, e.weight, e.max_gpus);
         self.owed_stale = true;
@@ -575,15 +585,17 @@ impl State {
 
     // ---- nodes and GPUs ----------------------------------------------------------------------
 
-    /// Checks a registration: `true` when it repeats the node's (an agent re-registering
-    /// after a restart).
-    fn check_node_registered(&self, e: &NodeRegistered) -> Result<bool, Rejection> {
-        crate::names::node(&e.node).map_err(|reason| Rejection::InvalidField {
-            field: "node",
-            reason,
-        })?;
-        crate::names::model(&e.model)?;
-        crate::names::labels(&e.labels)?;
+    /// Checks a registration from an event of `version`: `true` when it repeats the node's (an
+    /// agent re-registering after a restart). Names are checked from version 2 on.
+    fn check_node_registered(&self, version: u16, e: &NodeRegistered) -> Result<bool, Rejection> {
+        if version >= 2 {
+            crate::names::node(&e.node).map_err(|reason| Rejection::InvalidField {
+                field: "node",
+                reason,
+            })?;
+            crate::names::model(&e.model)?;
+            crate::names::labels(&e.labels)?;
+        }
         if e.gpus == 0 {
             return Err(Rejection::MustBePositive { field: "gpus" });
         }
@@ -607,8 +619,8 @@ impl State {
         Ok(false)
     }
 
-    fn node_registered(&mut self, e: &NodeRegistered) -> Result<Outcome, Rejection> {
-        if self.check_node_registered(e)? {
+    fn node_registered(&mut self, version: u16, e: &NodeRegistered) -> Result<Outcome, Rejection> {
+        if self.check_node_registered(version, e)? {
             return Ok(Outcome::Applied);
         }
         self.cluster
@@ -729,11 +741,12 @@ impl State {
         Ok(w)
     }
 
-    /// Checks a submission: `Err(Ok(original))` for a key used before, else its allocation and
-    /// GPU model.
+    /// Checks a submission from an event of `version`: `Err(Ok(original))` for a key used
+    /// before, else its allocation and GPU model. What it runs is checked from version 2 on.
     #[allow(clippy::type_complexity)]
     fn check_submitted(
         &self,
+        version: u16,
         e: &WorkloadSubmitted,
     ) -> Result<Result<(Option<AllocId>, Option<u32>), WorkloadId>, Rejection> {
         if let Some(key) = &e.idempotency_key {
@@ -757,11 +770,7 @@ impl State {
         let allocation = match &e.allocation {
             None => None,
             Some(path) => {
-                crate::names::path(path)?;
-                let id = self
-                    .allocations
-                    .get(path)
-                    .ok_or_else(|| Rejection::UnknownAllocation { path: path.clone() })?;
+                let id = self.allocations.live(path)?;
                 if !self.allocations.node(id).is_leaf() {
                     return Err(Rejection::AllocationNotLeaf { path: path.clone() });
                 }
@@ -800,17 +809,20 @@ impl State {
                 });
             }
         }
-        crate::names::workload(e.name.as_deref(), &e.command, &e.env)?;
+        if version >= 2 {
+            crate::names::workload(e.name.as_deref(), &e.command, &e.env)?;
+        }
         Ok(Ok((allocation, model)))
     }
 
     fn workload_submitted(
         &mut self,
         seq: u64,
+        version: u16,
         e: &WorkloadSubmitted,
         actor: &str,
     ) -> Result<Outcome, Rejection> {
-        let (allocation, model) = match self.check_submitted(e)? {
+        let (allocation, model) = match self.check_submitted(version, e)? {
             Ok(checked) => checked,
             Err(original) => return Ok(Outcome::Duplicate { original }),
         };

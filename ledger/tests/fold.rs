@@ -3,6 +3,8 @@
 mod common;
 
 use common::*;
+use std::collections::BTreeMap;
+
 use ledger::event::*;
 use ledger::metrics::Metrics;
 use ledger::{Outcome, Phase, Rejection, StateConfig};
@@ -411,5 +413,97 @@ fn utilization_is_the_mean_reported_utilization_of_allocated_gpus() {
     approx(
         Metrics::between(&start, &l.state.counters).utilization,
         0.75,
+    );
+}
+
+#[test]
+fn a_log_written_before_the_names_rules_replays_as_it_was_folded() {
+    // Events of schema version 1, with names the version-2 rules refuse: an allocation whose
+    // segment starts with '_', a node whose model and labels hold control characters, a
+    // workload whose environment has a '-' in a name.
+    let legacy_node = NodeRegistered {
+        node: "-n1".into(),
+        gpus: 8,
+        model: "H100\tSXM".into(),
+        labels: BTreeMap::from([("rack b".into(), "r1".into())]),
+    };
+    let mut legacy_submission = submission(wid(1), Some("_legacy"), 8, 1);
+    legacy_submission.env = BTreeMap::from([("my-var".into(), "1".into())]);
+    let events = [
+        Event::AllocationSet(AllocationSet {
+            path: "_legacy".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        Event::NodeRegistered(legacy_node),
+        Event::WorkloadSubmitted(legacy_submission),
+    ];
+    let stamped = |version: u16| {
+        let mut state = ledger::State::new(StateConfig::default());
+        let outcomes: Vec<Outcome> = events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut env = Envelope::new(wid(100 + i as u128), 1_000, "test", e.clone());
+                env.schema_version = version;
+                state.apply(i as u64 + 1, &env)
+            })
+            .collect();
+        (state, outcomes)
+    };
+    let (old, outcomes) = stamped(1);
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::Applied),
+        "{outcomes:?}"
+    );
+    assert_eq!(old.workloads.len(), 1);
+    // Written today, the same events are refused, each naming what is wrong.
+    let (_, outcomes) = stamped(SCHEMA_VERSION);
+    let codes: Vec<&str> = outcomes.into_iter().map(|o| rejected(o).code()).collect();
+    assert_eq!(
+        codes,
+        [
+            "invalid_allocation_path",
+            "invalid_field",
+            "invalid_allocation_path"
+        ]
+    );
+    // New writes are held to today's rules: the dry run refuses a version-1 event...
+    let mut env = Envelope::new(wid(200), 2_000, "test", events[2].clone());
+    env.schema_version = 1;
+    assert_eq!(
+        old.check(&env).unwrap_err().code(),
+        "unsupported_schema_version"
+    );
+    // ...but what the old rules created stays reachable: the legacy allocation takes new
+    // work and a new weight, and can be removed once empty.
+    let mut l = Ledger {
+        state: old,
+        seq: 3,
+        log: Vec::new(),
+    };
+    l.ok(
+        2_000,
+        Event::WorkloadSubmitted(submission(wid(2), Some("_legacy"), 1, 1)),
+    );
+    let mut dashed = submission(wid(3), Some("_legacy"), 1, 1);
+    dashed.env = BTreeMap::from([("my-var".into(), "1".into())]);
+    rejects_without_change(
+        &mut l,
+        2_000,
+        Event::WorkloadSubmitted(dashed),
+        "invalid_field",
+    );
+    l.alloc(2_000, "_legacy", 3);
+    assert_eq!(l.leaf("_legacy").weight, 3);
+    rejects_without_change(
+        &mut l,
+        2_000,
+        Event::AllocationSet(AllocationSet {
+            path: "_new".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        "invalid_allocation_path",
     );
 }

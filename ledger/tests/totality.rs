@@ -194,7 +194,7 @@ fn step() -> impl Strategy<Value = (i64, u64, u16, Event)> {
     (
         -2_000i64..20_000,
         prop::sample::select(vec![1u64, 1, 1, 1, 0, 2]),
-        prop::sample::select(vec![1u16, 1, 1, 1, 1, 2]),
+        prop::sample::select(vec![2u16, 2, 2, 2, 1, 3]),
         event(),
     )
 }

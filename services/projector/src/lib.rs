@@ -47,8 +47,9 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
-/// The rows' format: a projection built with another is rebuilt from the log.
-const FORMAT: u32 = 10;
+/// The rows' format, and the fold's: a projection built with another is rebuilt from the log
+/// (11: version-1 events are folded by the names rules of their day again).
+const FORMAT: u32 = 11;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
