@@ -30,16 +30,18 @@
 //! repair_s = 14400
 //! ```
 //!
-//! Nodes are named `<model>-<group>-<index>`. `nodes_file` may name an Alibaba 2023
-//! `openb_node_list` CSV instead of (or besides) `[[nodes]]`, relative to the scenario file.
+//! Nodes are named `<model>-<group>-<index>`, with any character a node name may not hold made
+//! `-`. `nodes_file` may name an Alibaba 2023 `openb_node_list` CSV instead of (or besides)
+//! `[[nodes]]`, relative to the scenario file. The set-up is folded by the ledger's own rules
+//! before anything runs: a model or label it would refuse fails the scenario, naming the node.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use ledger::event::{AllocationSet, Event, NodeRegistered};
+use ledger::event::{AllocationSet, Envelope, Event, NodeRegistered};
 use ledger::policy::{self, PolicyConfig};
 use ledger::sim::Fault;
-use ledger::StateConfig;
+use ledger::{Outcome, State, StateConfig};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
@@ -243,8 +245,9 @@ impl Scenario {
                     g + 1
                 )));
             }
+            let stem = node_stem(&group.model);
             for i in 0..group.count {
-                let node = format!("{}-{g}-{i}", group.model);
+                let node = format!("{stem}-{g}-{i}");
                 nodes.push((node.clone(), group.gpus));
                 setup.push(Event::NodeRegistered(NodeRegistered {
                     node,
@@ -308,13 +311,28 @@ impl Scenario {
                 ));
             }
         }
+        let state_config = StateConfig {
+            window_ms: p.window_s * 1000,
+            window_buckets: p.window_buckets,
+            min_runtime_cap_ms: p.max_min_runtime_s * 1000,
+            clock_skew_tolerance_ms: 0,
+        };
+        // The set-up goes through the fold's own rules: a scenario the ledger would refuse in
+        // part (a model or label it does not take, a node listed twice) is refused whole.
+        let mut dry = State::new(state_config);
+        for (seq, event) in (1..).zip(&setup) {
+            let env = Envelope::new(uuid::Uuid::nil(), 0, "sim", event.clone());
+            if let Outcome::Rejected(r) = dry.apply(seq, &env) {
+                let what = match event {
+                    Event::NodeRegistered(e) => format!("[[nodes]] node {:?}", e.node),
+                    Event::AllocationSet(e) => format!("[[allocations]] {:?}", e.path),
+                    other => other.kind().to_string(),
+                };
+                return Err(bad(format!("{what}: {r}")));
+            }
+        }
         Ok(Prepared {
-            state_config: StateConfig {
-                window_ms: p.window_s * 1000,
-                window_buckets: p.window_buckets,
-                min_runtime_cap_ms: p.max_min_runtime_s * 1000,
-                clock_skew_tolerance_ms: 0,
-            },
+            state_config,
             policy: PolicyConfig {
                 policy: policy_name,
                 min_runtime_ms: p.min_runtime_s * 1000,
@@ -330,6 +348,26 @@ impl Scenario {
             faults,
             failures: self.failures.clone(),
         })
+    }
+}
+
+/// The stem of the node names of a `[[nodes]]` group: its model with every character a node name
+/// may not hold made `-` (`A100 80GB` gives `A100-80GB-<group>-<index>`).
+fn node_stem(model: &str) -> String {
+    let stem: String = model
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if stem.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        stem
+    } else {
+        format!("gpu{stem}")
     }
 }
 

@@ -300,6 +300,25 @@ fn scenario_mistakes_are_reported_with_what_to_do() {
     );
     check("[[allocations]]\npath=\"a\"\nweight=1\n", "no nodes");
     check("[policy]\nmin_runtime_s = 9\nmax_min_runtime_s = 5\n[[nodes]]\ncount=1\ngpus=8\nmodel=\"H\"\n", "max_min_runtime_s");
+    // The set-up is folded by the ledger's rules: a model it refuses names the node.
+    check(
+        "[[nodes]]\ncount=1\ngpus=8\nmodel=\"H100\\tSXM\"\n",
+        "[[nodes]] node \"H100-SXM-0-0\": model",
+    );
+    check(
+        "[[nodes]]\ncount=1\ngpus=8\nmodel=\"H\"\nlabels={\"rack b\"=\"1\"}\n",
+        "labels",
+    );
+}
+
+#[test]
+fn a_model_with_spaces_names_its_nodes_with_dashes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.toml");
+    std::fs::write(&path, "[[nodes]]\ncount=2\ngpus=8\nmodel=\"A100 80GB\"\n").unwrap();
+    let prepared = Scenario::load(&path).unwrap().prepare(None).unwrap();
+    let names: Vec<&str> = prepared.nodes.iter().map(|n| n.0.as_str()).collect();
+    assert_eq!(names, ["A100-80GB-0-0", "A100-80GB-0-1"]);
 }
 
 #[test]
