@@ -69,6 +69,9 @@ pub struct AgentConfig {
     /// Stop the runs when the agent stops, reporting them lost (they are requeued), instead of
     /// leaving them for the next agent to re-adopt: for agents that live inside a server.
     pub stop_runs_on_exit: bool,
+    /// How long after a failed launch the run is launched again (four times longer after
+    /// each further failure, up to [`LAUNCH_ATTEMPTS`]).
+    pub launch_backoff: Duration,
 }
 
 impl AgentConfig {
@@ -85,6 +88,7 @@ impl AgentConfig {
             clock_skew_ms: 0,
             orphan_grace: Duration::from_secs(10),
             stop_runs_on_exit: false,
+            launch_backoff: Duration::from_secs(2),
         }
     }
 }
@@ -183,8 +187,14 @@ struct Run {
     reported: bool,
     /// Reports the ledger refused so far: each new attempt has new idempotency keys.
     attempt: u32,
-    /// The launch failed this many times; the next try is due then.
-    launch_failures: Option<(u32, Instant)>,
+    /// Launches that failed so far (the shim could not be started, or exited without starting
+    /// the command).
+    failed_launches: u32,
+    /// The next launch is due then.
+    relaunch_at: Option<Instant>,
+    /// The shim this agent launched exited without starting the command, for this reason: a
+    /// failed launch, not a lost run.
+    unstarted: Option<String>,
 }
 
 impl Run {
@@ -197,13 +207,46 @@ impl Run {
             killed: false,
             reported: false,
             attempt: 0,
-            launch_failures: None,
+            failed_launches: 0,
+            relaunch_at: None,
+            unstarted: None,
+        }
+    }
+
+    /// Whether the run waits to be launched again.
+    fn relaunch_pending(&self) -> bool {
+        self.relaunch_at.is_some() || self.unstarted.is_some()
+    }
+
+    /// Gives up launching the run again (the ledger no longer wants it here).
+    fn give_up_launch(&mut self) {
+        self.relaunch_at = None;
+        self.unstarted = None;
+    }
+
+    /// Counts a failed launch of `workload`'s run: the next try is due `backoff` × 4ⁿ⁻¹ later,
+    /// and after [`LAUNCH_ATTEMPTS`] the run ends as failed with `reason`.
+    fn launch_failed(&mut self, workload: WorkloadId, backoff: Duration, reason: &str) {
+        self.failed_launches += 1;
+        let failures = self.failed_launches;
+        if failures < LAUNCH_ATTEMPTS {
+            let wait = backoff * 4u32.pow(failures - 1);
+            tracing::warn!(%workload, error = %reason, "cannot launch the run; trying again in {:.1} s", wait.as_secs_f64());
+            self.relaunch_at = Some(Instant::now() + wait);
+        } else {
+            tracing::warn!(%workload, error = %reason, "cannot launch the run after {failures} tries: it fails");
+            self.relaunch_at = None;
+            let reason = format!("the node could not launch it: {reason}");
+            if let Err(e) = run::record_failure(&self.dir, &reason) {
+                tracing::error!(%workload, error = %e, "cannot record the failed launch");
+            }
         }
     }
 }
 
-/// A run whose launch fails this many times, a little longer apart each time, fails: the
-/// workload ends as failed with the reason instead of going back to the queue for ever.
+/// A run whose launch fails this many times, [`AgentConfig::launch_backoff`] and then four
+/// times longer apart each time, fails: the workload ends as failed with the reason instead of
+/// going back to the queue for ever.
 pub const LAUNCH_ATTEMPTS: u32 = 3;
 
 /// A run's end is reported with its real time if the ledger's clock is at most this far past
@@ -604,10 +647,21 @@ impl<L: EventLog> Agent<L> {
                     self.runs.insert(*key, run);
                 }
                 Some(mut run) => {
-                    if run
-                        .launch_failures
-                        .is_some_and(|(_, at)| Instant::now() >= at)
-                    {
+                    let preempting = self
+                        .state
+                        .workloads
+                        .get(&key.0)
+                        .is_some_and(|w| w.preempting.is_some());
+                    if preempting && run.relaunch_pending() {
+                        // Asked to stop before it ran: stopped as asked, nothing to signal.
+                        run.give_up_launch();
+                        run.kill_at = Some(Instant::now());
+                        run.killed = true;
+                    }
+                    if let Some(reason) = run.unstarted.take() {
+                        run.launch_failed(key.0, self.config.launch_backoff, &reason);
+                    }
+                    if run.relaunch_at.is_some_and(|at| Instant::now() >= at) {
                         self.launch(*key, gpus, &mut run);
                     }
                     self.runs.insert(*key, run);
@@ -624,7 +678,10 @@ impl<L: EventLog> Agent<L> {
             .collect();
         for key in gone {
             let mut run = self.runs.remove(&key).expect("listed");
-            if status_of(&mut run) == run::Status::Running {
+            if run.relaunch_pending() {
+                tracing::info!(workload = %key.0, "the ledger no longer places the run here: its launch is given up");
+            }
+            if orphan_alive(&mut run) {
                 self.orphans.insert(run.dir.clone(), run);
             }
         }
@@ -655,8 +712,7 @@ impl<L: EventLog> Agent<L> {
                 }
             }
         }
-        self.orphans
-            .retain(|_, run| status_of(run) == run::Status::Running);
+        self.orphans.retain(|_, run| orphan_alive(run));
         // Ends: report them.
         let mut ended = Vec::new();
         for (key, run) in &mut self.runs {
@@ -685,6 +741,14 @@ impl<L: EventLog> Agent<L> {
                     run::Status::Lost => true,
                     run::Status::Running => false,
                 };
+                // A rank this node could not launch fails the gang, as it would on the first
+                // node: requeued, it would be placed and fail again.
+                let unlaunchable =
+                    matches!(&status, run::Status::Ended(exit) if exit.error.is_some());
+                if unlaunchable && !signalled && w.preempting.is_none() {
+                    reports.push((key, self.end_reports(key.0, status, false)));
+                    continue;
+                }
                 if failed && !signalled && w.preempting.is_none() {
                     tracing::warn!(workload = %key.0, "a rank of the gang failed on this node: the gang is requeued");
                     reports.push((key, (self.clock().now_ms(), lost(key.0))));
@@ -794,23 +858,9 @@ impl<L: EventLog> Agent<L> {
             Ok(child) => {
                 tracing::info!(workload = %key.0, gpus = ?gpus, "launched");
                 run.shim = Some(child);
-                run.launch_failures = None;
+                run.relaunch_at = None;
             }
-            Err(e) => {
-                let failures = run.launch_failures.map_or(1, |(n, _)| n + 1);
-                if failures < LAUNCH_ATTEMPTS {
-                    let wait = Duration::from_millis(250 << failures);
-                    tracing::warn!(workload = %key.0, error = %e, "cannot launch the run; trying again in {} ms", wait.as_millis());
-                    run.launch_failures = Some((failures, Instant::now() + wait));
-                } else {
-                    tracing::warn!(workload = %key.0, error = %e, "cannot launch the run after {failures} tries: it fails");
-                    run.launch_failures = None;
-                    let reason = format!("the node could not launch it: {e}");
-                    if let Err(e) = run::record_failure(&run.dir, &reason) {
-                        tracing::error!(workload = %key.0, error = %e, "cannot record the failed launch");
-                    }
-                }
-            }
+            Err(e) => run.launch_failed(key.0, self.config.launch_backoff, &e.to_string()),
         }
     }
 
@@ -891,6 +941,11 @@ impl<L: EventLog> Agent<L> {
                     (at, vec![finished])
                 }
             }
+            run::Status::Lost | run::Status::Running if w.preempting.is_some() && signalled => {
+                // Stopped before it ran (or it left no record): the preemption stands.
+                let at = self.clock().now_ms();
+                (at, self.state.grace_end_reports(id, at))
+            }
             run::Status::Lost | run::Status::Running => {
                 tracing::warn!(workload = %id, "the run vanished without a record of its end: reported lost and requeued");
                 (self.clock().now_ms(), lost(id))
@@ -914,20 +969,24 @@ impl<L: EventLog> Agent<L> {
                 tracing::warn!(workload = %key.0, "the run ended {} s before it could be reported; reported as ending then", (floor - at_ms) / 1000);
             }
             let stamp = at_ms.max(floor);
+            let mut first = None;
             let appends: Vec<Append> = events
                 .iter()
                 .enumerate()
                 .map(|(i, e)| {
                     let env =
                         Envelope::new(Uuid::now_v7(), stamp, self.config.actor.clone(), e.clone());
-                    if i == 0 {
-                        self.sent.insert(env.id, key);
-                    }
+                    first.get_or_insert(env.id);
                     let id = format!("agent-end:{}:{}:{round}:{i}", key.0, key.1);
                     Append::event(&env, allocation.as_deref(), Some(&id))
                 })
                 .collect();
-            match self.log.append_batch(appends).await {
+            let appended = self.log.append_batch(appends).await;
+            // Only a report written is folded: the fold's verdict on it is awaited.
+            if let (Ok(_), Some(id)) = (&appended, first) {
+                self.sent.insert(id, key);
+            }
+            match appended {
                 Ok(_) | Err(AppendError::DuplicateBatch(_)) => return,
                 Err(AppendError::Unacknowledged(e)) | Err(AppendError::Unavailable(e))
                     if attempt < 20 =>
@@ -1076,23 +1135,35 @@ fn lost(id: WorkloadId) -> Vec<Event> {
     ]
 }
 
-/// Reaps the shim if this agent launched it and it has exited.
+/// Reaps the shim if this agent launched it and it has exited; one that exited without
+/// starting the command leaves the run to be launched again.
 fn reap(run: &mut Run) {
     if let Some(child) = &mut run.shim {
-        if let Ok(Some(_)) = child.try_wait() {
+        if let Ok(Some(exit)) = child.try_wait() {
             run.shim = None;
+            if !run::started(&run.dir) {
+                run.unstarted = Some(format!(
+                    "the shim exited ({exit}) before starting the command"
+                ));
+            }
         }
     }
 }
 
-/// Where `run` stands: as its directory says, except that a shim this agent launched and that
-/// is still alive has not lost its run (it may not have written its files yet).
+/// Whether a run the ledger no longer places here is still alive (it is never launched again).
+fn orphan_alive(run: &mut Run) -> bool {
+    reap(run);
+    run.give_up_launch();
+    run.shim.is_some() || run::status(&run.dir) == run::Status::Running
+}
+
+/// Where `run` stands: as its directory says, except that a run whose shim this agent
+/// launched and is still alive (it may not have written its files yet), or that waits to be
+/// launched again, has not been lost.
 fn status_of(run: &mut Run) -> run::Status {
     reap(run);
     match run::status(&run.dir) {
-        run::Status::Lost if run.shim.is_some() || run.launch_failures.is_some() => {
-            run::Status::Running
-        }
+        run::Status::Lost if run.shim.is_some() || run.relaunch_pending() => run::Status::Running,
         status => status,
     }
 }

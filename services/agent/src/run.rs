@@ -153,6 +153,12 @@ pub fn status(dir: &Path) -> Status {
     }
 }
 
+/// Whether the run in `dir` got as far as starting its command (its shim recorded the
+/// process, or how it ended).
+pub fn started(dir: &Path) -> bool {
+    dir.join("pid").exists() || dir.join("exit.json").exists()
+}
+
 /// Sends `sig` to the run's process group; false when there is none (not started yet, ended,
 /// or its process id now belongs to another process).
 pub fn signal_group(dir: &Path, sig: Signal) -> bool {

@@ -49,8 +49,12 @@ pub struct AgentArgs {
     #[arg(long, value_name = "KEY=VALUE", value_parser = parse_label)]
     pub label: Vec<(String, String)>,
     /// Seconds between heartbeats.
-    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_S", default_value_t = 5.0)]
+    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_S", default_value_t = 5.0, value_parser = parse_seconds)]
     pub heartbeat_s: f64,
+    /// Seconds before a run whose launch failed is launched again (four times longer after a
+    /// second failure; after the third it fails with the reason).
+    #[arg(long, env = "FAIRLEDGER_LAUNCH_BACKOFF_S", default_value_t = 2.0, value_parser = parse_seconds)]
+    pub launch_backoff_s: f64,
     /// Where runs keep their directories and output logs.
     #[arg(long, env = "FAIRLEDGER_WORK_DIR", default_value = "fairledger-agent")]
     pub work_dir: PathBuf,
@@ -78,6 +82,16 @@ pub fn shim() -> Result<Vec<OsString>, String> {
             .into_os_string(),
     };
     Ok(vec![program, OsString::from("agent-shim")])
+}
+
+/// A positive number of seconds, at most a day.
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?}: give a number of seconds above 0 and at most 86400, e.g. 2.5"
+        )),
+    }
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -177,6 +191,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     config.model = args.model.clone();
     config.heartbeat = Duration::from_secs_f64(args.heartbeat_s);
     config.clock_skew_ms = args.clock_skew_ms;
+    config.launch_backoff = Duration::from_secs_f64(args.launch_backoff_s);
     if let Some(api) = args.api.clone() {
         let token = match &args.token_file {
             Some(path) => crate::client::read_token_file(path)?,

@@ -788,8 +788,9 @@ fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only(
     assert!(String::from_utf8_lossy(&out.stderr).contains("refused the credentials"));
 }
 
-#[test]
-fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
+/// A node whose every launch goes through `shim` (one that cannot launch anything) runs one
+/// submission: it ends failed with the reason, after [`agent::LAUNCH_ATTEMPTS`] tries.
+fn a_failing_launch_through(shim: &str, reason: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let config = cluster(tmp.path(), 3600);
     let server = Server::start(&[
@@ -800,15 +801,14 @@ fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
     ]);
     let api = format!("http://{}", server.addr);
     let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
-    // This node launches through a program that is not there: every launch fails.
     let agent = Agent::start_with_env(
         &["--api", &api],
         "gpu-h",
         &tmp.path().join("agent"),
-        &["--fake-gpus", "2"],
+        &["--fake-gpus", "2", "--launch-backoff-s", "0.2"],
         &[
             ("FAIRLEDGER_TOKEN", &token),
-            ("FAIRLEDGER_AGENT_SHIM", "/nonexistent/fairledger"),
+            ("FAIRLEDGER_AGENT_SHIM", shim),
         ],
     );
     wait_for_node(&server, "gpu-h");
@@ -831,8 +831,9 @@ fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
     );
     let end = &h[2]["payload"];
     assert_eq!(end["exit_code"], 127, "{end}");
+    let error = end["error"].as_str().unwrap();
     assert!(
-        end["error"].as_str().unwrap().contains("could not launch"),
+        error.contains("could not launch") && error.contains(reason),
         "{end}"
     );
     let log = agent.log();
@@ -840,5 +841,60 @@ fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
         log.matches("trying again").count() as u32,
         agent::LAUNCH_ATTEMPTS - 1,
         "{log}"
+    );
+}
+
+#[test]
+fn a_run_its_node_cannot_launch_fails_with_the_reason_instead_of_looping() {
+    // The launcher is not there: spawning it fails.
+    a_failing_launch_through("/nonexistent/fairledger", "No such file");
+}
+
+#[test]
+fn a_shim_that_exits_without_starting_the_command_is_a_failed_launch_not_a_lost_run() {
+    // The launcher starts, and exits at once without a trace in the run directory.
+    a_failing_launch_through("/bin/false", "before starting the command");
+}
+
+#[test]
+fn a_gang_rank_its_node_cannot_launch_fails_the_gang_instead_of_requeueing_it() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    let _a = Agent::start(
+        &nats.url(),
+        "gpu-1",
+        &tmp.path().join("a1"),
+        &["--fake-gpus", "1", "--launch-backoff-s", "0.2"],
+    );
+    let _b = Agent::start_with_env(
+        &["--nats", &nats.url()],
+        "gpu-2",
+        &tmp.path().join("a2"),
+        &["--fake-gpus", "1", "--launch-backoff-s", "0.2"],
+        &[("FAIRLEDGER_AGENT_SHIM", "/nonexistent/fairledger")],
+    );
+    wait_for_node(&server, "gpu-1");
+    wait_for_node(&server, "gpu-2");
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "nodes": 2, "command": ["sleep", "600"]}),
+    );
+    // Whichever rank gpu-2 holds, the gang ends failed with gpu-2's reason, started once.
+    let row = wait_for(&server, &id, "finished");
+    assert_eq!(row["exit_code"], 127, "{row}");
+    assert!(
+        row["error"].as_str().unwrap().contains("could not launch"),
+        "{row}"
+    );
+    let h = history(&server, &id);
+    let starts = kinds(&h)
+        .iter()
+        .filter(|k| *k == "workload_started")
+        .count();
+    assert_eq!(starts, 1, "{h:?}");
+    assert!(
+        !kinds(&h).contains(&"workload_requeued".to_owned()),
+        "{h:?}"
     );
 }
