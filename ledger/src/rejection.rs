@@ -5,6 +5,7 @@
 //! exactly as before. Checks run in the order the variants are listed: ordering first (sequence,
 //! time, schema), then the event's own fields, then its fit with the state.
 
+use crate::event::Event;
 use uuid::Uuid;
 
 /// The rule an event broke. Each message says what was wrong and what to do.
@@ -333,18 +334,28 @@ impl Rejection {
         }
     }
 
-    /// The field of the event at fault when the event itself is invalid whatever the state (a
+    /// The field of `event` at fault when the event itself is invalid whatever the state (a
     /// request that carries it answers 422 naming the field); `None` when the event only does
     /// not fit the state now (409).
-    pub fn field(&self) -> Option<&'static str> {
+    pub fn field_in(&self, event: &Event) -> Option<&'static str> {
+        // Where an event names allocations: one path, or a grant's list.
+        let allocation_field = match event {
+            Event::AllocationSet(_) | Event::AllocationRemoved(_) => "path",
+            Event::PrincipalGranted(_) => "allocations",
+            _ => "allocation",
+        };
         match self {
-            Rejection::InvalidAllocationPath { .. } => Some("allocation"),
+            Rejection::InvalidAllocationPath { .. } => Some(allocation_field),
             Rejection::InvalidField { field, .. }
             | Rejection::MustBePositive { field }
             | Rejection::InvalidGrant { field, .. } => Some(field),
             Rejection::TooManyGpusOnNode { .. } => Some("gpus"),
+            // Removing what is not there, or no longer, is a conflict with the state.
+            Rejection::UnknownAllocation { .. } if matches!(event, Event::AllocationRemoved(_)) => {
+                None
+            }
             Rejection::UnknownAllocation { .. } | Rejection::AllocationNotLeaf { .. } => {
-                Some("allocation")
+                Some(allocation_field)
             }
             Rejection::UnknownGpuModel { .. } => Some("model"),
             Rejection::GpusPerNodeExceedLargestNode { .. } => Some("gpus_per_node"),

@@ -206,7 +206,7 @@ impl App {
             .await
             .state()
             .check(&env)
-            .map_err(|r| Some(Problem::refused(&r)))?;
+            .map_err(|r| Some(Problem::refused(&r, &env.event)))?;
         let mut append = Append::event(&env, allocation, key);
         let fenced = fence.is_some();
         if let Some(fence) = fence {
@@ -215,7 +215,7 @@ impl App {
         let ack = match self.inner.log.append(append).await {
             Ok(ack) => ack,
             Err(eventlog::AppendError::Conflict { .. }) if fenced => return Err(None),
-            Err(e) => return Err(Some(Problem::unavailable(e.to_string()))),
+            Err(e) => return Err(Some(Problem::not_appended(&e))),
         };
         if !self.folded(ack.seq).await {
             return Err(Some(Problem::unavailable(format!(

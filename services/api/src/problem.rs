@@ -59,10 +59,23 @@ impl Problem {
 
     /// The rule the fold would refuse an event by: 422 naming the field when the event is
     /// invalid whatever the state, 409 naming the rule when it does not fit the state now.
-    pub fn refused(r: &ledger::Rejection) -> Self {
-        match r.field() {
+    pub fn refused(r: &ledger::Rejection, event: &ledger::Event) -> Self {
+        match r.field_in(event) {
             Some(field) => Problem::invalid(field, r.to_string()),
             None => Problem::new(StatusCode::CONFLICT, r.code(), r.to_string()),
+        }
+    }
+
+    /// An append that did not go through: refused by the log for what it is (422: sending it
+    /// again will not help), or not taken now (503).
+    pub fn not_appended(e: &eventlog::AppendError) -> Self {
+        match e {
+            eventlog::AppendError::Refused(why) => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "refused-by-log",
+                format!("the event log refused this event ({why}); it will refuse it again"),
+            ),
+            other => Problem::unavailable(other.to_string()),
         }
     }
 

@@ -46,7 +46,7 @@ pub async fn append(app: &App, appends: Vec<Append>) -> Result<serde_json::Value
             Ok(json!({"seqs": seqs, "duplicate": false}))
         }
         Err(eventlog::AppendError::DuplicateBatch(_)) => Ok(json!({"seqs": [], "duplicate": true})),
-        Err(e) => Err(Problem::unavailable(e.to_string())),
+        Err(e) => Err(Problem::not_appended(&e)),
     }
 }
 
@@ -141,16 +141,20 @@ pub fn check(
                 ))
             });
         }
-        // What the fold would reject is refused, not appended. A report after another about
-        // the same run in this batch (a stop's requeue) is judged with it above.
+        // What the fold would reject is refused, not appended. The batch is not folded yet:
+        // a report is judged against the ledger as it stands, except a requeue following its
+        // run's stop (judged with the stop above); anything else after a report about the same
+        // run would be judged against a run that the batch has already ended.
         let run = env.event.workload();
-        let follows = run.is_some()
-            && reports[..i]
-                .iter()
-                .any(|r| r.envelope.event.workload() == run);
-        if !follows {
-            state.check(env).map_err(|r| {
-                let problem = Problem::refused(&r);
+        let earlier: Vec<(usize, &Event)> = reports[..i]
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| run.is_some() && r.envelope.event.workload() == run)
+            .map(|(j, r)| (j, &r.envelope.event))
+            .collect();
+        match (&env.event, earlier.as_slice()) {
+            (_, []) => state.check(env).map_err(|r| {
+                let problem = Problem::refused(&r, &env.event);
                 Problem {
                     field: Some(match &problem.field {
                         Some(f) => format!("{field}.payload.{f}"),
@@ -158,7 +162,21 @@ pub fn check(
                     }),
                     ..problem
                 }
-            })?;
+            })?,
+            (Event::WorkloadRequeued(_), [(_, Event::WorkloadStopped(stop))])
+                if stop.reason != StopReason::Cancelled => {}
+            (_, [.., (j, _)]) => {
+                return Err(Problem {
+                    field: Some(field),
+                    ..Problem::new(
+                        axum::http::StatusCode::CONFLICT,
+                        "already_reported",
+                        format!(
+                            "events[{j}] already reports this run's end: a batch reports a run once (a stop may be followed by its requeue)"
+                        ),
+                    )
+                })
+            }
         }
         let allocation = state.allocation_of(&env.event);
         // Keys are the sender's own: another principal's equal key is another report.

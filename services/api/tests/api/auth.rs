@@ -538,6 +538,11 @@ async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
             Some("allocations"),
         ),
         (
+            r#"{"name":"x","role":"submitter","allocations":["a.b"]}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("allocations"),
+        ),
+        (
             r#"{"name":"x","role":"agent","node":"y"}"#,
             StatusCode::UNPROCESSABLE_ENTITY,
             Some("node"),
@@ -917,6 +922,58 @@ async fn an_operator_drains_and_resumes_a_node() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// A batch reports a run's end once: a second report about the same run (other than a stop's
+/// requeue) would be judged against a run the batch has already ended, and is refused with
+/// nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_reports_a_runs_end_twice_writes_nothing() {
+    let f = fixture(true).await;
+    let Placed { id, node, here, .. } = placed_with_agents(&f).await;
+    let before = f.log.last_seq().await.unwrap();
+    let actor = format!("agent:{node}");
+    let finished = Event::WorkloadFinished(WorkloadFinished {
+        workload: id,
+        exit_code: Some(0),
+        signal: None,
+        error: None,
+    });
+    let envelope = |event: Event| {
+        Envelope::new(
+            uuid::Uuid::now_v7(),
+            scheduler::wall_clock_ms(),
+            &actor,
+            event,
+        )
+    };
+    let twice = serde_json::json!({"events": [
+        {"idempotency_key": "f1", "envelope": envelope(finished.clone())},
+        {"idempotency_key": "f2", "envelope": envelope(finished)},
+    ]})
+    .to_string();
+    let uri = format!("/v1/nodes/{node}/events");
+    let (status, _, problem) = call_as(&f, Some(&here), "POST", &uri, Some(&twice), &[]).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(problem["field"], "events[1].envelope", "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("events[0]"),
+        "{problem}"
+    );
+    assert_eq!(
+        f.log.last_seq().await.unwrap(),
+        before,
+        "a refused batch wrote"
+    );
+    // A stop and its requeue travel together.
+    let lost = serde_json::json!({"events": [
+        {"idempotency_key": "s", "envelope": envelope(Event::WorkloadStopped(WorkloadStopped { workload: id, reason: StopReason::Lost }))},
+        {"idempotency_key": "r", "envelope": envelope(Event::WorkloadRequeued(WorkloadRequeued { workload: id, work_lost_s: 0 }))},
+    ]})
+    .to_string();
+    let (status, _, answer) = call_as(&f, Some(&here), "POST", &uri, Some(&lost), &[]).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["seqs"].as_array().unwrap().len(), 2, "{answer}");
 }
 
 /// A run stopped on one node is requeued by that node's agent only.
