@@ -7,7 +7,7 @@
 //! | allocation path | segments joined by `/` | at most 8 levels, 255 bytes |
 //! | node label key | ASCII letters, digits, `-`, `_`, `.`, `/`; first a letter or digit | 1–128 |
 //! | node label value, GPU model | printable ASCII (space to `~`) | model 1–64, value 0–128 |
-//! | workload name | any text without control characters | 0–256 bytes |
+//! | workload name, why a node was drained | any text without control or invisible characters (bidirectional overrides, zero-width) | name 0–256 bytes, reason 0–256 |
 //! | environment variable name | ASCII letters, digits, `_`; first not a digit | 1–256 |
 //! | environment value, command argument | any text without NUL | 32 KiB each, 256 arguments, 256 variables |
 //!
@@ -37,6 +37,8 @@ pub const WORKLOAD_NAME_MAX: usize = 256;
 pub const ARGS_MAX: usize = 256;
 /// The longest command argument or environment value.
 pub const ARG_MAX: usize = 32 * 1024;
+/// The longest reason for draining a node.
+pub const REASON_MAX: usize = 256;
 /// The most labels on a node.
 pub const LABELS_MAX: usize = 32;
 
@@ -187,18 +189,7 @@ pub fn workload(
     env: &BTreeMap<String, String>,
 ) -> Result<(), Rejection> {
     if let Some(name) = name {
-        if name.len() > WORKLOAD_NAME_MAX {
-            return Err(invalid(
-                "name",
-                format!("at most {WORKLOAD_NAME_MAX} bytes"),
-            ));
-        }
-        if let Some(c) = name.chars().find(|c| c.is_control()) {
-            return Err(invalid(
-                "name",
-                format!("a name holds no control characters, not {}", shown(c)),
-            ));
-        }
+        note("name", name, WORKLOAD_NAME_MAX)?;
     }
     if command.len() > ARGS_MAX {
         return Err(invalid("command", format!("at most {ARGS_MAX} arguments")));
@@ -241,6 +232,38 @@ pub fn workload(
     Ok(())
 }
 
+/// Checks free text shown to people (a workload's name, why a node was drained): at most `max`
+/// bytes, without control characters or the invisible ones that change how text around them
+/// shows (see [`terminal_safe`]).
+pub fn note(field: &'static str, text: &str, max: usize) -> Result<(), Rejection> {
+    if text.len() > max {
+        return Err(invalid(field, format!("at most {max} bytes")));
+    }
+    if let Some(c) = text.chars().find(|&c| c.is_control() || invisible(c)) {
+        return Err(invalid(
+            field,
+            format!("no control or invisible characters, not {}", shown(c)),
+        ));
+    }
+    Ok(())
+}
+
+/// Characters that change how the text around them shows without showing themselves:
+/// bidirectional marks, embeddings, overrides and isolates (which can make a terminal show
+/// text in another order), zero-width characters, the byte-order mark and the soft hyphen.
+fn invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00AD}'
+            | '\u{061C}'
+            | '\u{200B}'..='\u{200F}'
+            | '\u{202A}'..='\u{202E}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{2069}'
+            | '\u{FEFF}'
+    )
+}
+
 fn invalid(field: &'static str, reason: impl Into<String>) -> Rejection {
     Rejection::InvalidField {
         field,
@@ -249,15 +272,17 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> Rejection {
 }
 
 /// `s` safe to print on a terminal: control characters (escape sequences, carriage returns,
-/// NUL) shown escaped, everything else as it is.
+/// NUL) and invisible ones (bidirectional overrides, zero-width characters) shown escaped,
+/// everything else as it is.
 pub fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
+    let unsafe_char = |c: char| c.is_control() || invisible(c);
+    if !s.chars().any(unsafe_char) {
         return s.into();
     }
     s.chars()
         .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
+            if unsafe_char(c) {
+                c.escape_unicode().to_string()
             } else {
                 c.to_string()
             }
@@ -329,11 +354,19 @@ mod tests {
         }
         assert_eq!(field(workload(None, &[], &env("A", "x\0"))), "env");
         assert_eq!(field(workload(Some("a\x1b[2J"), &[], &none)), "name");
+        // A right-to-left override would show the name in another order.
+        assert_eq!(
+            field(workload(Some("train\u{202E}gpj.sh"), &[], &none)),
+            "name"
+        );
+        assert!(workload(Some("entraînement 训练"), &[], &none).is_ok());
     }
 
     #[test]
     fn terminal_output_escapes_control_characters() {
         assert_eq!(terminal_safe("demo-0"), "demo-0");
-        assert_eq!(terminal_safe("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert_eq!(terminal_safe("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\u{a}");
+        assert_eq!(terminal_safe("a\u{202E}b\u{200B}"), "a\\u{202e}b\\u{200b}");
+        assert_eq!(terminal_safe("训练"), "训练");
     }
 }

@@ -378,7 +378,7 @@ impl State {
                 .iter()
                 .try_for_each(|r| self.gpu_of(&e.node, r.gpu).map(drop)),
             Event::GpuHealthChanged(e) => self.gpu_of(&e.node, e.gpu).map(drop),
-            Event::NodeDrained(e) => self.node_idx(&e.node).map(drop),
+            Event::NodeDrained(e) => self.check_drained(env.schema_version, e).map(drop),
             Event::NodeResumed(e) => self.node_idx(&e.node).map(drop),
             Event::WorkloadSubmitted(e) => self.check_submitted(env.schema_version, e).map(drop),
             Event::WorkloadCancelled(e) => self.check_cancelled(e).map(drop),
@@ -425,7 +425,9 @@ impl State {
             Event::NodeRegistered(e) => self.node_registered(env.schema_version, e),
             Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
             Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
-            Event::NodeDrained(e) => self.node_draining(&e.node, true),
+            Event::NodeDrained(e) => self
+                .check_drained(env.schema_version, e)
+                .and_then(|_| self.node_draining(&e.node, true)),
             Event::NodeResumed(e) => self.node_draining(&e.node, false),
             Event::WorkloadSubmitted(e) => {
                 self.workload_submitted(seq, env.schema_version, e, &env.actor)
@@ -627,6 +629,15 @@ impl State {
             .register(&e.node, e.gpus, &e.model, e.labels.clone());
         self.owed_stale = true;
         Ok(Outcome::Applied)
+    }
+
+    /// Checks a drain from an event of `version`: the node exists, and from version 2 on its
+    /// reason is text fit to show.
+    fn check_drained(&self, version: u16, e: &NodeDrained) -> Result<NodeIdx, Rejection> {
+        if let (Some(reason), 2..) = (&e.reason, version) {
+            crate::names::note("reason", reason, crate::names::REASON_MAX)?;
+        }
+        self.node_idx(&e.node)
     }
 
     /// The registered node named `node`.

@@ -129,12 +129,27 @@ pub fn record_failure(dir: &Path, reason: &str) -> std::io::Result<()> {
         exit_code: Some(127),
         signal: None,
         ended_at_ms: now_ms(),
-        error: Some(reason.to_owned()),
+        error: Some(brief(reason)),
     };
     write_atomic(
         &dir.join("exit.json"),
         &serde_json::to_vec(&exit).expect("exits serialize"),
     )
+}
+
+/// The longest reason a run's end carries into the ledger (the output log has all of it).
+pub const REASON_MAX: usize = 1024;
+
+/// `reason` cut to [`REASON_MAX`] bytes, on a character boundary: a program's name may be long.
+fn brief(reason: &str) -> String {
+    if reason.len() <= REASON_MAX {
+        return reason.to_owned();
+    }
+    let mut end = REASON_MAX - '…'.len_utf8();
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &reason[..end])
 }
 
 /// Where the run in `dir` stands.
@@ -318,6 +333,18 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_reason_is_cut_on_a_character_boundary() {
+        let long = "é".repeat(REASON_MAX);
+        let cut = brief(&long);
+        assert!(
+            cut.len() <= REASON_MAX && cut.ends_with('…'),
+            "{}",
+            cut.len()
+        );
+        assert_eq!(brief("short"), "short");
+    }
 
     #[test]
     fn a_recorded_process_is_trusted_only_while_it_is_that_very_process() {

@@ -69,8 +69,9 @@ impl Limits {
 }
 
 /// An acceptor that holds a permit for each open connection, closes those over the cap, and
-/// closes a new connection that sends nothing within the header deadline (HTTP's own deadline
-/// starts with the first byte).
+/// closes a new connection that sends nothing within the header deadline (hyper's header
+/// deadline covers a keep-alive connection between requests, but a new one only from its first
+/// byte: measured, a silent new connection stayed open without this).
 #[derive(Clone, Debug)]
 pub struct Capped<A> {
     inner: A,

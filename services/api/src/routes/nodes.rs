@@ -142,9 +142,6 @@ pub(crate) async fn drain(
             .map_err(|e| problem::json_error(&e))?
             .reason
     };
-    if reason.as_ref().is_some_and(|r| r.len() > 256) {
-        return Err(Problem::invalid("reason", "at most 256 bytes"));
-    }
     {
         let p = app.inner.projection.read().await;
         caller.allow(&Action::DrainNode, p.state())?;

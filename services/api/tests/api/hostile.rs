@@ -98,6 +98,29 @@ async fn every_name_that_could_share_a_subject_is_refused_on_every_route() {
         unprocessable,
         "name",
     );
+    // Nor may it hold characters that reorder what a terminal shows around them.
+    let reordered = json!({"allocation": "b", "gpus_per_node": 1, "name": "run\u{202E}hs.exe"});
+    let (status, _, answer) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(&reordered.to_string()),
+        &[],
+    )
+    .await;
+    refused(
+        "a right-to-left override",
+        status,
+        &answer,
+        unprocessable,
+        "name",
+    );
+    // Why a node is drained is shown to operators: the same rules, and a length.
+    for reason in ["maintenance\u{1b}[2J".to_owned(), "x".repeat(300)] {
+        let body = json!({ "reason": reason }).to_string();
+        let (status, _, answer) = call(&f, "POST", "/v1/nodes/n0/drain", Some(&body), &[]).await;
+        refused("a drain reason", status, &answer, unprocessable, "reason");
+    }
     assert_eq!(
         f.log.last_seq().await.unwrap(),
         before,

@@ -1112,6 +1112,16 @@ async fn idle_slow_and_surplus_connections_are_cut_off_and_the_server_answers_on
     assert!(said.starts_with("HTTP/1.1 408"), "{said}");
     assert!(said.contains("body-timeout"), "{said}");
 
+    // A keep-alive connection that goes quiet after its answer is closed too.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let said = said_before_closing(&mut kept, wait)
+        .await
+        .expect("an idle keep-alive connection stayed open");
+    assert!(said.starts_with("HTTP/1.1 200"), "{said}");
+
     let answer = healthz().await.expect("still answers");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     stop.send(()).unwrap();
