@@ -270,3 +270,47 @@ async fn concurrent_duplicates_all_answer_with_the_original() {
     }
     assert_eq!(f.log.last_seq().await.unwrap(), before + 1, "one written");
 }
+
+/// An idempotency key is its sender's: a node's report with key K does not take K from a
+/// submitter, whose submission with K is written and can be read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_used_by_one_sender_is_not_taken_from_another() {
+    let f = fixture(false).await;
+    let agent = token(&f, "n0", "agent", &[], Some("n0")).await;
+    let env = Envelope::new(
+        uuid::Uuid::now_v7(),
+        scheduler::wall_clock_ms(),
+        "agent:n0",
+        Event::NodeRegistered(NodeRegistered {
+            node: "n0".into(),
+            gpus: 8,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+    );
+    let report = json!({"events": [{"idempotency_key": "K", "envelope": env}]}).to_string();
+    let (status, _, answer) = call_as(
+        &f,
+        Some(&agent),
+        "POST",
+        "/v1/nodes/n0/events",
+        Some(&report),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let body = r#"{"allocation":"b","gpus_per_node":1}"#;
+    let (status, _, answer) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(body),
+        &[("idempotency-key", "K")],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_ne!(answer["duplicate"], true, "{answer}");
+    let id = answer["id"].as_str().unwrap();
+    let (status, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{row}");
+}
