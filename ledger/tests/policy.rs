@@ -462,3 +462,29 @@ fn a_drained_node_takes_no_new_work_and_its_running_work_runs_on() {
         "{plan:?}"
     );
 }
+
+#[test]
+fn a_gang_waiting_for_its_victims_keeps_the_room_it_found_on_other_nodes() {
+    // A 2-node gang of team a needs one GPU on each of n0 and n1. n1 is full of unallocated
+    // work, n0 is empty: the first pass preempts the work on n1 and holds both nodes. The next
+    // pass (the live scheduler passes again as soon as the preemption is folded) must still
+    // hold n0 for the gang: unallocated work waiting behind it would otherwise take n0, be
+    // preempted in its turn once n1 frees, and the two would trade places for ever.
+    let mut l = cluster(&[("n0", 8, None), ("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), None, 8, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 0);
+    l.submit(H, wid(2), Some("a"), 1, 2);
+    l.submit(H, wid(3), None, 8, 1);
+    let cfg = PolicyConfig::default();
+    let plan = l.schedule(H, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(1)]);
+    assert!(started(&plan).is_empty(), "{:?}", started(&plan));
+    // The preemption is folded; the next pass waits for it, starting nothing on n0.
+    let plan = decide(&l.state, H + 1, &cfg);
+    assert!(started(&plan).is_empty(), "{:?}", started(&plan));
+    assert!(matches!(
+        reason(&plan, wid(2)),
+        Blocked::WaitingForPreemption { victims: 1, .. }
+    ));
+}

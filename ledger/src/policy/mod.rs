@@ -368,8 +368,18 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             (None, Some(&(victims, until_ms, ref nodes))) => {
                 deferred.settle(&mut plan, &mut scratch, &rank);
                 scratch.withhold_nodes(nodes);
+                // A gang's other nodes had room when its victims were chosen: hold them as
+                // well, or work ranked after it takes them while the victims leave, and the
+                // gang waits for ever (two workloads preempting each other for it in turn).
+                let mut held = nodes.clone();
+                let missing = (w.nodes as usize).saturating_sub(nodes.len());
+                if missing > 0 {
+                    let more = scratch.room_for(w, nodes, missing);
+                    scratch.withhold_nodes(&more);
+                    held.extend(more);
+                }
                 if plan.reservation.is_none() {
-                    plan.reservation = Some(Reservation::new(state, id, nodes, Some(until_ms)));
+                    plan.reservation = Some(Reservation::new(state, id, &held, Some(until_ms)));
                 }
                 Blocked::WaitingForPreemption { victims, until_ms }
             }

@@ -255,6 +255,22 @@ impl<'s> Scratch<'s> {
             .collect()
     }
 
+    /// Up to `count` nodes that are not withheld, of the model of `beside` (the nodes of a
+    /// gang's victims), with room for `w` now: best fit first. A gang waiting for its victims
+    /// holds these too, or later work takes them before the victims are gone.
+    pub fn room_for(&self, w: &Workload, beside: &[NodeIdx], count: usize) -> Vec<NodeIdx> {
+        let Some(&first) = beside.first() else {
+            return Vec::new();
+        };
+        let group = self.model[first as usize] as usize;
+        self.candidates(group, w.gpus_per_node as usize)
+            .into_iter()
+            .map(|(_, n)| n)
+            .filter(|n| !beside.contains(n))
+            .take(count)
+            .collect()
+    }
+
     fn count_fitting(&self, g: usize, need: usize) -> usize {
         let buckets = &self.groups[g].buckets;
         (need.min(buckets.len())..buckets.len())
