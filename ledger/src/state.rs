@@ -1280,6 +1280,12 @@ impl State {
             let w = self.workloads.get_mut(&e.workload).expect("checked");
             w.phase = Phase::Stopped;
             w.stopped_on = nodes;
+            // A run that outlasted its estimate proved the estimate wrong: it is relied on no
+            // more. Else work that never ends when it said would be lent a reservation's GPUs
+            // again after every preemption, and the reservation's holder would never start.
+            if w.duration_estimate_ms.is_some_and(|d| w.work_done_ms >= d) {
+                w.duration_estimate_ms = None;
+            }
             let gpus = w.gpus() as i64;
             if let Some(a) = alloc {
                 self.change_demand(a, -gpus);

@@ -507,3 +507,34 @@ fn a_log_written_before_the_names_rules_replays_as_it_was_folded() {
         "invalid_allocation_path",
     );
 }
+
+#[test]
+fn a_run_that_outlasts_its_estimate_is_no_longer_trusted_to_end_in_time() {
+    // Two jobs estimated at 100 s: one is preempted after 50 s, the other after 150 s. The
+    // second proved its estimate wrong: after its requeue it has none, so the scheduler no
+    // longer lends it a reservation's GPUs on the promise of ending in time.
+    let mut l = two_teams();
+    for (id, gpus) in [(1, [0, 1, 2, 3]), (2, [4, 5, 6, 7])] {
+        let mut s = submission(wid(id), Some("a"), 4, 1);
+        s.duration_estimate_s = Some(100);
+        l.ok(0, Event::WorkloadSubmitted(s));
+        assert_eq!(l.start(0, wid(id), &[("n1", &gpus)], 0), Outcome::Applied);
+    }
+    for (id, ran_s) in [(1, 50), (2, 150)] {
+        l.stop(ran_s * 1000, wid(id), StopReason::Preempted);
+        l.ok(
+            ran_s * 1000,
+            Event::WorkloadRequeued(WorkloadRequeued {
+                workload: wid(id),
+                work_lost_s: ran_s,
+            }),
+        );
+    }
+    let estimate = |id| l.state.workloads[&wid(id)].remaining_estimate_ms(200_000);
+    assert_eq!(
+        estimate(1),
+        Some(100_000),
+        "all its work was lost: 100 s to go"
+    );
+    assert_eq!(estimate(2), None);
+}
