@@ -16,6 +16,9 @@
 //! - [`names`]: the one check of every name and string that comes from outside.
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
 //!   starts, preemptions, the reservation and why each pending workload waits.
+//! - [`health`]: GPU health from heartbeats and their silence, with the clock passed in.
+//! - [`schedule::pass`]: one scheduling step (health first, then decisions, in batches), the
+//!   same for the live scheduler and the simulator ([`sim`]).
 //!
 //! ```
 //! use ledger::{event::*, policy::{decide, PolicyConfig}, State, StateConfig, Outcome};
@@ -52,11 +55,13 @@ pub mod alloc;
 pub mod book;
 pub mod cluster;
 pub mod event;
+pub mod health;
 pub mod identity;
 pub mod metrics;
 pub mod names;
 pub mod policy;
 pub mod rejection;
+pub mod schedule;
 pub mod sim;
 pub mod state;
 pub mod window;

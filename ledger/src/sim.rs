@@ -1,19 +1,29 @@
-//! The simulation engine: the fold and [`decide`] driven by a virtual clock.
+//! The simulation engine: the fold and the live scheduler's step ([`schedule::pass`]) driven by a
+//! virtual clock.
 //!
 //! A *simulation* replays a submission schedule whose true run times are known. The engine jumps
 //! from one instant to the next — the earliest submission, completion, grace end, contract expiry
-//! or fault — writes the events that happen then, folds them, and asks [`decide`] what to do; its
-//! decisions become events too. Nothing here is a second implementation of a rule: the fold judges
-//! every event, the policy makes every choice. Event ids are UUIDv7 built from the virtual time and
-//! a counter, so the same inputs always give the same ledger.
+//! or fault — writes the events that happen then, folds them, and passes as the live scheduler
+//! does: health changes first, then decisions, again and again until a pass has nothing to add.
+//! Nothing here is a second implementation of a rule: the fold judges every event, the health
+//! monitor decides what heartbeats (and their silence) mean, the policy makes every choice. Event
+//! ids are UUIDv7 built from the virtual time and a counter, so the same inputs always give the
+//! same ledger.
+//!
+//! Nodes heartbeat perfectly unless a [`Fault`] says otherwise: a GPU reporting uncorrected ECC
+//! errors, or a node whose agent falls silent (crashed or cut off: it neither reports nor hears,
+//! and its processes run on). Only nodes a fault touches are fed to the monitor, so a simulation
+//! of thousands of healthy nodes costs nothing more.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use uuid::Uuid;
 
 use crate::event::*;
-use crate::policy::{decide, Decision, PolicyConfig};
+use crate::health::HealthMonitor;
+use crate::policy::PolicyConfig;
+use crate::schedule;
 use crate::state::{Outcome, Phase, State};
 
 /// One workload of a schedule, with its true run time.
@@ -30,15 +40,34 @@ pub struct SimWorkload {
 /// A fault injected at a time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fault {
-    /// When the GPU fails.
+    /// When it strikes.
     pub at_ms: u64,
     /// Node name.
     pub node: String,
-    /// GPU index.
-    pub gpu: u32,
+    /// What goes wrong.
+    pub kind: FaultKind,
     /// When it is repaired, if ever.
     pub repaired_at_ms: Option<u64>,
 }
+
+/// What a [`Fault`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The GPU's heartbeats report uncorrected ECC errors.
+    Ecc {
+        /// GPU index.
+        gpu: u32,
+    },
+    /// The node's agent falls silent: no heartbeats, no reports, and it hears nothing (its
+    /// processes run on). After the heartbeat timeout its GPUs go unhealthy and its runs are
+    /// preempted; the scheduler reports them lost once their grace is over by a timeout.
+    Silent,
+}
+
+/// A pass that keeps answering at one instant is cut off after this many: a policy that always
+/// finds more to do at the same instant would otherwise hold the clock still for ever. (Each
+/// pass folds what the previous one appended, so a settled instant takes two or three.)
+pub const PASSES_PER_INSTANT_MAX: usize = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
@@ -51,6 +80,8 @@ enum Timer {
     /// Fault number `n` strikes or is repaired.
     Fail(usize),
     Repair(usize),
+    /// A heartbeat timeout may have run out: pass.
+    Check,
     /// Scheduled event number `n` is written (an operator's drain, a change of shares).
     Write(usize),
 }
@@ -71,6 +102,13 @@ pub struct Engine {
     work_ms: BTreeMap<WorkloadId, u64>,
     faults: Vec<Fault>,
     scheduled: Vec<Event>,
+    /// The live scheduler's health rules, fed the heartbeats of the nodes faults touch.
+    health: HealthMonitor,
+    heartbeat_timeout_ms: u64,
+    /// GPUs reporting ECC errors, by node; every node a fault has touched is a key.
+    ecc: BTreeMap<String, BTreeSet<u32>>,
+    /// Nodes whose agent is silent, and the runs that ended meanwhile unreported.
+    silent: BTreeMap<String, Vec<(WorkloadId, u32)>>,
 }
 
 impl Engine {
@@ -87,7 +125,18 @@ impl Engine {
             work_ms: BTreeMap::new(),
             faults: Vec::new(),
             scheduled: Vec::new(),
+            health: HealthMonitor::new(crate::health::DEFAULT_TIMEOUT_MS),
+            heartbeat_timeout_ms: crate::health::DEFAULT_TIMEOUT_MS,
+            ecc: BTreeMap::new(),
+            silent: BTreeMap::new(),
         }
+    }
+
+    /// Sets the silence after which a node's GPUs go unhealthy (the live server's
+    /// `--heartbeat-timeout-s`).
+    pub fn set_heartbeat_timeout(&mut self, timeout_ms: u64) {
+        self.health.set_timeout(timeout_ms);
+        self.heartbeat_timeout_ms = timeout_ms;
     }
 
     /// A UUIDv7 for virtual time `t_ms`, unique within this engine.
@@ -212,23 +261,30 @@ impl Engine {
         if !happened {
             return;
         }
-        for _ in 0..4 {
-            let plan = decide(&self.state, t, &self.policy);
-            if plan.decisions.is_empty() {
+        for _ in 0..PASSES_PER_INSTANT_MAX {
+            self.heartbeats(t);
+            let events = schedule::pass(
+                &self.state,
+                t,
+                &self.policy,
+                Some(&mut self.health),
+                &mut |events| events,
+                usize::MAX,
+            );
+            if events.is_empty() {
                 break;
             }
-            let mut immediate = false;
-            for d in plan.decisions {
-                let event = d.to_event();
+            for event in events {
+                let decided = event.clone();
                 if self.write(t, event, observe) != Outcome::Applied {
                     continue;
                 }
-                match d {
-                    Decision::Start {
+                match decided {
+                    Event::WorkloadStarted(WorkloadStarted {
                         workload,
                         protected_until_ms,
                         ..
-                    } => {
+                    }) => {
                         let w = &self.state.workloads[&workload];
                         let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
                         self.timers
@@ -240,13 +296,14 @@ impl Engine {
                             )));
                         }
                     }
-                    Decision::Preempt {
+                    Event::PreemptionRequested(PreemptionRequested {
                         workload, grace_s, ..
-                    } => {
+                    }) => {
                         let starts = self.state.workloads[&workload].starts;
+                        // With no grace the agent reports the stop at once (the next pass
+                        // sees it); else when the grace is over.
                         if grace_s == 0 {
                             self.fire(t, Timer::GraceEnds(workload, starts), observe);
-                            immediate = true;
                         } else {
                             self.timers.push(Reverse((
                                 t + grace_s * 1000,
@@ -254,12 +311,42 @@ impl Engine {
                             )));
                         }
                     }
+                    _ => {}
                 }
             }
-            if !immediate {
-                break;
-            }
         }
+    }
+
+    /// Feeds the monitor the heartbeats of the nodes faults have touched, as of `t`: every GPU
+    /// of a node that is not silent, with the ECC errors its faults say.
+    fn heartbeats(&mut self, t: u64) {
+        for (node, bad) in &self.ecc {
+            if self.silent.contains_key(node) {
+                continue;
+            }
+            let Some(idx) = self.state.cluster.get(node) else {
+                continue;
+            };
+            let readings = (0..self.state.cluster.node(idx).gpu_count)
+                .map(|gpu| GpuReading {
+                    gpu,
+                    ecc_errors_uncorrected: u64::from(bad.contains(&gpu)),
+                    ..GpuReading::default()
+                })
+                .collect();
+            let hb = GpuHeartbeat {
+                node: node.clone(),
+                readings,
+            };
+            self.health.heartbeat(&self.state, &hb, t, t);
+        }
+    }
+
+    /// The node whose agent reports `id`'s run: its first.
+    fn reporter(&self, id: WorkloadId) -> Option<&str> {
+        let w = self.state.workloads.get(&id)?;
+        let first = w.placement.first()?;
+        Some(self.state.cluster.node(first.node).name.as_str())
     }
 
     /// Writes a submission; the engine remembers the true work of those the fold accepts.
@@ -293,6 +380,15 @@ impl Engine {
         match timer {
             Timer::Finish(id, starts) => {
                 let running = self.running_run(id, starts);
+                let reporter = self.reporter(id).map(str::to_owned);
+                if let Some(unheard) = reporter
+                    .and_then(|n| self.silent.get_mut(&n))
+                    .filter(|_| running)
+                {
+                    // Its agent is silent: the end is reported when it is heard again.
+                    unheard.push((id, starts));
+                    return false;
+                }
                 if running {
                     self.write(
                         t,
@@ -312,6 +408,21 @@ impl Engine {
                 if !self.running_run(id, starts) {
                     return false;
                 }
+                if self
+                    .reporter(id)
+                    .is_some_and(|n| self.silent.contains_key(n))
+                {
+                    // Its agent did not hear the preemption: the scheduler reports the run
+                    // lost a timeout after the grace, unless the agent is heard first.
+                    let grace_until = self.state.workloads[&id]
+                        .preempting
+                        .map_or(t, |p| p.grace_until_ms);
+                    self.timers.push(Reverse((
+                        grace_until.max(t) + self.heartbeat_timeout_ms,
+                        Timer::Check,
+                    )));
+                    return false;
+                }
                 for event in self.state.grace_end_reports(id, t) {
                     self.write(t, event, observe);
                 }
@@ -320,21 +431,56 @@ impl Engine {
             Timer::ContractEnds(id, starts) => {
                 self.running_run(id, starts) && self.state.workloads[&id].preempting.is_none()
             }
-            Timer::Fail(i) | Timer::Repair(i) => {
-                let f = &self.faults[i];
-                let event = Event::GpuHealthChanged(GpuHealthChanged {
-                    node: f.node.clone(),
-                    gpu: f.gpu,
-                    healthy: matches!(timer, Timer::Repair(_)),
-                    reason: if matches!(timer, Timer::Fail(_)) {
-                        "injected fault".into()
-                    } else {
-                        "repaired".into()
-                    },
-                });
-                self.write(t, event, observe);
+            Timer::Fail(i) => {
+                let f = self.faults[i].clone();
+                self.ecc.entry(f.node.clone()).or_default();
+                match f.kind {
+                    FaultKind::Ecc { gpu } => {
+                        self.ecc.entry(f.node).or_default().insert(gpu);
+                    }
+                    FaultKind::Silent => {
+                        // Last heard now: one more heartbeat, then none.
+                        self.heartbeats(t);
+                        self.silent.entry(f.node).or_default();
+                        self.timers
+                            .push(Reverse((t + self.heartbeat_timeout_ms + 1, Timer::Check)));
+                    }
+                }
                 true
             }
+            Timer::Repair(i) => {
+                let f = self.faults[i].clone();
+                match f.kind {
+                    FaultKind::Ecc { gpu } => {
+                        self.ecc.entry(f.node).or_default().remove(&gpu);
+                    }
+                    FaultKind::Silent => {
+                        // Heard again: what ended meanwhile is reported, and a preemption
+                        // whose grace is over is carried out.
+                        for (id, starts) in self.silent.remove(&f.node).unwrap_or_default() {
+                            self.fire(t, Timer::Finish(id, starts), observe);
+                        }
+                        let due: Vec<(WorkloadId, u32)> = self
+                            .state
+                            .preempting
+                            .iter()
+                            .map(|id| &self.state.workloads[id])
+                            .filter(|w| {
+                                w.preempting.is_some_and(|p| p.grace_until_ms <= t)
+                                    && w.placement.first().is_some_and(|p| {
+                                        self.state.cluster.node(p.node).name == f.node
+                                    })
+                            })
+                            .map(|w| (w.id, w.starts))
+                            .collect();
+                        for (id, starts) in due {
+                            self.fire(t, Timer::GraceEnds(id, starts), observe);
+                        }
+                    }
+                }
+                true
+            }
+            Timer::Check => true,
             Timer::Write(i) => {
                 let event = self.scheduled[i].clone();
                 self.write(t, event, observe);

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use ledger::event::*;
 use ledger::policy::PolicyConfig;
-use ledger::sim::{Engine, Fault, SimWorkload};
+use ledger::sim::{Engine, Fault, FaultKind, SimWorkload};
 use ledger::{Outcome, State, StateConfig};
 use uuid::Uuid;
 
@@ -14,6 +14,8 @@ const HOUR: u64 = 3_600_000;
 
 struct Run {
     engine: Engine,
+    /// Every event the run wrote after the set-up.
+    events: Vec<Envelope>,
     first_start: HashMap<Uuid, u64>,
     rejected: u32,
     next_id: u64,
@@ -28,6 +30,7 @@ impl Run {
         });
         let mut run = Run {
             engine: Engine::new(state, PolicyConfig::default()),
+            events: Vec::new(),
             first_start: HashMap::new(),
             rejected: 0,
             next_id: 0,
@@ -79,9 +82,11 @@ impl Run {
     }
 
     fn run(&mut self, until_ms: Option<u64>) {
-        let (first, rejected) = (&mut self.first_start, &mut self.rejected);
+        let (first, rejected, events) =
+            (&mut self.first_start, &mut self.rejected, &mut self.events);
         self.engine
             .run(until_ms, |_: &State, _, env: &Envelope, o: &Outcome| {
+                events.push(env.clone());
                 if let Event::WorkloadStarted(s) = &env.event {
                     first.entry(s.workload).or_insert(env.occurred_at_ms);
                 }
@@ -230,7 +235,7 @@ fn a_gpu_failure_requeues_its_workload_without_a_contract_violation() {
     r.engine.inject([Fault {
         at_ms: 30 * MIN,
         node: "n0".into(),
-        gpu: 3,
+        kind: FaultKind::Ecc { gpu: 3 },
         repaired_at_ms: None,
     }]);
     r.run(None);
@@ -248,4 +253,112 @@ fn a_gpu_failure_requeues_its_workload_without_a_contract_violation() {
         4 * HOUR,
         "it finished exactly when its remaining work was done"
     );
+}
+
+/// The node a workload's first run started on.
+fn first_node(r: &Run, id: Uuid) -> String {
+    r.events
+        .iter()
+        .find_map(|e| match &e.event {
+            Event::WorkloadStarted(s) if s.workload == id => Some(s.placement[0].node.clone()),
+            _ => None,
+        })
+        .expect("it started")
+}
+
+#[test]
+fn a_node_silent_past_the_timeout_loses_its_gpus_and_its_run_is_requeued_elsewhere() {
+    // One 8-GPU job on one of two 8-GPU nodes. Its node's agent falls silent 30 min in, for
+    // good. 30 s later (the heartbeat timeout) the node's GPUs are marked unhealthy, the run is
+    // preempted for the hardware failure, and since no agent reports its end, the scheduler
+    // reports it lost a timeout after its (zero) grace: it is requeued and runs on the other
+    // node. No contract is broken: the hardware failed.
+    let mut r = Run::new(2, 8, &[("a", 1)]);
+    let job = r.submit("a", 0, 8, 1, 4 * HOUR);
+    r.run(Some(10 * MIN));
+    let node = first_node(&r, job);
+    r.engine.inject([Fault {
+        at_ms: 30 * MIN,
+        node: node.clone(),
+        kind: FaultKind::Silent,
+        repaired_at_ms: None,
+    }]);
+    r.run(None);
+    let s = &r.engine.state;
+    assert_eq!(s.ended.get(&job), Some(&ledger::Phase::Finished));
+    let health: Vec<&GpuHealthChanged> = r
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::GpuHealthChanged(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(health.len(), 8, "{health:?}");
+    assert!(health
+        .iter()
+        .all(|c| c.node == node && !c.healthy && c.reason.starts_with("no heartbeat")));
+    let went = r
+        .events
+        .iter()
+        .find(|e| matches!(e.event, Event::GpuHealthChanged(_)))
+        .unwrap()
+        .occurred_at_ms;
+    assert_eq!(
+        went,
+        30 * MIN + 30_001,
+        "one heartbeat timeout after the silence"
+    );
+    let stopped = r
+        .events
+        .iter()
+        .find(|e| matches!(e.event, Event::WorkloadStopped(_)))
+        .unwrap();
+    assert_eq!(
+        stopped.occurred_at_ms,
+        went + 30_000,
+        "reported by the scheduler a timeout after the grace"
+    );
+    let restarts: Vec<&WorkloadStarted> = r
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::WorkloadStarted(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(restarts.len(), 2);
+    assert_ne!(restarts[1].placement[0].node, node, "restarted elsewhere");
+    let n = s.cluster.get(&node).unwrap();
+    assert_eq!(s.cluster.node(n).healthy, 0, "still silent");
+}
+
+#[test]
+fn a_run_that_ends_while_its_agent_is_briefly_silent_is_reported_when_it_is_heard_again() {
+    // A 1 h job; its node's agent is silent from 59:55 to 60:05, less than the heartbeat
+    // timeout. The job's end at 60:00 is reported at 60:05; no GPU's health changes.
+    let mut r = Run::new(1, 8, &[("a", 1)]);
+    let job = r.submit("a", 0, 8, 1, HOUR);
+    r.engine.inject([Fault {
+        at_ms: HOUR - 5_000,
+        node: "n0".into(),
+        kind: FaultKind::Silent,
+        repaired_at_ms: Some(HOUR + 5_000),
+    }]);
+    r.run(None);
+    assert_eq!(
+        r.engine.state.ended.get(&job),
+        Some(&ledger::Phase::Finished)
+    );
+    let finished = r
+        .events
+        .iter()
+        .find(|e| matches!(e.event, Event::WorkloadFinished(_)))
+        .unwrap();
+    assert_eq!(finished.occurred_at_ms, HOUR + 5_000);
+    assert!(!r
+        .events
+        .iter()
+        .any(|e| matches!(e.event, Event::GpuHealthChanged(_))));
+    assert!((r.delivered_h("a") - 8.0 * (1.0 + 5.0 / 3600.0)).abs() < 1e-9);
 }

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use ledger::event::*;
 use ledger::policy::{PolicyConfig, POLICY_NAMES};
-use ledger::sim::{Engine, Fault, SimWorkload};
+use ledger::sim::{Engine, Fault, FaultKind, SimWorkload};
 use ledger::{Outcome, Phase, State, StateConfig};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -146,11 +146,25 @@ fn scenario(seed: u64) -> Scenario {
     for _ in 0..rng.random_range(0..4) {
         let (node, gpus, _) = &nodes[rng.random_range(0..nodes.len())];
         let at_ms = rng.random_range(0..horizon);
+        // A GPU reporting ECC errors, or a node whose agent falls silent (for less than the
+        // heartbeat timeout as often as for more).
+        let kind = if rng.random_bool(0.3) {
+            FaultKind::Silent
+        } else {
+            FaultKind::Ecc {
+                gpu: rng.random_range(0..*gpus),
+            }
+        };
+        let lasts = if rng.random_bool(0.5) {
+            rng.random_range(1_000..60_000)
+        } else {
+            rng.random_range(10 * MIN..5 * HOUR)
+        };
         faults.push(Fault {
             at_ms,
             node: node.clone(),
-            gpu: rng.random_range(0..*gpus),
-            repaired_at_ms: Some(at_ms + rng.random_range(10 * MIN..5 * HOUR)),
+            kind,
+            repaired_at_ms: Some(at_ms + lasts),
         });
     }
     // Nodes drained for a while (maintenance), every one resumed before the run drains.

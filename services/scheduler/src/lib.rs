@@ -10,15 +10,13 @@
 use std::time::Duration;
 
 use eventlog::{Append, AppendError, EventLog, Expect};
-use ledger::policy::{decide, PolicyConfig};
+use ledger::policy::PolicyConfig;
 use ledger::{Envelope, Event, State};
 use projector::Projector;
 use tokio::sync::{watch, RwLock};
 use uuid::Uuid;
 
-pub mod health;
-
-pub use health::HealthMonitor;
+pub use ledger::health::{self, HealthMonitor};
 
 /// The key-value bucket of the scheduler's lease (see [`eventlog::lease`]), and its key.
 pub const LEASE_BUCKET: &str = "fairledger_scheduler";
@@ -101,31 +99,34 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// The events one pass wants appended: GPU health changes alone if there are any (decisions
-/// wait for the ledger to hold them), else the ends of runs on silent nodes alone, else the
-/// policy's decisions, then utilization samples.
+/// The events one pass wants appended at `now_ms` ([`ledger::schedule::pass`]), watching
+/// every registered node's heartbeats and leaving out what the log refuses for good.
 pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
-    let mut samples = Vec::new();
-    if let Some(health) = &config.health {
-        let mut monitor = health.lock().expect("the health monitor is never poisoned");
-        monitor.watch_registered(state, now_ms);
-        let stuck = &config.stuck;
-        let mut changes = stuck.leave_out(state, monitor.changes(state, now_ms), now_ms);
-        if changes.is_empty() {
-            changes = stuck.leave_out(state, monitor.lost_run_reports(state, now_ms), now_ms);
+    let stuck = &config.stuck;
+    let mut admit = |events| stuck.leave_out(state, events, now_ms);
+    match &config.health {
+        Some(health) => {
+            let mut monitor = health.lock().expect("the health monitor is never poisoned");
+            // Every node the ledger holds has an agent that should be heard from.
+            monitor.watch_registered(state, now_ms);
+            ledger::schedule::pass(
+                state,
+                now_ms,
+                &config.policy,
+                Some(&mut monitor),
+                &mut admit,
+                eventlog::MAX_BATCH,
+            )
         }
-        if !changes.is_empty() {
-            changes.truncate(eventlog::MAX_BATCH);
-            return changes;
-        }
-        samples = monitor.utilization_samples(state, now_ms);
+        None => ledger::schedule::pass(
+            state,
+            now_ms,
+            &config.policy,
+            None,
+            &mut admit,
+            eventlog::MAX_BATCH,
+        ),
     }
-    let plan = decide(state, now_ms, &config.policy);
-    let mut events: Vec<Event> = plan.decisions.iter().map(|d| d.to_event()).collect();
-    events.extend(samples);
-    let mut events = config.stuck.leave_out(state, events, now_ms);
-    events.truncate(eventlog::MAX_BATCH);
-    events
 }
 
 /// What a pass's decisions are fenced on.

@@ -168,6 +168,7 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         State::new(spec.scenario.state_config),
         spec.scenario.policy.clone(),
     );
+    engine.set_heartbeat_timeout(spec.scenario.heartbeat_timeout_ms);
     let mut collector = Collector::default();
     let mut timeline = html::Timeline::new(&spec.scenario, spec.until_s.map(|u| u * 1000));
     let mut io_error: Option<std::io::Error> = None;

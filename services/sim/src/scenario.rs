@@ -8,6 +8,7 @@
 //! max_min_runtime_s = 28800 # cap on what a workload may ask for
 //! grace_s = 300             # time to checkpoint after a preemption request
 //! margin = 0.05             # hysteresis on the ranking key
+//! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
 //! count = 16
@@ -19,13 +20,19 @@
 //! path = "ai2/olmo"
 //! weight = 3
 //!
-//! [[faults]]                # optional: a GPU fails at a time, and may be repaired
+//! [[faults]]                # optional: a GPU reports ECC errors from a time, until repaired
 //! at_s = 3600
 //! node = "H100-0-3"
 //! gpu = 2
 //! repair_s = 7200
 //!
-//! [failures]                # optional: random GPU failures, seeded by --seed
+//! [[faults]]                # a node's agent falls silent: no heartbeats, no reports
+//! kind = "silent"
+//! at_s = 7200
+//! node = "H100-0-5"
+//! repair_s = 600
+//!
+//! [failures]                # optional: random GPU (ECC) failures, seeded by --seed
 //! per_gpu_day = 0.001
 //! repair_s = 14400
 //! ```
@@ -40,7 +47,7 @@ use std::path::{Path, PathBuf};
 
 use ledger::event::{AllocationSet, Envelope, Event, NodeRegistered};
 use ledger::policy::{self, PolicyConfig};
-use ledger::sim::Fault;
+use ledger::sim::{Fault, FaultKind};
 use ledger::{Outcome, State, StateConfig};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -90,6 +97,8 @@ pub struct PolicySection {
     pub grace_s: u64,
     /// Hysteresis margin on the ranking key.
     pub margin: f64,
+    /// Silence after which a node's GPUs go unhealthy.
+    pub heartbeat_timeout_s: u64,
 }
 
 impl Default for PolicySection {
@@ -102,6 +111,7 @@ impl Default for PolicySection {
             max_min_runtime_s: 28_800,
             grace_s: 300,
             margin: 0.05,
+            heartbeat_timeout_s: ledger::health::DEFAULT_TIMEOUT_MS / 1000,
         }
     }
 }
@@ -138,15 +148,30 @@ pub struct AllocationEntry {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultEntry {
+    /// What goes wrong.
+    #[serde(default)]
+    pub kind: FaultEntryKind,
     /// When.
     pub at_s: u64,
     /// Node name.
     pub node: String,
-    /// GPU index.
-    pub gpu: u32,
+    /// GPU index (an `ecc` fault's).
+    #[serde(default)]
+    pub gpu: Option<u32>,
     /// Seconds until repair; never if absent.
     #[serde(default)]
     pub repair_s: Option<u64>,
+}
+
+/// `[[faults]]`' `kind`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultEntryKind {
+    /// The GPU reports uncorrected ECC errors.
+    #[default]
+    Ecc,
+    /// The node's agent falls silent.
+    Silent,
 }
 
 /// `[failures]`.
@@ -174,6 +199,8 @@ pub struct Prepared {
     pub weights: BTreeMap<String, u32>,
     /// Scheduled faults.
     pub faults: Vec<Fault>,
+    /// Silence after which a node's GPUs go unhealthy.
+    pub heartbeat_timeout_ms: u64,
     /// Random failures to draw once the horizon is known.
     pub failures: Option<Failures>,
 }
@@ -293,16 +320,43 @@ impl Scenario {
         }
         let mut faults = Vec::new();
         for f in &self.faults {
-            match nodes.iter().find(|n| n.0 == f.node) {
-                Some(&(_, gpus)) if f.gpu < gpus => {}
-                _ => return Err(bad(format!("[[faults]] node {:?} GPU {} does not exist; nodes are named <model>-<group>-<index>", f.node, f.gpu))),
-            }
+            let Some(&(_, gpus)) = nodes.iter().find(|n| n.0 == f.node) else {
+                return Err(bad(format!(
+                    "[[faults]] node {:?} does not exist; nodes are named <model>-<group>-<index>",
+                    f.node
+                )));
+            };
+            let kind = match (f.kind, f.gpu) {
+                (FaultEntryKind::Ecc, Some(gpu)) if gpu < gpus => FaultKind::Ecc { gpu },
+                (FaultEntryKind::Ecc, Some(gpu)) => {
+                    return Err(bad(format!(
+                        "[[faults]] node {:?} has no GPU {gpu}; it has {gpus}",
+                        f.node
+                    )))
+                }
+                (FaultEntryKind::Ecc, None) => {
+                    return Err(bad(format!(
+                        "[[faults]] at node {:?}: an ecc fault names its gpu",
+                        f.node
+                    )))
+                }
+                (FaultEntryKind::Silent, None) => FaultKind::Silent,
+                (FaultEntryKind::Silent, Some(_)) => {
+                    return Err(bad(format!(
+                        "[[faults]] at node {:?}: a silent fault is the whole node's; drop gpu",
+                        f.node
+                    )))
+                }
+            };
             faults.push(Fault {
                 at_ms: f.at_s * 1000,
                 node: f.node.clone(),
-                gpu: f.gpu,
+                kind,
                 repaired_at_ms: f.repair_s.map(|r| (f.at_s + r) * 1000),
             });
+        }
+        if p.heartbeat_timeout_s == 0 {
+            return Err(bad("[policy] heartbeat_timeout_s must be at least 1".into()));
         }
         if let Some(f) = &self.failures {
             if !(f.per_gpu_day >= 0.0 && f.per_gpu_day.is_finite()) {
@@ -346,6 +400,7 @@ impl Scenario {
             nodes,
             weights,
             faults,
+            heartbeat_timeout_ms: p.heartbeat_timeout_s * 1000,
             failures: self.failures.clone(),
         })
     }
@@ -397,7 +452,7 @@ impl Prepared {
                     faults.push(Fault {
                         at_ms,
                         node: node.clone(),
-                        gpu,
+                        kind: FaultKind::Ecc { gpu },
                         repaired_at_ms: Some(at_ms + f.repair_s * 1000),
                     });
                     t += (f.repair_s * 1000) as f64;

@@ -11,8 +11,11 @@
 
 use std::collections::BTreeMap;
 
-use ledger::event::{Event, GpuHealthChanged, GpuHeartbeat};
-use ledger::State;
+use crate::event::{Event, GpuHealthChanged, GpuHeartbeat};
+use crate::State;
+
+/// The silence after which a node's GPUs go unhealthy, unless set otherwise.
+pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
 
 /// Utilization moves smaller than this are not sampled into the ledger.
 pub const UTILIZATION_STEP_PCT: u8 = 10;
@@ -37,9 +40,19 @@ pub enum HeartbeatProblem {
     /// The node is not registered: the heartbeat was ignored.
     UnknownNode(String),
     /// Readings for GPUs the node does not have were ignored.
-    UnknownGpus { node: String, gpus: Vec<u32> },
+    UnknownGpus {
+        /// The node.
+        node: String,
+        /// The GPUs it does not have.
+        gpus: Vec<u32>,
+    },
     /// The sender's clock is off from the receiver's by this much (positive: ahead).
-    ClockSkew { node: String, skew_ms: i64 },
+    ClockSkew {
+        /// The node.
+        node: String,
+        /// Sender's clock minus receiver's.
+        skew_ms: i64,
+    },
 }
 
 impl std::fmt::Display for HeartbeatProblem {
@@ -235,7 +248,7 @@ impl HealthMonitor {
                     readings: seen
                         .utilization
                         .iter()
-                        .map(|(&gpu, &utilization_pct)| ledger::event::GpuReading {
+                        .map(|(&gpu, &utilization_pct)| crate::event::GpuReading {
                             gpu,
                             utilization_pct,
                             ..Default::default()
@@ -272,8 +285,8 @@ impl HealthMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ledger::event::{GpuReading, NodeRegistered};
-    use ledger::{Envelope, StateConfig};
+    use crate::event::{GpuReading, NodeRegistered};
+    use crate::{Envelope, StateConfig};
     use uuid::Uuid;
 
     fn reading(gpu: u32, ecc: u64) -> GpuReading {
