@@ -45,7 +45,7 @@ fn config(bucket: &str, ttl: Duration, replicas: usize) -> kv::Config {
     }
 }
 
-/// One process's claim on the scheduler lease.
+/// One process's claim on a lease (the scheduler's, or an agent's on its node).
 pub struct Lease {
     kv: kv::Store,
     key: String,

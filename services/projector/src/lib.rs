@@ -93,7 +93,8 @@ pub struct WorkloadRow {
     pub allocation: Option<String>,
     /// Who submitted it: the actor of its submission (`user:alice`).
     pub user: String,
-    /// `pending`, `running`, `stopped`, `finished` or `cancelled`.
+    /// `pending`, `running`, `stopped`, `finished` or `cancelled` (`ended` where the fold has no
+    /// record of how it ended, which a consistent projection never shows).
     pub phase: String,
     /// GPUs per node.
     pub gpus_per_node: u32,
@@ -270,7 +271,7 @@ pub struct Projector {
 impl Projector {
     /// Opens the projection in `dir` (creating it if new) and brings its in-memory state up to
     /// the stored sequence from the checkpoint and the log. Does not read past the stored
-    /// sequence: call [`Projector::catch_up`] or [`Projector::run`] for that.
+    /// sequence: call [`Projector::catch_up`] or [`follow`] for that.
     pub async fn open<L: EventLog>(
         dir: &Path,
         config: StateConfig,
