@@ -975,6 +975,35 @@ impl State {
         self.ended.insert(id, phase);
     }
 
+    /// What cancelling workload `id` writes now: a pending or stopped workload is cancelled
+    /// outright; a running one is asked to stop (a preemption for its owner, with `grace_ms` to
+    /// checkpoint) and ends as cancelled when its agent reports the stop. One already being
+    /// stopped, or ended, cannot be cancelled.
+    pub fn cancellation(
+        &self,
+        id: WorkloadId,
+        grace_ms: u64,
+        reason: Option<String>,
+    ) -> Result<Event, Rejection> {
+        self.check_known(id)?;
+        let w = &self.workloads[&id];
+        match w.phase {
+            Phase::Running if w.preempting.is_some() => {
+                Err(Rejection::AlreadyPreempting { workload: id })
+            }
+            Phase::Running => Ok(Event::PreemptionRequested(PreemptionRequested {
+                workload: id,
+                reason: PreemptionReason::UserCancelled,
+                beneficiary: None,
+                grace_s: grace_ms / 1000,
+            })),
+            _ => Ok(Event::WorkloadCancelled(WorkloadCancelled {
+                workload: id,
+                reason,
+            })),
+        }
+    }
+
     /// Checks a cancel: the workload's phase, pending or stopped.
     fn check_cancelled(&self, e: &WorkloadCancelled) -> Result<Phase, Rejection> {
         self.check_known(e.workload)?;

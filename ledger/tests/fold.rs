@@ -538,3 +538,46 @@ fn a_run_that_outlasts_its_estimate_is_no_longer_trusted_to_end_in_time() {
     );
     assert_eq!(estimate(2), None);
 }
+
+#[test]
+fn a_cancel_cancels_what_waits_and_asks_what_runs_to_stop() {
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.submit(0, wid(2), Some("a"), 4, 1);
+    assert_eq!(
+        l.start(0, wid(2), &[("n1", &[0, 1, 2, 3])], 0),
+        Outcome::Applied
+    );
+    let s = &l.state;
+    assert!(matches!(
+        s.cancellation(wid(1), 300_000, None),
+        Ok(Event::WorkloadCancelled(WorkloadCancelled { workload, .. })) if workload == wid(1)
+    ));
+    let stop = s.cancellation(wid(2), 300_000, None).unwrap();
+    assert_eq!(
+        stop,
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: wid(2),
+            reason: PreemptionReason::UserCancelled,
+            beneficiary: None,
+            grace_s: 300,
+        })
+    );
+    l.ok(1_000, stop);
+    assert_eq!(
+        l.state
+            .cancellation(wid(2), 300_000, None)
+            .unwrap_err()
+            .code(),
+        "already_preempting"
+    );
+    l.ok(1_000, l.state.cancellation(wid(1), 0, None).unwrap());
+    assert_eq!(
+        l.state.cancellation(wid(1), 0, None).unwrap_err().code(),
+        "wrong_phase"
+    );
+    assert_eq!(
+        l.state.cancellation(wid(9), 0, None).unwrap_err().code(),
+        "unknown_workload"
+    );
+}

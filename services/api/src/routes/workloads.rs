@@ -275,35 +275,23 @@ async fn try_cancel(app: &App, caller: &Caller, id: Uuid) -> Result<Option<Respo
             },
             state,
         )?;
-        match w.phase {
-            Phase::Running if w.preempting.is_some() => {
-                return Err(Problem::new(
-                    StatusCode::CONFLICT,
-                    "already-stopping",
-                    format!("workload {id} is already being stopped"),
-                ))
-            }
-            Phase::Running => (
-                Event::PreemptionRequested(PreemptionRequested {
-                    workload: id,
-                    reason: PreemptionReason::UserCancelled,
-                    beneficiary: None,
-                    grace_s: app.inner.policy.grace_ms / 1000,
-                }),
-                allocation,
-                "stop_requested",
-                scheduler::Fence::Starts.expect(state),
-            ),
-            _ => (
-                Event::WorkloadCancelled(WorkloadCancelled {
-                    workload: id,
-                    reason: Some("cancelled through the API".into()),
-                }),
-                allocation,
-                "cancelled",
-                scheduler::Fence::Starts.expect(state),
-            ),
-        }
+        let event = state
+            .cancellation(
+                id,
+                app.inner.policy.grace_ms,
+                Some("cancelled through the API".into()),
+            )
+            .map_err(|r| Problem::new(StatusCode::CONFLICT, r.code(), r.to_string()))?;
+        let action = match event {
+            Event::PreemptionRequested(_) => "stop_requested",
+            _ => "cancelled",
+        };
+        (
+            event,
+            allocation,
+            action,
+            scheduler::Fence::Starts.expect(state),
+        )
     };
     match app
         .write_expecting(
