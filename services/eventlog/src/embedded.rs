@@ -534,10 +534,7 @@ pub fn open_sled(config: sled::Config) -> sled::Result<sled::Db> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
         match config.open() {
-            Err(sled::Error::Io(e))
-                if e.to_string().contains("could not acquire lock")
-                    && std::time::Instant::now() < deadline =>
-            {
+            Err(e) if is_locked(&e) && std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
             other => return other,
@@ -545,9 +542,15 @@ pub fn open_sled(config: sled::Config) -> sled::Result<sled::Db> {
     }
 }
 
+/// Whether sled could not open a directory because another handle holds its lock. sled says so
+/// only in words (an `Other` I/O error), so this is the one place that reads them.
+fn is_locked(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
+}
+
 fn open_error(dir: &Path, e: sled::Error) -> OpenError {
     let reason = e.to_string();
-    if reason.contains("lock") {
+    if is_locked(&e) {
         OpenError::Locked(dir.to_owned())
     } else if matches!(e, sled::Error::Corruption { .. }) {
         OpenError::Corrupt {

@@ -296,8 +296,12 @@ impl JetStreamLog {
             )
             .await
             .map_err(|e| {
+                use async_nats::ConnectErrorKind as Kind;
                 let reason = e.to_string();
-                if reason.to_lowercase().contains("authorization") {
+                if matches!(
+                    e.kind(),
+                    Kind::AuthorizationViolation | Kind::Authentication
+                ) {
                     ConnectError::Refused {
                         url: url.to_owned(),
                         reason,

@@ -625,18 +625,13 @@ impl Projector {
             }
             applied += 1;
             match &e.envelope {
-                Err(reason) => {
-                    let reason = reason.clone();
+                Err(undecodable) => {
+                    let reason = undecodable.to_string();
                     tracing::warn!(seq = e.seq, %reason, "skipping an event that does not decode");
                     self.stats.malformed += 1;
-                    let code = if reason.starts_with("schema version") {
-                        "unknown_schema_version"
-                    } else {
-                        "malformed"
-                    };
                     let row = RejectedRow {
                         kind: None,
-                        code: code.into(),
+                        code: undecodable.code().into(),
                         message: reason.clone(),
                     };
                     batch.insert(rejection_key(e.seq).to_vec(), json(&row));
@@ -1049,7 +1044,31 @@ pub struct Decoded {
     /// Its sequence.
     pub seq: u64,
     /// The envelope, or why it did not decode.
-    pub envelope: Result<Box<Envelope>, String>,
+    pub envelope: Result<Box<Envelope>, Undecodable>,
+}
+
+/// Why a stored event could not be read as an envelope.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Undecodable {
+    /// Not an envelope at all.
+    #[error("{0}")]
+    Malformed(String),
+    /// Written by a newer build, in a schema version this one does not know.
+    #[error("schema version {version} is not known to this build (it reads {oldest} to {newest})", oldest = ledger::event::OLDEST_SCHEMA_VERSION, newest = ledger::event::SCHEMA_VERSION)]
+    UnknownSchemaVersion {
+        /// The event's version.
+        version: u16,
+    },
+}
+
+impl Undecodable {
+    /// The code recorded for the event in the projection's rejections.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Undecodable::Malformed(_) => "malformed",
+            Undecodable::UnknownSchemaVersion { .. } => "unknown_schema_version",
+        }
+    }
 }
 
 impl From<&Stored> for Decoded {
@@ -1062,14 +1081,14 @@ impl From<&Stored> for Decoded {
 }
 
 /// Decodes one stored event, refusing schema versions this build does not know.
-pub fn decode(payload: &[u8]) -> Result<Envelope, String> {
-    let env: Envelope = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
-    if env.schema_version == 0 || env.schema_version > ledger::event::SCHEMA_VERSION {
-        return Err(format!(
-            "schema version {} is not known to this build (it reads 1 to {})",
-            env.schema_version,
-            ledger::event::SCHEMA_VERSION
-        ));
+pub fn decode(payload: &[u8]) -> Result<Envelope, Undecodable> {
+    let env: Envelope =
+        serde_json::from_slice(payload).map_err(|e| Undecodable::Malformed(e.to_string()))?;
+    let known = ledger::event::OLDEST_SCHEMA_VERSION..=ledger::event::SCHEMA_VERSION;
+    if !known.contains(&env.schema_version) {
+        return Err(Undecodable::UnknownSchemaVersion {
+            version: env.schema_version,
+        });
     }
     Ok(env)
 }
