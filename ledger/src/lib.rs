@@ -57,6 +57,7 @@ pub mod cluster;
 pub mod event;
 pub mod health;
 pub mod identity;
+mod indexes;
 pub mod metrics;
 pub mod names;
 pub mod policy;

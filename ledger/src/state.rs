@@ -253,29 +253,29 @@ pub struct State {
     /// Idempotency keys seen, with the workload each created.
     pub idempotency: FxHashMap<String, WorkloadId>,
     /// Pending workloads of each leaf, in queue order.
-    pub queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
+    pub(crate) queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
     /// Pending unallocated workloads, in queue order.
-    pub unallocated_queue: BTreeSet<QueueKey>,
+    pub(crate) unallocated_queue: BTreeSet<QueueKey>,
     /// How many pending workloads ask for each shape: (GPUs per node, nodes).
-    pub pending_shapes: std::collections::BTreeMap<(u32, u32), u32>,
+    pub(crate) pending_shapes: std::collections::BTreeMap<(u32, u32), u32>,
     /// Each leaf's queue split by shape, for the leaves with pending work.
-    pub queue_shapes:
+    pub(crate) queue_shapes:
         FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), BTreeSet<QueueKey>>>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
-    pub pending_with_estimate: u64,
+    pub(crate) pending_with_estimate: u64,
     /// Running workloads with a duration estimate (whose GPUs have a known return even if no
     /// one may preempt them).
-    pub running_with_estimate: u64,
+    pub(crate) running_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
     pub running: BTreeSet<WorkloadId>,
     /// Running workloads no preemption is under way for, by the end of their contract.
-    pub contracts: Contracts,
+    pub(crate) contracts: Contracts,
     /// Running workloads with a preemption under way.
     pub preempting: BTreeSet<WorkloadId>,
     /// GPUs held by running unallocated workloads (healthy or not).
-    pub unallocated_held_gpus: u64,
+    pub(crate) unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
-    pub unallocated_delivering_gpus: u64,
+    pub(crate) unallocated_delivering_gpus: u64,
     /// Accumulators for the cluster metrics.
     pub counters: Counters,
     /// Rejections by rule code.
@@ -284,7 +284,7 @@ pub struct State {
     pub principals: crate::identity::Principals,
     /// Every actor that submitted a workload, in order of first submission
     /// ([`Workload::submitted_by`] indexes it).
-    pub actors: Vec<String>,
+    pub(crate) actors: Vec<String>,
     actor_ids: FxHashMap<String, u32>,
     owed_stale: bool,
 }
@@ -973,6 +973,27 @@ impl State {
             }
         }
         self.ended.insert(id, phase);
+    }
+
+    /// Moves the ledger's sequence past `seq`, an event that could not be read at all (it is
+    /// recorded elsewhere as malformed): the state does not change.
+    pub fn skip(&mut self, seq: u64) {
+        self.last_seq = self.last_seq.max(seq);
+    }
+
+    /// How many distinct actors the ledger has seen.
+    pub fn actor_count(&self) -> usize {
+        self.actors.len()
+    }
+
+    /// GPUs unallocated work is being delivered now (held on healthy GPUs).
+    pub fn unallocated_delivering_gpus(&self) -> u64 {
+        self.unallocated_delivering_gpus
+    }
+
+    /// Workloads waiting in the queue of leaf `leaf`.
+    pub fn queued_in(&self, leaf: AllocId) -> usize {
+        self.queues.get(&leaf).map_or(0, BTreeSet::len)
     }
 
     /// What cancelling workload `id` writes now: a pending or stopped workload is cancelled

@@ -159,10 +159,7 @@ fn requeued_work_keeps_its_progress_less_work_lost() {
         }),
     );
     assert_eq!(l.state.workloads[&wid(1)].work_done_ms, 70 * S);
-    assert_eq!(
-        l.state.queues[&l.state.allocations.get("a").unwrap()].len(),
-        1
-    );
+    assert_eq!(l.state.queued_in(l.state.allocations.get("a").unwrap()), 1);
 }
 
 #[test]

@@ -292,7 +292,7 @@ fn unallocated_work_fills_idle_gpus_ranks_last_and_yields_at_once() {
     let cfg = PolicyConfig::default();
     let plan = l.schedule(0, &cfg);
     assert_eq!(started(&plan)[0].0, wid(1));
-    assert_eq!(l.state.unallocated_delivering_gpus, 8);
+    assert_eq!(l.state.unallocated_delivering_gpus(), 8);
     // Allocated work arrives a minute later: the opportunistic job has no contract.
     l.submit(60 * S, wid(2), Some("a"), 4, 1);
     let plan = decide(&l.state, 60 * S, &cfg);

@@ -223,146 +223,11 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         at()
     );
 
-    // No GPU double-booked: running placements are disjoint and match the nodes' books, and
-    // each node's tenants are the workloads running there, as they are.
-    let mut used: Vec<u64> = vec![0; state.cluster.nodes.len()];
-    let mut tenants: Vec<Vec<ledger::cluster::Tenant>> =
-        vec![Vec::new(); state.cluster.nodes.len()];
-    for id in &state.running {
-        let w = &state.workloads[id];
-        assert_eq!(w.phase, Phase::Running, "{}", at());
-        assert_eq!(w.placement.len(), w.nodes as usize, "{}", at());
-        for p in &w.placement {
-            assert_eq!(
-                used[p.node as usize] & p.gpus,
-                0,
-                "GPU double-booked {}",
-                at()
-            );
-            assert_eq!(p.gpus.count_ones(), w.gpus_per_node, "{}", at());
-            used[p.node as usize] |= p.gpus;
-            let node = state.cluster.node(p.node);
-            let hold = ledger::cluster::Hold {
-                allocation: w.allocation,
-                protected_until_ms: w.protected_until_ms,
-                ends_ms: w
-                    .duration_estimate_ms
-                    .map(|d| (w.started_at_ms + d).saturating_sub(w.work_done_ms)),
-                grace_until_ms: w.preempting.map(|p| p.grace_until_ms),
-            };
-            for g in 0..node.gpu_count {
-                if p.gpus & (1 << g) != 0 {
-                    assert_eq!(node.holder(g), Some(*id), "{}", at());
-                }
-            }
-            tenants[p.node as usize].push(ledger::cluster::Tenant {
-                workload: *id,
-                gpus: p.gpus,
-                hold,
-                started_at_ms: w.started_at_ms,
-                checkpoint_ms: w.checkpoint_ms,
-                total_gpus: w.gpus(),
-            });
-        }
+    // No GPU double-booked, and every index the fold keeps (tenants, contracts, queues by
+    // shape, counts) equals its recomputation from the live work.
+    if let Err(drift) = state.check_indexes() {
+        panic!("{drift} {}", at());
     }
-    assert_eq!(
-        state.running_with_estimate,
-        state
-            .running
-            .iter()
-            .filter(|id| state.workloads[*id].duration_estimate_ms.is_some())
-            .count() as u64,
-        "running work with estimates miscounted {}",
-        at()
-    );
-    // The fold's index of running work by contract end matches the running work.
-    let mut contracts = ledger::state::Contracts::default();
-    let mut preempting = std::collections::BTreeSet::new();
-    for id in &state.running {
-        let w = &state.workloads[id];
-        match (w.preempting, w.allocation) {
-            (Some(_), _) => {
-                preempting.insert(*id);
-            }
-            (None, Some(a)) => {
-                contracts
-                    .allocated
-                    .entry(a)
-                    .or_default()
-                    .insert((w.protected_until_ms, *id));
-            }
-            (None, None) => {
-                contracts.unallocated.insert(*id);
-            }
-        }
-    }
-    assert_eq!(
-        state.contracts,
-        contracts,
-        "contract index drifted {}",
-        at()
-    );
-    // The pending shapes, counted overall and each leaf's queue split by shape, match the
-    // queues.
-    type ByShape = BTreeMap<(u32, u32), std::collections::BTreeSet<ledger::state::QueueKey>>;
-    let mut shapes: BTreeMap<(u32, u32), u32> = BTreeMap::new();
-    let mut per_leaf: BTreeMap<u32, ByShape> = BTreeMap::new();
-    let queued = state
-        .queues
-        .iter()
-        .flat_map(|(&leaf, q)| q.iter().map(move |k| (Some(leaf), *k)))
-        .chain(state.unallocated_queue.iter().map(|k| (None, *k)));
-    for (leaf, key) in queued {
-        let w = &state.workloads[&key.2];
-        assert_eq!(w.phase, Phase::Pending, "{}", at());
-        let shape = (w.gpus_per_node, w.nodes);
-        *shapes.entry(shape).or_insert(0) += 1;
-        if let Some(leaf) = leaf {
-            per_leaf
-                .entry(leaf)
-                .or_default()
-                .entry(shape)
-                .or_default()
-                .insert(key);
-        }
-    }
-    assert_eq!(
-        state.pending_shapes,
-        shapes,
-        "pending shapes drifted {}",
-        at()
-    );
-    let kept: BTreeMap<u32, ByShape> = state
-        .queue_shapes
-        .iter()
-        .map(|(&leaf, s)| (leaf, s.clone()))
-        .collect();
-    assert_eq!(kept, per_leaf, "per-leaf queues by shape drifted {}", at());
-    assert_eq!(
-        state.preempting,
-        preempting,
-        "preempting index drifted {}",
-        at()
-    );
-    for (i, n) in state.cluster.nodes.iter().enumerate() {
-        let mut kept = n.tenants.clone();
-        kept.sort_unstable_by_key(|t| t.workload);
-        tenants[i].sort_unstable_by_key(|t| t.workload);
-        assert_eq!(kept, tenants[i], "node {} tenants drifted {}", n.name, at());
-        assert_eq!(
-            n.used,
-            used[i],
-            "node {} books disagree with placements {}",
-            n.name,
-            at()
-        );
-    }
-    assert_eq!(
-        state.cluster,
-        state.cluster.recount(),
-        "incremental cluster totals drifted {}",
-        at()
-    );
 
     // No contract violated.
     assert_eq!(state.counters.contract_violations, 0, "{}", at());
@@ -373,8 +238,8 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         .nodes
         .iter()
         .filter(|a| !a.removed && a.is_leaf());
-    let delivering: u64 =
-        leaves.clone().map(|a| a.delivering_gpus).sum::<u64>() + state.unallocated_delivering_gpus;
+    let delivering: u64 = leaves.clone().map(|a| a.delivering_gpus).sum::<u64>()
+        + state.unallocated_delivering_gpus();
     assert!(delivering <= state.cluster.healthy_gpus, "{}", at());
     assert_eq!(delivering, state.cluster.allocated_gpus, "{}", at());
     let delivered_ms: u64 = leaves.clone().map(|a| a.delivered_gpu_ms).sum::<u64>()

@@ -484,7 +484,7 @@ impl<L: EventLog> Agent<L> {
             Err(e) => {
                 // The projector records these; the agent only needs to move past them.
                 tracing::debug!(seq = stored.seq, error = %e, "undecodable ledger event skipped");
-                self.state.last_seq = stored.seq;
+                self.state.skip(stored.seq);
             }
         }
     }

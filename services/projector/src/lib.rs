@@ -329,7 +329,7 @@ impl Projector {
                 if let Ok(env) = decode(&e.payload) {
                     p.book.apply(&mut p.state, e.seq, &env);
                 }
-                p.state.last_seq = e.seq;
+                p.state.skip(e.seq);
             }
         }
         // The rows those events closed are stored already.
@@ -637,7 +637,7 @@ impl Projector {
                     batch.insert(rejection_key(e.seq).to_vec(), json(&row));
                     self.last_malformed = Some((e.seq, reason));
                     // The ledger's sequence moves on even though its state does not.
-                    self.state.last_seq = e.seq;
+                    self.state.skip(e.seq);
                 }
                 Ok(env) => {
                     let env = &**env;
