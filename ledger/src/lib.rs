@@ -12,7 +12,8 @@
 //! - [`book`]: the audit's figures per allocation and per hour, day, week and month, kept as
 //!   the events fold.
 //! - [`metrics`]: availability, occupancy, impact, utilization and fragmentation for any period.
-//! - [`identity`]: principals, roles and the rules of who may do what.
+//! - [`identity`]: principals, roles and the rules of who may do what; [`reports`]: what a
+//!   node's agent may report.
 //! - [`names`]: the one check of every name and string that comes from outside.
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
 //!   starts, preemptions, the reservation and why each pending workload waits.
@@ -62,6 +63,7 @@ pub mod metrics;
 pub mod names;
 pub mod policy;
 pub mod rejection;
+pub mod reports;
 pub mod schedule;
 pub mod sim;
 pub mod state;

@@ -578,3 +578,53 @@ fn a_cancel_cancels_what_waits_and_asks_what_runs_to_stop() {
         "unknown_workload"
     );
 }
+
+#[test]
+fn a_node_reports_its_own_runs_and_stops_only_as_asked() {
+    use ledger::reports::ReportRefusal;
+    let mut l = two_teams();
+    l.node(0, "n2", 8, "H100", None);
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    assert_eq!(
+        l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0),
+        Outcome::Applied
+    );
+    let finished = Event::WorkloadFinished(WorkloadFinished {
+        workload: wid(1),
+        exit_code: Some(0),
+        signal: None,
+        error: None,
+    });
+    let stopped = |reason| {
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: wid(1),
+            reason,
+        })
+    };
+    let s = &l.state;
+    assert_eq!(s.node_may_report("n1", &finished), Ok(()));
+    assert!(matches!(
+        s.node_may_report("n2", &finished),
+        Err(ReportRefusal::NotYours { .. })
+    ));
+    assert_eq!(s.node_may_report("n1", &stopped(StopReason::Lost)), Ok(()));
+    for reason in [StopReason::Preempted, StopReason::Cancelled] {
+        assert!(matches!(
+            s.node_may_report("n1", &stopped(reason)),
+            Err(ReportRefusal::StopNotAsked { .. })
+        ));
+    }
+    assert!(matches!(
+        s.node_may_report(
+            "n1",
+            &Event::AllocationRemoved(AllocationRemoved { path: "a".into() })
+        ),
+        Err(ReportRefusal::NotAReport { .. })
+    ));
+    l.ok(1_000, l.state.cancellation(wid(1), 0, None).unwrap());
+    assert_eq!(
+        l.state
+            .node_may_report("n1", &stopped(StopReason::Cancelled)),
+        Ok(())
+    );
+}

@@ -52,7 +52,7 @@ pub const REPLAYS_AT_ONCE: usize = 4;
 pub const REPLAY_FREE: u64 = 1_000;
 
 /// A node's GPUs go unhealthy after this long without a heartbeat.
-pub const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
+pub const HEARTBEAT_TIMEOUT_MS: u64 = ledger::health::DEFAULT_TIMEOUT_MS;
 
 impl App {
     /// The API over `log` and its shared `projection`, whose folds are announced on `applied`.

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use eventlog::{Append, AppendError, Appended, EventLog, LogError, Stored};
 use futures::stream::BoxStream;
-use ledger::event::{PreemptionReason, StopReason, WorkloadStopped};
+use ledger::event::StopReason;
 use ledger::identity::Action;
-use ledger::{Envelope, Event, Phase, WorkloadId};
+use ledger::{Envelope, Event};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -65,7 +65,6 @@ pub fn check(
             format!("1 to {NODE_EVENTS_MAX} reports"),
         ));
     }
-    let here = state.cluster.get(node);
     let mut appends = Vec::with_capacity(reports.len());
     for (i, report) in reports.iter().enumerate() {
         let field = format!("events[{i}].envelope");
@@ -99,46 +98,21 @@ pub fn check(
                 ),
             ));
         }
-        // A run of this node's, running (or stopped from here, for its requeue). Earlier
-        // reports of the same batch are not folded yet: a stop and its requeue travel together
-        // and are both judged against the run.
-        let ours = |id: WorkloadId| {
-            state.workloads.get(&id).is_some_and(|w| match w.phase {
-                Phase::Running => w.placement.iter().any(|p| Some(p.node) == here),
-                Phase::Stopped => w.stopped_on.iter().any(|&n| Some(n) == here),
-                _ => false,
-            })
-        };
-        let ok = match &env.event {
-            Event::NodeRegistered(e) => e.node == node,
-            Event::WorkloadFinished(e) => ours(e.workload),
-            Event::WorkloadRequeued(e) => ours(e.workload),
-            Event::WorkloadStopped(e) => {
-                if !ours(e.workload) {
-                    false
-                } else if let Err(why) = stop_reason_fits(state, e) {
-                    return Err(Problem {
-                        field: Some(format!("{field}.payload.reason")),
-                        ..Problem::forbidden(why)
-                    });
-                } else {
-                    true
+        // What an agent may report at all (the core's rule), then what the fold would take.
+        if let Err(refusal) = state.node_may_report(node, &env.event) {
+            use ledger::reports::ReportRefusal;
+            return Err(match refusal {
+                ReportRefusal::NotAReport { .. } => {
+                    Problem::invalid(&format!("{field}.type"), refusal.to_string())
                 }
-            }
-            _ => {
-                return Err(Problem::invalid(
-                    &format!("{field}.type"),
-                    "an agent reports node_registered, workload_finished, workload_stopped and workload_requeued",
-                ))
-            }
-        };
-        if !ok {
-            return Err(Problem {
-                field: Some(field),
-                ..Problem::forbidden(format!(
-                    "this {} is not node {node:?}'s to report: it names another node, or a workload not running there",
-                    env.event.kind()
-                ))
+                ReportRefusal::NotYours { .. } => Problem {
+                    field: Some(field),
+                    ..Problem::forbidden(refusal.to_string())
+                },
+                ReportRefusal::StopNotAsked { .. } => Problem {
+                    field: Some(format!("{field}.payload.reason")),
+                    ..Problem::forbidden(refusal.to_string())
+                },
             });
         }
         // What the fold would reject is refused, not appended. The batch is not folded yet:
@@ -187,37 +161,6 @@ pub fn check(
         ));
     }
     Ok(appends)
-}
-
-/// Whether an agent may say a run stopped for `e.reason`: a run it lost (the process vanished)
-/// any time; otherwise only as the preemption under way asked (a cancel ends as cancelled, any
-/// other preemption as preempted or, its GPUs failing, as a hardware failure). An agent does not
-/// decide why work stops, so it cannot charge a contract violation or end work as cancelled.
-fn stop_reason_fits(state: &ledger::State, e: &WorkloadStopped) -> Result<(), String> {
-    let Some(w) = state.workloads.get(&e.workload) else {
-        return Ok(()); // not ours: refused above
-    };
-    let asked = w.preempting.map(|p| p.reason);
-    let fits = match (e.reason, asked) {
-        (StopReason::Lost, _) => true,
-        (StopReason::Cancelled, Some(PreemptionReason::UserCancelled)) => true,
-        (StopReason::Preempted | StopReason::HardwareFailure, Some(r)) => {
-            r != PreemptionReason::UserCancelled
-        }
-        _ => false,
-    };
-    if fits {
-        return Ok(());
-    }
-    Err(format!(
-        "a run stops {:?} only when asked to: workload {} is {}",
-        e.reason,
-        e.workload,
-        match asked {
-            None => "not being preempted".to_owned(),
-            Some(r) => format!("being preempted for {r:?}"),
-        }
-    ))
 }
 
 /// The ledger as an agent inside the server sees it: reads straight from the log, reports through
