@@ -434,12 +434,27 @@ impl<L: EventLog> Agent<L> {
         >,
         seq: u64,
     ) -> Result<(), AgentError> {
+        let mut failures = 0;
         while self.state.last_seq < seq {
-            match events.next().await {
-                Some(Ok(stored)) => self.apply(&stored),
-                Some(Err(e)) => return Err(AgentError::Log(e.to_string())),
-                None => return Err(AgentError::Log("the ledger subscription ended".into())),
+            let why = match events.next().await {
+                Some(Ok(stored)) => {
+                    self.apply(&stored);
+                    continue;
+                }
+                Some(Err(e)) => e.to_string(),
+                None => "the ledger subscription ended".to_owned(),
+            };
+            // A reader that lost its place: read on from what is folded, a few times.
+            failures += 1;
+            if failures > 5 {
+                return Err(AgentError::Log(why));
             }
+            tracing::warn!(error = %why, "reading the ledger again");
+            *events = self
+                .log
+                .subscribe(self.state.last_seq + 1)
+                .await
+                .map_err(|e| AgentError::Log(e.to_string()))?;
         }
         Ok(())
     }

@@ -711,18 +711,33 @@ impl EventLog for JetStreamLog {
             return Ok(Vec::new());
         }
         let end = last.min(from.saturating_add(max as u64 - 1));
-        let mut messages = self.ordered(from).await?;
-        let mut out = Vec::with_capacity((end - from + 1) as usize);
-        while let Some(message) = messages.next().await {
-            let message = message.map_err(|e| LogError::Unavailable(format!("reading: {e}")))?;
-            let event = stored(&message)?;
-            let seq = event.seq;
-            out.push(event);
-            if seq >= end {
-                break;
+        // A reader recreated before its first message may start over from the stream's
+        // beginning: such a read is tried once more, then fails rather than answer other events.
+        let mut tries = 0;
+        'read: loop {
+            tries += 1;
+            let mut messages = self.ordered(from).await?;
+            let mut out = Vec::with_capacity((end - from + 1) as usize);
+            let mut order = InOrder::from(from);
+            while let Some(message) = messages.next().await {
+                let message =
+                    message.map_err(|e| LogError::Unavailable(format!("reading: {e}")))?;
+                let event = stored(&message)?;
+                if let Err(e) = order.check(event.seq) {
+                    if tries < 2 {
+                        tracing::warn!(error = %e, "reading the ledger again");
+                        continue 'read;
+                    }
+                    return Err(e);
+                }
+                let seq = event.seq;
+                out.push(event);
+                if seq >= end {
+                    break;
+                }
             }
+            return Ok(out);
         }
-        Ok(out)
     }
 
     async fn subscribe(
@@ -730,12 +745,47 @@ impl EventLog for JetStreamLog {
         from: u64,
     ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
         let messages = self.ordered(from).await?;
+        // A subscription that jumps (a reader recreated at the wrong place) ends in an error:
+        // its follower subscribes again after what it has.
+        let mut order = InOrder::from(from.max(1));
         Ok(messages
-            .map(|m| {
-                m.map_err(|e| LogError::Unavailable(format!("reading: {e}")))
-                    .and_then(|m| stored(&m))
+            .map(move |m| {
+                let event = m
+                    .map_err(|e| LogError::Unavailable(format!("reading: {e}")))
+                    .and_then(|m| stored(&m))?;
+                order.check(event.seq)?;
+                Ok(event)
             })
             .boxed())
+    }
+}
+
+/// The ledger's sequences as a reader must see them: each the one after the last, from where the
+/// read began (the ledger never deletes, so anything else is the reader's fault).
+#[derive(Clone, Copy, Debug)]
+struct InOrder {
+    next: u64,
+}
+
+impl InOrder {
+    fn from(first: u64) -> Self {
+        InOrder { next: first }
+    }
+
+    fn check(&mut self, seq: u64) -> Result<(), LogError> {
+        if seq != self.next {
+            return Err(LogError::Unavailable(format!(
+                "the reader gave sequence {seq} where {} was due ({}); reading again",
+                self.next,
+                if seq < self.next {
+                    "it went back"
+                } else {
+                    "it skipped events"
+                }
+            )));
+        }
+        self.next += 1;
+        Ok(())
     }
 }
 
@@ -892,6 +942,22 @@ async fn ensure_stream(
                 _ => Err(failed(e.to_string())),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod in_order_tests {
+    use super::InOrder;
+
+    #[test]
+    fn a_reader_that_goes_back_or_skips_is_caught() {
+        let mut order = InOrder::from(5);
+        assert!(order.check(5).is_ok() && order.check(6).is_ok());
+        let back = order.check(1).unwrap_err().to_string();
+        assert!(back.contains("went back"), "{back}");
+        let mut order = InOrder::from(5);
+        let skip = order.check(7).unwrap_err().to_string();
+        assert!(skip.contains("skipped"), "{skip}");
     }
 }
 
