@@ -588,6 +588,16 @@ impl JetStreamLog {
         }
     }
 
+    /// Readers (consumers) the server holds open on the ledger stream now.
+    pub async fn readers_open(&self) -> Result<usize, LogError> {
+        let info = self
+            .ledger
+            .get_info()
+            .await
+            .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))?;
+        Ok(info.state.consumer_count)
+    }
+
     async fn stream_last_seq(&self) -> Result<u64, LogError> {
         let info = self
             .ledger
@@ -595,6 +605,27 @@ impl JetStreamLog {
             .await
             .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))?;
         Ok(info.state.last_sequence)
+    }
+
+    /// Events `from..=end` by direct gets, or `None` where one is not there yet (a replica that
+    /// lags) or the server will not answer so: the caller reads them with a consumer instead.
+    async fn direct_read(&self, from: u64, end: u64) -> Option<Vec<Stored>> {
+        let mut out = Vec::with_capacity((end - from + 1) as usize);
+        for seq in from..=end {
+            match self.ledger.direct_get(seq).await {
+                Ok(message) if message.sequence == seq => out.push(Stored {
+                    seq,
+                    subject: message.subject.to_string(),
+                    msg_id: message
+                        .headers
+                        .get(header::NATS_MESSAGE_ID)
+                        .map(|v| v.as_str().to_owned()),
+                    payload: message.payload,
+                }),
+                Ok(_) | Err(_) => return None,
+            }
+        }
+        Some(out)
     }
 
     async fn ordered(&self, from: u64) -> Result<jetstream::consumer::pull::Ordered, LogError> {
@@ -711,6 +742,13 @@ impl EventLog for JetStreamLog {
             return Ok(Vec::new());
         }
         let end = last.min(from.saturating_add(max as u64 - 1));
+        // A few events (a workload's history, one event) are fetched one by one: no reader is
+        // created on the server for them, so point reads cannot use up its consumers.
+        if end - from < DIRECT_READ_MAX {
+            if let Some(events) = self.direct_read(from, end).await {
+                return Ok(events);
+            }
+        }
         // A reader recreated before its first message may start over from the stream's
         // beginning: such a read is tried once more, then fails rather than answer other events.
         let mut tries = 0;
@@ -759,6 +797,9 @@ impl EventLog for JetStreamLog {
             .boxed())
     }
 }
+
+/// Reads of fewer events than this go by direct gets rather than a consumer.
+const DIRECT_READ_MAX: u64 = 16;
 
 /// The ledger's sequences as a reader must see them: each the one after the last, from where the
 /// read began (the ledger never deletes, so anything else is the reader's fault).

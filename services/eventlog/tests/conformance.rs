@@ -278,6 +278,34 @@ struct Embedded {
     log: EmbeddedLog,
 }
 
+async fn point_reads_answer_their_event<L: EventLog>(log: &L) {
+    for i in 1..=20u64 {
+        log.append(append("p", &format!("e{i}")).with_msg_id(format!("k{i}")))
+            .await
+            .unwrap();
+    }
+    for round in 0..30u64 {
+        let seq = 1 + round % 20;
+        let got = log.read(seq, 1).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].seq, seq);
+        assert_eq!(got[0].payload, Bytes::from(format!("e{seq}")));
+        assert_eq!(got[0].msg_id.as_deref(), Some(format!("k{seq}").as_str()));
+        assert_eq!(got[0].subject, subject("p"));
+    }
+    let few = log.read(18, 16).await.unwrap();
+    assert_eq!(few.iter().map(|e| e.seq).collect::<Vec<_>>(), [18, 19, 20]);
+}
+
+/// Point reads (a workload's history, one event) leave no reader behind on the server, so no
+/// number of them can use up its consumers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_reads_on_nats_open_no_readers() {
+    let f = on_nats(false).await;
+    point_reads_answer_their_event(&f.log).await;
+    assert_eq!(f.log.readers_open().await.unwrap(), 0);
+}
+
 fn embedded() -> Embedded {
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(dir.path()).unwrap();
@@ -336,6 +364,7 @@ macro_rules! conformance {
 
 conformance!(
     sequences_increase_and_read_back,
+    point_reads_answer_their_event,
     an_idempotency_key_is_written_once,
     a_stale_writer_gets_a_conflict,
     subject_sequences_guard_one_subject_or_a_filter,
