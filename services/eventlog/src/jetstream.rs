@@ -853,8 +853,9 @@ fn publish_error(e: async_nats::jetstream::context::PublishError, expect: &Expec
         (_, Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT)) => AppendError::Refused(format!(
             "an earlier event of the batch writes to the expected subject: {text}"
         )),
+        // Also what a cluster answers while it elects the stream's leader: it passes.
         (K::StreamNotFound, _) => AppendError::Unavailable(format!(
-            "stream {LEDGER_STREAM} is gone ({text}); restart fairledger to recreate it"
+            "stream {LEDGER_STREAM} is not answering ({text}); retrying (while a cluster elects a leader this passes within seconds; if it lasts, the stream was deleted and restarting fairledger recreates it)"
         )),
         (K::MaxPayloadExceeded, _) => AppendError::Refused(text),
         (_, Some(ErrorCode(c))) if (10174..=10210).contains(&c) => AppendError::Refused(text),

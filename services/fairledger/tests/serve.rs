@@ -695,6 +695,45 @@ fn the_first_admin_grants_tokens_that_work_within_their_scope_until_revoked() {
     }
 }
 
+/// `/readyz` says when the log is unreachable, and is ready again once it is back.
+#[test]
+fn readiness_follows_the_log_away_and_back() {
+    let mut nats = NatsServer::start();
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&[
+        "--nats",
+        &nats.url(),
+        "--data",
+        data.path().to_str().unwrap(),
+    ]);
+    let ready = |want: u16, secs: u64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            let (status, problem) = server.call("GET", "/readyz", None);
+            if status == want {
+                return problem;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "/readyz stayed {status} ({problem}), not {want}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    ready(200, 30);
+    nats.kill();
+    let problem = ready(503, 30);
+    assert!(
+        problem["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("log-unreachable"),
+        "{problem}"
+    );
+    nats.restart();
+    ready(200, 60);
+}
+
 /// identity: grants and revocations are ledger events, so a second API process sharing the NATS
 /// log honours a token granted through the first, and refuses it once revoked there.
 #[test]

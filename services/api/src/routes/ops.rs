@@ -8,6 +8,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use eventlog::EventLog;
 
 use crate::{problem, App, Problem};
 
@@ -23,8 +24,13 @@ pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(crate::openapi())
 }
 
+/// How long `/readyz` waits for the log to answer.
+const READY_LOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// How far the projection may trail the log while ready.
+const READY_LAG_MAX: u64 = 10_000;
+
 #[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
-    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up, or degraded: the log refuses some decisions", body = problem::Problem, content_type = "application/problem+json")))]
+    responses((status = 200, description = "caught up with the log"), (status = 503, description = "catching up, the log unreachable, the projection far behind it, or degraded: the log refuses some decisions", body = problem::Problem, content_type = "application/problem+json")))]
 pub(crate) async fn readyz(State(app): State<App>) -> Response {
     if !app.inner.ready.load(Ordering::Acquire) {
         return Problem::new(
@@ -33,6 +39,43 @@ pub(crate) async fn readyz(State(app): State<App>) -> Response {
             "the projection is still catching up with the log",
         )
         .into_response();
+    }
+    // The log answers, and the projection is not far behind it: else nothing new can be
+    // acknowledged, or what is read is stale.
+    let last = tokio::time::timeout(READY_LOG_TIMEOUT, app.inner.log.last_seq()).await;
+    let folded = *app.inner.applied.borrow();
+    match last {
+        Err(_) => {
+            return Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "log-unreachable",
+                format!(
+                    "the event log did not answer within {} s; submissions wait until it does",
+                    READY_LOG_TIMEOUT.as_secs_f64()
+                ),
+            )
+            .into_response()
+        }
+        Ok(Err(e)) => {
+            return Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "log-unreachable",
+                format!("{e}; submissions wait until it is back"),
+            )
+            .into_response()
+        }
+        Ok(Ok(last)) if last > folded + READY_LAG_MAX => {
+            return Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "behind",
+                format!(
+                "the projection is {} events behind the log; reads are stale until it catches up",
+                last - folded
+            ),
+            )
+            .into_response()
+        }
+        Ok(Ok(_)) => {}
     }
     let stuck = app.inner.stuck.list(scheduler::wall_clock_ms());
     if let Some((subject, why)) = stuck.first() {
