@@ -55,7 +55,7 @@ pub struct Lease {
 
 impl Lease {
     /// Opens (creating if needed) `bucket`, whose entries live `ttl`, for `holder` to claim
-    /// `key`.
+    /// `key`. `holder` must be unique to this process (its claim is recognised by it).
     pub async fn open(
         js: &jetstream::Context,
         bucket: &str,
@@ -107,6 +107,29 @@ impl Lease {
             }
         }
         match self.kv.create(&self.key, self.holder.clone()).await {
+            Ok(revision) => {
+                self.revision = Some(revision);
+                true
+            }
+            Err(_) => self.reclaim().await,
+        }
+    }
+
+    /// Carries on with a claim that is still this holder's although its revision was lost (an
+    /// update that landed without its answer, as in a cluster's failover): without this the
+    /// holder would stand by, locked out by its own claim until it aged out.
+    async fn reclaim(&mut self) -> bool {
+        let Ok(Some(entry)) = self.kv.entry(&self.key).await else {
+            return false;
+        };
+        if entry.operation != kv::Operation::Put || entry.value != self.holder {
+            return false;
+        }
+        match self
+            .kv
+            .update(&self.key, self.holder.clone(), entry.revision)
+            .await
+        {
             Ok(revision) => {
                 self.revision = Some(revision);
                 true

@@ -47,3 +47,33 @@ async fn one_holder_at_a_time_and_a_silent_one_is_replaced() {
         .unwrap();
     assert!(bad.contains("cannot name a lease"), "{bad}");
 }
+
+/// A holder whose renewal landed without its answer (its revision lost, as in a failover) keeps
+/// its lease instead of being locked out by its own claim until it ages out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_lost_its_revision_keeps_its_lease() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let ttl = Duration::from_secs(30);
+    let mut a = Lease::open(&js, "test", "leader", "a:1", ttl, 1)
+        .await
+        .unwrap();
+    assert!(a.hold().await);
+    // Another handle of the same holder renews: `a`'s revision is now stale, as after an
+    // update whose answer was lost.
+    let mut same = Lease::open(&js, "test", "leader", "a:1", ttl, 1)
+        .await
+        .unwrap();
+    assert!(same.hold().await, "the holder's own claim is its to renew");
+    assert!(
+        a.hold().await,
+        "a stale revision does not lock the holder out"
+    );
+    // Nobody else gets it meanwhile.
+    let mut b = Lease::open(&js, "test", "leader", "b:1", ttl, 1)
+        .await
+        .unwrap();
+    assert!(!b.hold().await);
+    assert_eq!(a.holder().await.as_deref(), Some("a:1"));
+}
