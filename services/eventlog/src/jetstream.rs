@@ -214,6 +214,19 @@ pub enum ConnectError {
     Invalid(String),
 }
 
+impl ConnectError {
+    /// Whether trying again shortly may succeed: the server is not up yet, or a cluster is still
+    /// forming (JetStream not ready, streams not placed), as against a setting that is wrong.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            ConnectError::Unreachable { .. }
+                | ConnectError::NoJetStream { .. }
+                | ConnectError::Stream { .. }
+        )
+    }
+}
+
 type Single = (Append, oneshot::Sender<Result<Vec<Appended>, AppendError>>);
 
 /// The [`EventLog`] on NATS JetStream. Cheap to clone.

@@ -22,6 +22,10 @@ pub struct LogArgs {
     /// Gather concurrent appends into atomic batches (use with a server that fsyncs always).
     #[arg(long, env = "FAIRLEDGER_GROUP_COMMIT")]
     pub group_commit: bool,
+    /// Seconds to keep trying a NATS server that is not up yet, or a cluster still forming,
+    /// before giving up.
+    #[arg(long, env = "FAIRLEDGER_NATS_WAIT_S", default_value_t = 30)]
+    pub nats_wait_s: u64,
     #[command(flatten)]
     pub credentials: NatsArgs,
 }
@@ -84,10 +88,24 @@ impl LogArgs {
                     auth: self.credentials.auth(None)?,
                     ..Default::default()
                 };
-                JetStreamLog::connect(url, options)
-                    .await
-                    .map(|log| AnyLog::JetStream(Box::new(log)))
-                    .map_err(|e| e.to_string())
+                let deadline =
+                    std::time::Instant::now() + std::time::Duration::from_secs(self.nats_wait_s);
+                let mut wait = std::time::Duration::from_millis(250);
+                loop {
+                    match JetStreamLog::connect(url, options.clone()).await {
+                        Ok(log) => return Ok(AnyLog::JetStream(Box::new(log))),
+                        Err(e) if e.is_transient() && std::time::Instant::now() < deadline => {
+                            tracing::warn!(
+                                "{e}; trying again in {:.1} s (up to --nats-wait-s {})",
+                                wait.as_secs_f64(),
+                                self.nats_wait_s
+                            );
+                            tokio::time::sleep(wait).await;
+                            wait = (wait * 2).min(std::time::Duration::from_secs(5));
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
             }
             None => EmbeddedLog::open(&self.data.join("log"))
                 .map(AnyLog::Embedded)

@@ -695,6 +695,30 @@ fn the_first_admin_grants_tokens_that_work_within_their_scope_until_revoked() {
     }
 }
 
+/// Started before its NATS server is up (a cluster still forming, a host booting), serve waits
+/// for it instead of exiting.
+#[test]
+fn serve_waits_for_a_nats_server_that_comes_up_later() {
+    let mut nats = NatsServer::start();
+    nats.kill();
+    let url = nats.url();
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        nats.restart();
+        nats
+    });
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--nats", &url, "--data", data.path().to_str().unwrap()]);
+    let _nats = later.join().unwrap();
+    let (status, _) = server.call("PUT", "/v1/allocations/team", Some(r#"{"weight":1}"#));
+    assert_eq!(status, 200);
+    let said = server.stderr.lock().unwrap().clone();
+    assert!(
+        said.contains("trying again"),
+        "it said it was waiting: {said}"
+    );
+}
+
 /// `/readyz` says when the log is unreachable, and is ready again once it is back.
 #[test]
 fn readiness_follows_the_log_away_and_back() {
