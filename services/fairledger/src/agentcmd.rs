@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use agent::{AgentConfig, FakeGpus, Fault, GpuSource, Nvml, Telemetry};
-use eventlog::jetstream::{JetStreamLog, JetStreamOptions};
+use eventlog::jetstream::JetStreamOptions;
 
 use crate::logcmd::{runtime, shutdown_signal};
 
@@ -58,6 +58,9 @@ pub struct AgentArgs {
     /// Where runs keep their directories and output logs.
     #[arg(long, env = "FAIRLEDGER_WORK_DIR", default_value = "fairledger-agent")]
     pub work_dir: PathBuf,
+    /// Seconds to keep trying a NATS server that is not up yet, or a cluster still forming.
+    #[arg(long, env = "FAIRLEDGER_NATS_WAIT_S", default_value_t = 30)]
+    pub nats_wait_s: u64,
     /// Replicas of the JetStream streams and the lease bucket: 1, or 3 in a cluster.
     #[arg(long, env = "FAIRLEDGER_REPLICAS", default_value_t = 1)]
     pub replicas: usize,
@@ -228,9 +231,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                 .auth(Some(eventlog::access::inbox_prefix(&node)))?,
             ..Default::default()
         };
-        let js = JetStreamLog::connect(&url, options)
-            .await
-            .map_err(|e| e.to_string())?;
+        let js = crate::logcmd::connect_waiting(&url, options, args.nats_wait_s).await?;
         // The node's name is this agent's while it renews the lease: a second agent for the
         // same node is refused until this one has been silent for the lease's lifetime (the
         // bucket's, as whoever created it chose).

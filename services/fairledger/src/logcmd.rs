@@ -77,6 +77,32 @@ impl NatsArgs {
     }
 }
 
+/// Connects to JetStream at `url`, trying again for up to `wait_s` seconds while the server is
+/// not up yet or a cluster is still forming (backing off to 5 s, and saying so); a setting that
+/// is wrong fails at once.
+pub async fn connect_waiting(
+    url: &str,
+    options: JetStreamOptions,
+    wait_s: u64,
+) -> Result<JetStreamLog, String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+    let mut wait = std::time::Duration::from_millis(250);
+    loop {
+        match JetStreamLog::connect(url, options.clone()).await {
+            Ok(log) => return Ok(log),
+            Err(e) if e.is_transient() && std::time::Instant::now() < deadline => {
+                tracing::warn!(
+                    "{e}; trying again in {:.1} s (up to --nats-wait-s {wait_s})",
+                    wait.as_secs_f64()
+                );
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(std::time::Duration::from_secs(5));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
 impl LogArgs {
     /// Opens the log these arguments name.
     pub async fn open(&self) -> Result<AnyLog, String> {
@@ -88,24 +114,9 @@ impl LogArgs {
                     auth: self.credentials.auth(None)?,
                     ..Default::default()
                 };
-                let deadline =
-                    std::time::Instant::now() + std::time::Duration::from_secs(self.nats_wait_s);
-                let mut wait = std::time::Duration::from_millis(250);
-                loop {
-                    match JetStreamLog::connect(url, options.clone()).await {
-                        Ok(log) => return Ok(AnyLog::JetStream(Box::new(log))),
-                        Err(e) if e.is_transient() && std::time::Instant::now() < deadline => {
-                            tracing::warn!(
-                                "{e}; trying again in {:.1} s (up to --nats-wait-s {})",
-                                wait.as_secs_f64(),
-                                self.nats_wait_s
-                            );
-                            tokio::time::sleep(wait).await;
-                            wait = (wait * 2).min(std::time::Duration::from_secs(5));
-                        }
-                        Err(e) => return Err(e.to_string()),
-                    }
-                }
+                connect_waiting(url, options, self.nats_wait_s)
+                    .await
+                    .map(|log| AnyLog::JetStream(Box::new(log)))
             }
             None => EmbeddedLog::open(&self.data.join("log"))
                 .map(AnyLog::Embedded)
