@@ -237,6 +237,9 @@ pub struct JetStreamLog {
     ledger: Arc<stream::Stream>,
     gather: Option<mpsc::Sender<Single>>,
     batches: Arc<Semaphore>,
+    /// Counts the connections made: a subscription made before a reconnection is ended at
+    /// once (its server-side reader may be gone), rather than when its pulls time out.
+    connections: tokio::sync::watch::Receiver<u64>,
 }
 
 /// Parses `major.minor.patch` (with any `-suffix`) into numbers.
@@ -279,13 +282,24 @@ impl JetStreamLog {
         // then only times out. Kept, so a failure at start-up can say why.
         let refused: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let seen = refused.clone();
+        let (connected, connections) = tokio::sync::watch::channel(0u64);
+        let connected = Arc::new(connected);
         let client = options
             .auth
             .options()
             .await?
+            // Back within a second of the server: the default backoff waits up to seconds
+            // more after it is reachable.
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis((attempts as u64 * 100).min(1_000))
+            })
             .event_callback(move |event| {
                 let seen = seen.clone();
+                let connected = connected.clone();
                 async move {
+                    if matches!(event, async_nats::Event::Connected) {
+                        connected.send_modify(|n| *n += 1);
+                    }
                     match &event {
                         async_nats::Event::ServerError(e) => {
                             let text = e.to_string();
@@ -374,6 +388,7 @@ impl JetStreamLog {
             ledger: Arc::new(ledger),
             gather: None,
             batches,
+            connections,
         };
         if options.group_commit {
             let (tx, rx) = mpsc::channel(options.max_inflight.max(1));
@@ -795,10 +810,17 @@ impl EventLog for JetStreamLog {
         &self,
         from: u64,
     ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
+        let mut connections = self.connections.clone();
+        connections.borrow_and_update();
         let messages = self.ordered(from).await?;
         // A subscription that jumps (a reader recreated at the wrong place) ends in an error:
-        // its follower subscribes again after what it has.
+        // its follower subscribes again after what it has. So does one that outlives its
+        // connection: the server may have lost its reader, which would show only when the
+        // pulls time out (15 s).
         let mut order = InOrder::from(from.max(1));
+        let reconnected = async move {
+            let _ = connections.changed().await;
+        };
         Ok(messages
             .map(move |m| {
                 let event = m
@@ -807,6 +829,12 @@ impl EventLog for JetStreamLog {
                 order.check(event.seq)?;
                 Ok(event)
             })
+            .take_until(reconnected)
+            .chain(futures::stream::once(async {
+                Err(LogError::Unavailable(
+                    "the connection to NATS was made again: subscribing again".into(),
+                ))
+            }))
             .boxed())
     }
 }

@@ -107,6 +107,43 @@ async fn nats_restart_mid_burst_loses_and_doubles_nothing() {
 const CHILD_DIR: &str = "FAIRLEDGER_EVENTLOG_CHILD_DIR";
 
 /// In the child process: append forever from several writers, printing each acknowledgement.
+/// A subscription made before nats-server restarted ends as soon as the client is connected
+/// again (its server-side reader may be gone), so its follower subscribes again at once instead
+/// of waiting for its pulls to time out; the new subscription reads on where the old one was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_ends_when_the_connection_is_made_again() {
+    use futures::StreamExt;
+    let mut server = NatsServer::start();
+    let log = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
+        .await
+        .unwrap();
+    log.append(key_append("before")).await.unwrap();
+    let mut events = log.subscribe(1).await.unwrap();
+    let first = events.next().await.unwrap().unwrap();
+    assert_eq!(first.seq, 1);
+    server.restart();
+    let ended = tokio::time::timeout(Duration::from_secs(60), events.next())
+        .await
+        .expect("the old subscription never ended")
+        .expect("an error, not the end of the stream");
+    let why = ended.unwrap_err().to_string();
+    assert!(why.contains("made again"), "{why}");
+    // Appends and a fresh subscription work on the new connection.
+    let mut acked = None;
+    for _ in 0..100 {
+        match log.append(key_append("after")).await {
+            Ok(a) => {
+                acked = Some(a);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert_eq!(acked.expect("appends resumed").seq, 2);
+    let mut again = log.subscribe(2).await.unwrap();
+    assert_eq!(again.next().await.unwrap().unwrap().seq, 2);
+}
+
 async fn append_until_killed(dir: &str) {
     let log = EmbeddedLog::open(std::path::Path::new(dir)).unwrap();
     let writers: Vec<_> = (0..4)
