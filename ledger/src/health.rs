@@ -32,7 +32,16 @@ struct Seen {
     utilization: BTreeMap<u32, u8>,
     /// When utilization was last sampled into the ledger.
     sampled_at_ms: Option<u64>,
+    /// The last heartbeat's sending and reading times.
+    last: Option<(u64, u64)>,
+    /// Heartbeats in a row read as they were sent (not in a burst) that were behind.
+    behind: u8,
 }
+
+/// Heartbeats in a row that must look behind, each read in step with its sending, before a
+/// clock is said to be behind: a reader that was held up (a paused process, a full buffer)
+/// reads old heartbeats late, which looks like a clock behind but is not.
+pub const BEHIND_CONFIRMATIONS: u8 = 3;
 
 /// Why a heartbeat was not taken whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,7 +104,9 @@ impl HealthMonitor {
     }
 
     /// Records a heartbeat received at `at_ms`, checked against the ledger's cluster, and says
-    /// what was wrong with it. `sent_at_ms` is the sender's clock, for the skew check.
+    /// what was wrong with it. `sent_at_ms` is the sender's clock, for the skew check: a clock
+    /// ahead is reported at once, one behind after [`BEHIND_CONFIRMATIONS`] heartbeats in a row
+    /// read in step with their sending.
     pub fn heartbeat(
         &mut self,
         state: &State,
@@ -103,12 +114,33 @@ impl HealthMonitor {
         sent_at_ms: u64,
         at_ms: u64,
     ) -> Vec<HeartbeatProblem> {
-        let problems = Self::check(state, hb, sent_at_ms, at_ms);
+        let mut problems = Self::check(state, hb, sent_at_ms, at_ms);
         let Some(idx) = state.cluster.get(&hb.node) else {
             return problems;
         };
         let gpus = state.cluster.node(idx).gpu_count;
         let seen = self.nodes.entry(hb.node.clone()).or_default();
+        // A clock ahead shows at once (lateness cannot make one look ahead); one behind only
+        // after several heartbeats read in step with their sending.
+        let in_step = seen.last.is_some_and(|(sent, read)| {
+            let (sent_gap, read_gap) =
+                (sent_at_ms.saturating_sub(sent), at_ms.saturating_sub(read));
+            read_gap * 2 >= sent_gap && read_gap <= sent_gap * 2 + CLOCK_SKEW_WARN_MS
+        });
+        seen.last = Some((sent_at_ms, at_ms));
+        let behind = problems
+            .iter()
+            .any(|p| matches!(p, HeartbeatProblem::ClockSkew { skew_ms, .. } if *skew_ms < 0));
+        seen.behind = if behind && in_step {
+            seen.behind.saturating_add(1)
+        } else {
+            0
+        };
+        if seen.behind < BEHIND_CONFIRMATIONS {
+            problems.retain(
+                |p| !matches!(p, HeartbeatProblem::ClockSkew { skew_ms, .. } if *skew_ms < 0),
+            );
+        }
         seen.at_ms = seen.at_ms.max(at_ms);
         seen.bad.clear();
         for r in hb.readings.iter().filter(|r| r.gpu < gpus) {
@@ -361,6 +393,45 @@ mod tests {
             m.changes(&state, 40_000).is_empty(),
             "nothing more to change"
         );
+    }
+
+    #[test]
+    fn a_clock_behind_is_told_but_a_reader_that_was_held_up_is_not() {
+        let mut state = State::new(StateConfig::default());
+        let node = NodeRegistered {
+            node: "n".into(),
+            gpus: 1,
+            model: "H100".into(),
+            labels: Default::default(),
+        };
+        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let hb = GpuHeartbeat {
+            node: "n".into(),
+            readings: vec![reading(0, 0)],
+        };
+        let behind = |p: &Vec<HeartbeatProblem>| {
+            p.iter()
+                .any(|p| matches!(p, HeartbeatProblem::ClockSkew { skew_ms, .. } if *skew_ms < 0))
+        };
+        // A node 10 s behind, read as it sends: told once three heartbeats in a row, each read
+        // in step with its sending, were behind.
+        let mut m = HealthMonitor::new(30_000);
+        let told: Vec<bool> = (0..5u64)
+            .map(|i| behind(&m.heartbeat(&state, &hb, i * 5_000, i * 5_000 + 10_000)))
+            .collect();
+        assert_eq!(told, [false, false, false, true, true]);
+        // A node in time, whose heartbeats of 30 s were read at once after the reader was
+        // held up: never told.
+        let mut m = HealthMonitor::new(30_000);
+        assert!(!behind(&m.heartbeat(&state, &hb, 0, 0)));
+        for i in 1..=6u64 {
+            let p = m.heartbeat(&state, &hb, i * 5_000, 31_000 + i);
+            assert!(!behind(&p), "buffered heartbeat {i}: {p:?}");
+        }
+        for i in 7..=10u64 {
+            let p = m.heartbeat(&state, &hb, i * 5_000, i * 5_000 + 100);
+            assert!(!behind(&p), "fresh heartbeat {i}: {p:?}");
+        }
     }
 
     #[test]
