@@ -274,11 +274,13 @@ impl Engine {
             if events.is_empty() {
                 break;
             }
+            let mut any_applied = false;
             for event in events {
                 let decided = event.clone();
                 if self.write(t, event, observe) != Outcome::Applied {
                     continue;
                 }
+                any_applied = true;
                 match decided {
                     Event::WorkloadStarted(WorkloadStarted {
                         workload,
@@ -313,6 +315,10 @@ impl Engine {
                     }
                     _ => {}
                 }
+            }
+            // A pass the fold refused whole would only be refused again.
+            if !any_applied {
+                break;
             }
         }
     }

@@ -435,7 +435,7 @@ impl State {
             Event::WorkloadCancelled(e) => self.workload_cancelled(e),
             Event::WorkloadStarted(e) => self.workload_started(e),
             Event::PreemptionRequested(e) => self.preemption_requested(e),
-            Event::WorkloadStopped(e) => self.workload_stopped(e),
+            Event::WorkloadStopped(e) => self.workload_stopped(env.schema_version, e),
             Event::WorkloadFinished(e) => self.workload_finished(e),
             Event::WorkloadRequeued(e) => self.workload_requeued(e),
             Event::PrincipalGranted(e) => self.principal_granted(seq, e, &env.actor),
@@ -1297,7 +1297,11 @@ impl State {
         self.running_with_estimate -= u64::from(self.workloads[&id].duration_estimate_ms.is_some());
     }
 
-    fn workload_stopped(&mut self, e: &WorkloadStopped) -> Result<Outcome, Rejection> {
+    fn workload_stopped(
+        &mut self,
+        version: u16,
+        e: &WorkloadStopped,
+    ) -> Result<Outcome, Rejection> {
         let w = self.expect_phase(e.workload, Phase::Running)?;
         let hardware = e.reason == StopReason::HardwareFailure && self.holds_unhealthy_gpu(w);
         let early = self.now_ms < w.protected_until_ms;
@@ -1333,7 +1337,8 @@ impl State {
             // A run that outlasted its estimate proved the estimate wrong: it is relied on no
             // more. Else work that never ends when it said would be lent a reservation's GPUs
             // again after every preemption, and the reservation's holder would never start.
-            if w.duration_estimate_ms.is_some_and(|d| w.work_done_ms >= d) {
+            // (From schema version 2: a replay of an older log keeps the estimates it had.)
+            if version >= 2 && w.duration_estimate_ms.is_some_and(|d| w.work_done_ms >= d) {
                 w.duration_estimate_ms = None;
             }
             let gpus = w.gpus() as i64;

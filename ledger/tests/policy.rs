@@ -488,3 +488,43 @@ fn a_gang_waiting_for_its_victims_keeps_the_room_it_found_on_other_nodes() {
         Blocked::WaitingForPreemption { victims: 1, .. }
     ));
 }
+
+#[test]
+fn a_gang_holds_enough_room_when_a_victims_node_will_stay_partly_taken() {
+    // A 3-node gang of team a needs 8 GPUs on each of n0..n3's best three. n0 and n1 are
+    // empty; unallocated work V runs as a gang of 4 GPUs on n2 and n3; team b's contract
+    // protects X on the other half of n3. Preempting V frees n2 whole but n3 only in half: the
+    // gang needs n0, n1 and n2, and must keep holding both empty nodes while V leaves.
+    let mut l = cluster(&[
+        ("n0", 8, None),
+        ("n1", 8, None),
+        ("n2", 8, None),
+        ("n3", 8, None),
+    ]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), None, 4, 2);
+    l.start(
+        0,
+        wid(1),
+        &[("n2", &[0, 1, 2, 3]), ("n3", &[0, 1, 2, 3])],
+        0,
+    );
+    l.submit(0, wid(2), Some("b"), 4, 1);
+    assert_eq!(
+        l.start(0, wid(2), &[("n3", &[4, 5, 6, 7])], 8 * H),
+        ledger::Outcome::Applied
+    );
+    l.submit(H, wid(3), Some("a"), 8, 3);
+    l.submit(H, wid(4), None, 8, 1);
+    let cfg = PolicyConfig::default();
+    let plan = l.schedule(H, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(1)]);
+    assert!(started(&plan).is_empty(), "{:?}", started(&plan));
+    let plan = decide(&l.state, H + 1, &cfg);
+    assert!(
+        started(&plan).is_empty(),
+        "the gang's empty nodes went to other work: {:?}",
+        started(&plan)
+    );
+}

@@ -372,7 +372,29 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 // well, or work ranked after it takes them while the victims leave, and the
                 // gang waits for ever (two workloads preempting each other for it in turn).
                 let mut held = nodes.clone();
-                let missing = (w.nodes as usize).saturating_sub(nodes.len());
+                // Only a victim's node that will have room once the victims leave counts:
+                // another tenant may keep the rest of it.
+                let will_have_room = nodes
+                    .iter()
+                    .filter(|&&n| {
+                        let node = state.cluster.node(n);
+                        let leaving: u32 = node
+                            .tenants
+                            .iter()
+                            .filter(|t| {
+                                state
+                                    .workloads
+                                    .get(&t.workload)
+                                    .and_then(|v| v.preempting)
+                                    .and_then(|p| p.beneficiary)
+                                    == Some(id)
+                            })
+                            .map(|t| (t.gpus & node.healthy).count_ones())
+                            .sum();
+                        scratch.free_on(n) + leaving >= w.gpus_per_node
+                    })
+                    .count();
+                let missing = (w.nodes as usize).saturating_sub(will_have_room);
                 if missing > 0 {
                     let more = scratch.room_for(w, nodes, missing);
                     scratch.withhold_nodes(&more);

@@ -164,6 +164,11 @@ impl<'s> Scratch<'s> {
         })
     }
 
+    /// Free GPUs of node `n` in this pass.
+    pub fn free_on(&self, n: NodeIdx) -> u32 {
+        self.free[n as usize].count_ones()
+    }
+
     /// Free GPUs left anywhere in the cluster, withheld nodes included.
     pub fn free_total(&self) -> u64 {
         self.free_total

@@ -848,6 +848,22 @@ impl Projector {
     /// Folds everything the log holds now, in batches of [`BATCH`], from one subscription.
     /// Returns the last applied sequence.
     pub async fn catch_up<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
+        // A subscription that ends early (a reconnection, a reader that lost its place) is
+        // taken up again after what is folded, a few times, before the error stands.
+        let mut tries = 0;
+        loop {
+            match self.catch_up_once(log).await {
+                Err(ProjectionError::Log(LogError::Unavailable(e))) if tries < 5 => {
+                    tries += 1;
+                    tracing::warn!(error = %e, "catching up: reading the log again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn catch_up_once<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
         let target = log.last_seq().await?;
         if self.last_seq >= target {
             return Ok(self.last_seq);
@@ -1019,6 +1035,12 @@ pub async fn follow<L: EventLog>(
                 Err(e) => return Err(e),
             }
             if failed {
+                // A pause, so a subscription that keeps failing does not pile readers up on
+                // the server.
+                tokio::select! {
+                    _ = &mut stop => break 'subscribe,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
                 continue 'subscribe;
             }
         }

@@ -355,8 +355,10 @@ impl Scenario {
                 repaired_at_ms: f.repair_s.map(|r| (f.at_s + r) * 1000),
             });
         }
-        if p.heartbeat_timeout_s == 0 {
-            return Err(bad("[policy] heartbeat_timeout_s must be at least 1".into()));
+        if !(1..=86_400).contains(&p.heartbeat_timeout_s) {
+            return Err(bad(
+                "[policy] heartbeat_timeout_s must be 1 to 86400 seconds".into(),
+            ));
         }
         if let Some(f) = &self.failures {
             if !(f.per_gpu_day >= 0.0 && f.per_gpu_day.is_finite()) {
