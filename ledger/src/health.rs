@@ -335,6 +335,19 @@ mod tests {
         }
     }
 
+    /// A ledger holding node `n` of `gpus` GPUs.
+    fn one_node(gpus: u32) -> State {
+        let mut state = State::new(StateConfig::default());
+        let node = NodeRegistered {
+            node: "n".into(),
+            gpus,
+            model: "H100".into(),
+            labels: Default::default(),
+        };
+        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        state
+    }
+
     fn apply(state: &mut State, events: Vec<Event>, t: u64) {
         for e in events {
             let seq = state.last_seq + 1;
@@ -344,14 +357,7 @@ mod tests {
 
     #[test]
     fn silence_and_ecc_errors_make_gpus_unhealthy_and_reports_heal_them() {
-        let mut state = State::new(StateConfig::default());
-        let node = NodeRegistered {
-            node: "n".into(),
-            gpus: 4,
-            model: "H100".into(),
-            labels: Default::default(),
-        };
-        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let mut state = one_node(4);
         let mut m = HealthMonitor::new(30_000);
         // Never heard from, and not yet seen: not watched.
         assert!(m.changes(&state, 100_000).is_empty());
@@ -397,14 +403,7 @@ mod tests {
 
     #[test]
     fn a_clock_behind_is_told_but_a_reader_that_was_held_up_is_not() {
-        let mut state = State::new(StateConfig::default());
-        let node = NodeRegistered {
-            node: "n".into(),
-            gpus: 1,
-            model: "H100".into(),
-            labels: Default::default(),
-        };
-        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let state = one_node(1);
         let hb = GpuHeartbeat {
             node: "n".into(),
             readings: vec![reading(0, 0)],
@@ -436,14 +435,7 @@ mod tests {
 
     #[test]
     fn faults_unknown_gpus_unknown_nodes_and_skew_are_told_apart() {
-        let mut state = State::new(StateConfig::default());
-        let node = NodeRegistered {
-            node: "n".into(),
-            gpus: 2,
-            model: "H100".into(),
-            labels: Default::default(),
-        };
-        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let state = one_node(2);
         let mut m = HealthMonitor::new(30_000);
         let stranger = GpuHeartbeat {
             node: "elsewhere".into(),
@@ -491,14 +483,7 @@ mod tests {
 
     #[test]
     fn utilization_is_sampled_when_it_moves_and_not_more_often_than_the_interval() {
-        let mut state = State::new(StateConfig::default());
-        let node = NodeRegistered {
-            node: "n".into(),
-            gpus: 1,
-            model: "H100".into(),
-            labels: Default::default(),
-        };
-        apply(&mut state, vec![Event::NodeRegistered(node)], 0);
+        let mut state = one_node(1);
         let mut m = HealthMonitor::new(30_000);
         let hb = |pct| GpuHeartbeat {
             node: "n".into(),
