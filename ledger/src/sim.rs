@@ -16,7 +16,7 @@
 //! of thousands of healthy nodes costs nothing more.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap};
 
 use uuid::Uuid;
 
@@ -105,10 +105,12 @@ pub struct Engine {
     /// The live scheduler's health rules, fed the heartbeats of the nodes faults touch.
     health: HealthMonitor,
     heartbeat_timeout_ms: u64,
-    /// GPUs reporting ECC errors, by node; every node a fault has touched is a key.
-    ecc: BTreeMap<String, BTreeSet<u32>>,
-    /// Nodes whose agent is silent, and the runs that ended meanwhile unreported.
-    silent: BTreeMap<String, Vec<(WorkloadId, u32)>>,
+    /// GPUs reporting ECC errors, by node, with how many faults under way say so; every node
+    /// a fault has touched is a key.
+    ecc: BTreeMap<String, BTreeMap<u32, u32>>,
+    /// Nodes whose agent is silent: how many silences are under way, and the runs that ended
+    /// meanwhile unreported.
+    silent: BTreeMap<String, (u32, Vec<(WorkloadId, u32)>)>,
 }
 
 impl Engine {
@@ -336,7 +338,7 @@ impl Engine {
             let readings = (0..self.state.cluster.node(idx).gpu_count)
                 .map(|gpu| GpuReading {
                     gpu,
-                    ecc_errors_uncorrected: u64::from(bad.contains(&gpu)),
+                    ecc_errors_uncorrected: u64::from(bad.contains_key(&gpu)),
                     ..GpuReading::default()
                 })
                 .collect();
@@ -389,6 +391,7 @@ impl Engine {
                 let reporter = self.reporter(id).map(str::to_owned);
                 if let Some(unheard) = reporter
                     .and_then(|n| self.silent.get_mut(&n))
+                    .map(|(_, unheard)| unheard)
                     .filter(|_| running)
                 {
                     // Its agent is silent: the end is reported when it is heard again.
@@ -442,12 +445,12 @@ impl Engine {
                 self.ecc.entry(f.node.clone()).or_default();
                 match f.kind {
                     FaultKind::Ecc { gpu } => {
-                        self.ecc.entry(f.node).or_default().insert(gpu);
+                        *self.ecc.entry(f.node).or_default().entry(gpu).or_default() += 1;
                     }
                     FaultKind::Silent => {
                         // Last heard now: one more heartbeat, then none.
                         self.heartbeats(t);
-                        self.silent.entry(f.node).or_default();
+                        self.silent.entry(f.node).or_default().0 += 1;
                         self.timers
                             .push(Reverse((t + self.heartbeat_timeout_ms + 1, Timer::Check)));
                     }
@@ -458,12 +461,27 @@ impl Engine {
                 let f = self.faults[i].clone();
                 match f.kind {
                     FaultKind::Ecc { gpu } => {
-                        self.ecc.entry(f.node).or_default().remove(&gpu);
+                        let bad = self.ecc.entry(f.node).or_default();
+                        if let Some(n) = bad.get_mut(&gpu) {
+                            *n -= 1;
+                            if *n == 0 {
+                                bad.remove(&gpu);
+                            }
+                        }
                     }
                     FaultKind::Silent => {
+                        // Silent until its last silence is over.
+                        match self.silent.get_mut(&f.node) {
+                            Some((n, _)) if *n > 1 => {
+                                *n -= 1;
+                                return true;
+                            }
+                            _ => {}
+                        }
                         // Heard again: what ended meanwhile is reported, and a preemption
                         // whose grace is over is carried out.
-                        for (id, starts) in self.silent.remove(&f.node).unwrap_or_default() {
+                        let unheard = self.silent.remove(&f.node).unwrap_or_default().1;
+                        for (id, starts) in unheard {
                             self.fire(t, Timer::Finish(id, starts), observe);
                         }
                         let due: Vec<(WorkloadId, u32)> = self

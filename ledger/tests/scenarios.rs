@@ -362,3 +362,37 @@ fn a_run_that_ends_while_its_agent_is_briefly_silent_is_reported_when_it_is_hear
         .any(|e| matches!(e.event, Event::GpuHealthChanged(_))));
     assert!((r.delivered_h("a") - 8.0 * (1.0 + 5.0 / 3600.0)).abs() < 1e-9);
 }
+
+#[test]
+fn overlapping_silences_keep_a_node_silent_until_the_last_is_over() {
+    // n0's agent falls silent at 10 min for 20 s, and again from 10 min 10 s for 10 min: the
+    // first repair does not make it heard, so its GPUs go unhealthy one heartbeat timeout
+    // after the first silence began.
+    let mut r = Run::new(1, 8, &[("a", 1)]);
+    let silence = |at_ms, lasts_ms| Fault {
+        at_ms,
+        node: "n0".into(),
+        kind: FaultKind::Silent,
+        repaired_at_ms: Some(at_ms + lasts_ms),
+    };
+    r.engine.inject([
+        silence(10 * MIN, 20_000),
+        silence(10 * MIN + 10_000, 10 * MIN),
+    ]);
+    r.run(Some(30 * MIN));
+    let changes: Vec<(u64, bool)> = r
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::GpuHealthChanged(c) => Some((e.occurred_at_ms, c.healthy)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(changes.len(), 16, "{changes:?}");
+    assert!(changes[..8]
+        .iter()
+        .all(|&(at, healthy)| at == 10 * MIN + 30_001 && !healthy));
+    assert!(changes[8..]
+        .iter()
+        .all(|&(at, healthy)| at == 20 * MIN + 10_000 && healthy));
+}
