@@ -618,21 +618,19 @@ impl JetStreamLog {
 
     /// Readers (consumers) the server holds open on the ledger stream now.
     pub async fn readers_open(&self) -> Result<usize, LogError> {
-        let info = self
-            .ledger
-            .get_info()
-            .await
-            .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))?;
-        Ok(info.state.consumer_count)
+        Ok(self.stream_state().await?.consumer_count)
     }
 
     async fn stream_last_seq(&self) -> Result<u64, LogError> {
-        let info = self
-            .ledger
+        Ok(self.stream_state().await?.last_sequence)
+    }
+
+    async fn stream_state(&self) -> Result<stream::State, LogError> {
+        self.ledger
             .get_info()
             .await
-            .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))?;
-        Ok(info.state.last_sequence)
+            .map(|info| info.state)
+            .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))
     }
 
     /// Events `from..=end` by direct gets, or `None` where one is not there yet (a replica that
@@ -644,10 +642,7 @@ impl JetStreamLog {
                 Ok(message) if message.sequence == seq => out.push(Stored {
                     seq,
                     subject: message.subject.to_string(),
-                    msg_id: message
-                        .headers
-                        .get(header::NATS_MESSAGE_ID)
-                        .map(|v| v.as_str().to_owned()),
+                    msg_id: msg_id_in(Some(&message.headers)),
                     payload: message.payload,
                 }),
                 Ok(_) | Err(_) => return None,
@@ -700,19 +695,21 @@ fn headers_for(msg_id: Option<String>, expect: &Expect, subject: &str) -> Header
     headers
 }
 
+/// The idempotency key a stored message was written with, if any.
+fn msg_id_in(headers: Option<&HeaderMap>) -> Option<String> {
+    headers
+        .and_then(|h| h.get(header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_owned())
+}
+
 fn stored(message: &async_nats::jetstream::Message) -> Result<Stored, LogError> {
     let info = message
         .info()
         .map_err(|e| LogError::Unavailable(format!("message without metadata: {e}")))?;
-    let msg_id = message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(header::NATS_MESSAGE_ID))
-        .map(|v| v.as_str().to_owned());
     Ok(Stored {
         seq: info.stream_sequence,
         subject: message.subject.to_string(),
-        msg_id,
+        msg_id: msg_id_in(message.headers.as_ref()),
         payload: message.payload.clone(),
     })
 }
