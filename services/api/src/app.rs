@@ -51,9 +51,6 @@ pub const REPLAYS_AT_ONCE: usize = 4;
 /// A stream starting at most this many events behind is live, not a replay.
 pub const REPLAY_FREE: u64 = 1_000;
 
-/// A node's GPUs go unhealthy after this long without a heartbeat.
-pub const HEARTBEAT_TIMEOUT_MS: u64 = ledger::health::DEFAULT_TIMEOUT_MS;
-
 impl App {
     /// The API over `log` and its shared `projection`, whose folds are announced on `applied`.
     pub fn new(
@@ -70,7 +67,7 @@ impl App {
                 policy,
                 ready: AtomicBool::new(false),
                 health: Arc::new(std::sync::Mutex::new(scheduler::HealthMonitor::new(
-                    HEARTBEAT_TIMEOUT_MS,
+                    ledger::health::DEFAULT_TIMEOUT_MS,
                 ))),
                 stuck: Default::default(),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),

@@ -73,7 +73,7 @@ impl Settings {
             data,
             state_config: StateConfig::default(),
             policy: PolicyConfig::default(),
-            heartbeat_timeout_ms: crate::HEARTBEAT_TIMEOUT_MS,
+            heartbeat_timeout_ms: ledger::health::DEFAULT_TIMEOUT_MS,
             checkpoint_gap: Duration::from_secs(60),
             scheduler_tick: SchedulerConfig::default().tick,
             replicas: 1,

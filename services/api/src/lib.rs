@@ -46,7 +46,7 @@ pub mod problem;
 pub mod reports;
 pub mod routes;
 
-pub use app::{App, HEARTBEAT_TIMEOUT_MS, MAX_BODY};
+pub use app::{App, MAX_BODY};
 pub use application::{Application, Serving, Settings};
 pub use problem::Problem;
 pub use routes::{health_router, router};

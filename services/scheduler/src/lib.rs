@@ -104,29 +104,22 @@ impl Default for SchedulerConfig {
 pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> {
     let stuck = &config.stuck;
     let mut admit = |events| stuck.leave_out(state, events, now_ms);
-    match &config.health {
-        Some(health) => {
-            let mut monitor = health.lock().expect("the health monitor is never poisoned");
-            // Every node the ledger holds has an agent that should be heard from.
-            monitor.watch_registered(state, now_ms);
-            ledger::schedule::pass(
-                state,
-                now_ms,
-                &config.policy,
-                Some(&mut monitor),
-                &mut admit,
-                eventlog::MAX_BATCH,
-            )
-        }
-        None => ledger::schedule::pass(
-            state,
-            now_ms,
-            &config.policy,
-            None,
-            &mut admit,
-            eventlog::MAX_BATCH,
-        ),
+    let mut monitor = config
+        .health
+        .as_ref()
+        .map(|h| h.lock().expect("the health monitor is never poisoned"));
+    if let Some(monitor) = monitor.as_deref_mut() {
+        // Every node the ledger holds has an agent that should be heard from.
+        monitor.watch_registered(state, now_ms);
     }
+    ledger::schedule::pass(
+        state,
+        now_ms,
+        &config.policy,
+        monitor.as_deref_mut(),
+        &mut admit,
+        eventlog::MAX_BATCH,
+    )
 }
 
 /// What a pass's decisions are fenced on.

@@ -44,38 +44,29 @@ pub(crate) async fn readyz(State(app): State<App>) -> Response {
     // acknowledged, or what is read is stale.
     let last = tokio::time::timeout(READY_LOG_TIMEOUT, app.inner.log.last_seq()).await;
     let folded = *app.inner.applied.borrow();
-    match last {
-        Err(_) => {
-            return Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "log-unreachable",
-                format!(
-                    "the event log did not answer within {} s; submissions wait until it does",
-                    READY_LOG_TIMEOUT.as_secs_f64()
-                ),
-            )
-            .into_response()
-        }
-        Ok(Err(e)) => {
-            return Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "log-unreachable",
-                format!("{e}; submissions wait until it is back"),
-            )
-            .into_response()
-        }
-        Ok(Ok(last)) if last > folded + READY_LAG_MAX => {
-            return Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "behind",
-                format!(
+    let unready = match last {
+        Err(_) => Some((
+            "log-unreachable",
+            format!(
+                "the event log did not answer within {} s; submissions wait until it does",
+                READY_LOG_TIMEOUT.as_secs_f64()
+            ),
+        )),
+        Ok(Err(e)) => Some((
+            "log-unreachable",
+            format!("{e}; submissions wait until it is back"),
+        )),
+        Ok(Ok(last)) if last > folded + READY_LAG_MAX => Some((
+            "behind",
+            format!(
                 "the projection is {} events behind the log; reads are stale until it catches up",
                 last - folded
             ),
-            )
-            .into_response()
-        }
-        Ok(Ok(_)) => {}
+        )),
+        Ok(Ok(_)) => None,
+    };
+    if let Some((slug, detail)) = unready {
+        return Problem::new(StatusCode::SERVICE_UNAVAILABLE, slug, detail).into_response();
     }
     let stuck = app.inner.stuck.list(scheduler::wall_clock_ms());
     if let Some((subject, why)) = stuck.first() {
