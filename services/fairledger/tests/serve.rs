@@ -84,12 +84,7 @@ fn embedded_submit_run_finish_and_audit_across_a_restart() {
 fn on_nats_a_submission_is_placed() {
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        data.path().to_str().unwrap(),
-    ]);
+    let server = on_nats(&nats, "all", &data);
     let (status, _) = server.call("PUT", "/v1/allocations/team", Some(r#"{"weight":1}"#));
     assert_eq!(status, 200);
     // No nodes yet: a submission has nowhere to go and says so.
@@ -724,12 +719,7 @@ fn serve_waits_for_a_nats_server_that_comes_up_later() {
 fn readiness_follows_the_log_away_and_back() {
     let mut nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        data.path().to_str().unwrap(),
-    ]);
+    let server = on_nats(&nats, "all", &data);
     let ready = |want: u16, secs: u64| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
         loop {
