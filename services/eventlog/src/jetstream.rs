@@ -15,6 +15,12 @@
 //! as a request whose answer is the batch's acknowledgement. With
 //! [`JetStreamOptions::group_commit`], concurrent unconditional appends are gathered into such
 //! batches, so that on a server with `sync_interval: always` one fsync serves many appends.
+//!
+//! Reads (a page, a workload's history, one event) are batched direct gets answered by the
+//! stream itself: they make no consumer on the server, so no number of them can use its
+//! consumers up, and each is checked to start where it was asked and go on without a gap. A
+//! subscription (the projector, the event stream) is one ordered consumer for as long as it
+//! lives, ended when the connection is made again so that its follower resubscribes at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -240,6 +246,8 @@ pub struct JetStreamLog {
     /// Counts the connections made: a subscription made before a reconnection is ended at
     /// once (its server-side reader may be gone), rather than when its pulls time out.
     connections: tokio::sync::watch::Receiver<u64>,
+    /// How long a read waits for each answer of the stream.
+    read_timeout: Duration,
 }
 
 /// Parses `major.minor.patch` (with any `-suffix`) into numbers.
@@ -389,6 +397,7 @@ impl JetStreamLog {
             gather: None,
             batches,
             connections,
+            read_timeout: options.ack_timeout,
         };
         if options.group_commit {
             let (tx, rx) = mpsc::channel(options.max_inflight.max(1));
@@ -633,22 +642,100 @@ impl JetStreamLog {
             .map_err(|e| LogError::Unavailable(format!("stream info: {e}")))
     }
 
-    /// Events `from..=end` by direct gets, or `None` where one is not there yet (a replica that
-    /// lags) or the server will not answer so: the caller reads them with a consumer instead.
-    async fn direct_read(&self, from: u64, end: u64) -> Option<Vec<Stored>> {
-        let mut out = Vec::with_capacity((end - from + 1) as usize);
-        for seq in from..=end {
-            match self.ledger.direct_get(seq).await {
-                Ok(message) if message.sequence == seq => out.push(Stored {
-                    seq,
-                    subject: message.subject.to_string(),
-                    msg_id: msg_id_in(Some(&message.headers)),
-                    payload: message.payload,
-                }),
-                Ok(_) | Err(_) => return None,
+    /// Events `from..=end` by batched direct gets: the stream answers them itself, so a read
+    /// makes no reader (consumer) on the server and no number of reads can use its consumers up.
+    /// Each answer is checked to go on from the last; one that falls short (a replica that lags,
+    /// a batch the server cut at its byte limit) is followed by a request for the rest.
+    async fn batch_read(&self, from: u64, end: u64) -> Result<Vec<Stored>, ReadFault> {
+        let mut out = Vec::with_capacity((end - from + 1).min(DIRECT_BATCH_MAX) as usize);
+        let mut order = InOrder::from(from);
+        let mut empty_answers = 0;
+        while order.next <= end {
+            let before = out.len();
+            self.direct_batch(&mut order, end, &mut out).await?;
+            if out.len() == before {
+                // Only a replica that has not yet stored what the leader counts answers nothing.
+                empty_answers += 1;
+                if empty_answers >= DIRECT_EMPTY_ANSWERS_MAX {
+                    return Err(ReadFault::Failed(LogError::Unavailable(format!(
+                        "the stream did not answer for sequence {} (its last is {end}); \
+                         retry shortly",
+                        order.next
+                    ))));
+                }
+                tokio::time::sleep(Duration::from_millis(20 * empty_answers)).await;
             }
         }
-        Some(out)
+        Ok(out)
+    }
+
+    /// One batched direct get from `order.next` towards `end`, appended to `out`.
+    async fn direct_batch(
+        &self,
+        order: &mut InOrder,
+        end: u64,
+        out: &mut Vec<Stored>,
+    ) -> Result<(), ReadFault> {
+        let unavailable = |e: &dyn std::fmt::Display| {
+            ReadFault::Failed(LogError::Unavailable(format!("reading: {e}")))
+        };
+        let inbox = self.client.new_inbox();
+        let mut answers = self
+            .client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let request = serde_json::json!({
+            "seq": order.next,
+            "batch": (end - order.next + 1).min(DIRECT_BATCH_MAX),
+            "max_bytes": DIRECT_BATCH_BYTES,
+        });
+        self.client
+            .publish_with_reply(
+                format!("$JS.API.DIRECT.GET.{LEDGER_STREAM}"),
+                inbox,
+                request.to_string().into(),
+            )
+            .await
+            .map_err(|e| unavailable(&e))?;
+        loop {
+            let answer = tokio::time::timeout(self.read_timeout, answers.next())
+                .await
+                .map_err(|_| {
+                    unavailable(&format!(
+                        "no answer from the stream within {:?}",
+                        self.read_timeout
+                    ))
+                })?
+                .ok_or_else(|| unavailable(&"the connection closed"))?;
+            match answer.status.map(u16::from) {
+                None => {}
+                // The end of the batch.
+                Some(204) => return Ok(()),
+                // Nothing at or after the sequence asked for (on this replica).
+                Some(404) => return Ok(()),
+                Some(code) => {
+                    return Err(unavailable(&format!(
+                        "the stream answered {code} {}",
+                        answer.description.as_deref().unwrap_or("")
+                    )))
+                }
+            }
+            let message =
+                jetstream::message::StreamMessage::try_from(answer).map_err(|e| unavailable(&e))?;
+            order
+                .check(message.sequence)
+                .map_err(ReadFault::OutOfOrder)?;
+            out.push(Stored {
+                seq: message.sequence,
+                subject: message.subject.to_string(),
+                msg_id: msg_id_in(Some(&message.headers)),
+                payload: message.payload,
+            });
+            if message.sequence == end {
+                return Ok(());
+            }
+        }
     }
 
     async fn ordered(&self, from: u64) -> Result<jetstream::consumer::pull::Ordered, LogError> {
@@ -767,39 +854,16 @@ impl EventLog for JetStreamLog {
             return Ok(Vec::new());
         }
         let end = last.min(from.saturating_add(max as u64 - 1));
-        // A few events (a workload's history, one event) are fetched one by one: no reader is
-        // created on the server for them, so point reads cannot use up its consumers.
-        if end - from < DIRECT_READ_MAX {
-            if let Some(events) = self.direct_read(from, end).await {
-                return Ok(events);
+        // A reader that goes back or skips is read once more, then fails rather than answer
+        // other events than those asked for.
+        match self.batch_read(from, end).await {
+            Err(ReadFault::OutOfOrder(e)) => {
+                tracing::warn!(error = %e, "reading the ledger again");
+                self.batch_read(from, end)
+                    .await
+                    .map_err(ReadFault::into_error)
             }
-        }
-        // A reader recreated before its first message may start over from the stream's
-        // beginning: such a read is tried once more, then fails rather than answer other events.
-        let mut tries = 0;
-        'read: loop {
-            tries += 1;
-            let mut messages = self.ordered(from).await?;
-            let mut out = Vec::with_capacity((end - from + 1) as usize);
-            let mut order = InOrder::from(from);
-            while let Some(message) = messages.next().await {
-                let message =
-                    message.map_err(|e| LogError::Unavailable(format!("reading: {e}")))?;
-                let event = stored(&message)?;
-                if let Err(e) = order.check(event.seq) {
-                    if tries < 2 {
-                        tracing::warn!(error = %e, "reading the ledger again");
-                        continue 'read;
-                    }
-                    return Err(e);
-                }
-                let seq = event.seq;
-                out.push(event);
-                if seq >= end {
-                    break;
-                }
-            }
-            return Ok(out);
+            other => other.map_err(ReadFault::into_error),
         }
     }
 
@@ -836,8 +900,26 @@ impl EventLog for JetStreamLog {
     }
 }
 
-/// Reads of fewer events than this go by direct gets rather than a consumer.
-const DIRECT_READ_MAX: u64 = 16;
+/// Most events one batched direct get asks for.
+const DIRECT_BATCH_MAX: u64 = 1_024;
+/// Most bytes of events one batched direct get asks for (the server may cut a batch sooner).
+const DIRECT_BATCH_BYTES: u64 = 8 << 20;
+/// Empty answers in a row after which a read gives up.
+const DIRECT_EMPTY_ANSWERS_MAX: u64 = 5;
+
+/// Why a batched read failed: a reader that went back or skipped is worth one more try.
+enum ReadFault {
+    OutOfOrder(LogError),
+    Failed(LogError),
+}
+
+impl ReadFault {
+    fn into_error(self) -> LogError {
+        match self {
+            ReadFault::OutOfOrder(e) | ReadFault::Failed(e) => e,
+        }
+    }
+}
 
 /// The ledger's sequences as a reader must see them: each the one after the last, from where the
 /// read began (the ledger never deletes, so anything else is the reader's fault).

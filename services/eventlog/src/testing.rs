@@ -198,3 +198,84 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free loopback port")
 }
+
+/// A JetStream cluster of real `nats-server`s on loopback, each with its own port and store,
+/// routed to one another; killed when dropped. Tests kill and restart its nodes on purpose.
+pub struct NatsCluster {
+    nodes: Vec<NatsServer>,
+    _dir: tempfile::TempDir,
+}
+
+impl NatsCluster {
+    /// Starts `size` servers named `n1`, `n2`… as one cluster.
+    pub fn start(size: usize) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory for the cluster");
+        let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let route_list = routes
+            .iter()
+            .map(|p| format!("\"nats://127.0.0.1:{p}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let nodes = (0..size)
+            .map(|i| {
+                let conf = dir.path().join(format!("n{}.conf", i + 1));
+                let text = format!(
+                    "server_name: \"n{n}\"\njetstream {{\n  store_dir: \"./store\"\n}}\n\
+                     cluster {{\n  name: \"fairledger-test\"\n  listen: \"127.0.0.1:{port}\"\n  \
+                     routes: [{route_list}]\n}}\n",
+                    n = i + 1,
+                    port = routes[i],
+                );
+                std::fs::write(&conf, text).expect("writing a cluster node's config");
+                NatsServer::start_with(ServerOptions {
+                    config: Some(conf),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        NatsCluster { nodes, _dir: dir }
+    }
+
+    /// Every node's URL, comma-separated, as `--nats` takes a cluster.
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The node at `index` (`n{index + 1}`).
+    pub fn node(&mut self, index: usize) -> &mut NatsServer {
+        &mut self.nodes[index]
+    }
+
+    /// The index of the node that leads `stream` now, as a live node tells it.
+    pub async fn stream_leader(&self, stream: &str) -> Option<usize> {
+        for node in &self.nodes {
+            if node.child.is_none() {
+                continue;
+            }
+            let Ok(client) = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(1))
+                .connect(node.url())
+                .await
+            else {
+                continue;
+            };
+            let js = async_nats::jetstream::new(client);
+            let Ok(mut found) = js.get_stream(stream).await else {
+                continue;
+            };
+            let Ok(info) = found.info().await else {
+                continue;
+            };
+            let leader = info.cluster.as_ref().and_then(|c| c.leader.clone())?;
+            return leader
+                .strip_prefix('n')
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(|n| n - 1);
+        }
+        None
+    }
+}

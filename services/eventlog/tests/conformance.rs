@@ -297,12 +297,25 @@ async fn point_reads_answer_their_event<L: EventLog>(log: &L) {
     assert_eq!(few.iter().map(|e| e.seq).collect::<Vec<_>>(), [18, 19, 20]);
 }
 
-/// Point reads (a workload's history, one event) leave no reader behind on the server, so no
-/// number of them can use up its consumers.
+/// Reads, from one event to pages longer than one answer of the server, leave no reader behind
+/// on it, so no number of them can use up its consumers; a long page comes back whole and in
+/// order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn point_reads_on_nats_open_no_readers() {
+async fn reads_on_nats_open_no_readers() {
     let f = on_nats(false).await;
     point_reads_answer_their_event(&f.log).await;
+    for chunk in 0..3 {
+        let batch = (0..1000)
+            .map(|i| append("p", &format!("bulk {chunk} {i}")))
+            .collect();
+        f.log.append_batch(batch).await.unwrap();
+    }
+    let page = f.log.read(7, 5_000).await.unwrap();
+    assert_eq!(
+        page.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (7..=3_020).collect::<Vec<_>>()
+    );
+    assert_eq!(page[3_020 - 7].payload, Bytes::from("bulk 2 999"));
     assert_eq!(f.log.readers_open().await.unwrap(), 0);
 }
 
