@@ -243,9 +243,11 @@ pub struct JetStreamLog {
     ledger: Arc<stream::Stream>,
     gather: Option<mpsc::Sender<Single>>,
     batches: Arc<Semaphore>,
-    /// Counts the connections made: a subscription made before a reconnection is ended at
-    /// once (its server-side reader may be gone), rather than when its pulls time out.
-    connections: tokio::sync::watch::Receiver<u64>,
+    /// Counts upheavals: connections made and elections of the ledger stream's leader. A
+    /// subscription made before one is ended at once (its server-side reader may be gone), and an
+    /// append awaiting its acknowledgement across one is answered unacknowledged at once (the
+    /// acknowledgement may never come), rather than when their timeouts run out.
+    upheavals: tokio::sync::watch::Receiver<u64>,
     /// How long a read waits for each answer of the stream.
     read_timeout: Duration,
 }
@@ -290,8 +292,9 @@ impl JetStreamLog {
         // then only times out. Kept, so a failure at start-up can say why.
         let refused: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let seen = refused.clone();
-        let (connected, connections) = tokio::sync::watch::channel(0u64);
+        let (connected, upheavals) = tokio::sync::watch::channel(0u64);
         let connected = Arc::new(connected);
+        let elected = connected.clone();
         let client = options
             .auth
             .options()
@@ -389,6 +392,22 @@ impl JetStreamLog {
                     ),
                 })?
         };
+        if options.manage_streams {
+            // The service hears of every election of the ledger's leader (readers and agents
+            // may not subscribe to advisories; they notice through their own heartbeats).
+            let mut elections = client
+                .subscribe(format!(
+                    "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.{LEDGER_STREAM}"
+                ))
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            tokio::spawn(async move {
+                while elections.next().await.is_some() {
+                    tracing::info!("NATS: the ledger stream has a new leader");
+                    elected.send_modify(|n| *n += 1);
+                }
+            });
+        }
         let batches = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
         let mut log = JetStreamLog {
             client,
@@ -396,7 +415,7 @@ impl JetStreamLog {
             ledger: Arc::new(ledger),
             gather: None,
             batches,
-            connections,
+            upheavals,
             read_timeout: options.ack_timeout,
         };
         if options.group_commit {
@@ -502,12 +521,15 @@ impl JetStreamLog {
     async fn publish_one(&self, a: Append) -> Result<Appended, AppendError> {
         crate::check_subject(&a.subject)?;
         let headers = headers_for(a.msg_id, &a.expect, &a.subject);
+        let mut upheavals = self.upheavals.clone();
+        upheavals.borrow_and_update();
         let ack = self
             .js
             .publish_with_headers(a.subject, headers, a.payload)
             .await
-            .map_err(|e| publish_error(e, &a.expect))?
-            .await
+            .map_err(|e| publish_error(e, &a.expect))?;
+        let ack = before_upheaval(&mut upheavals, ack)
+            .await?
             .map_err(|e| publish_error(e, &a.expect))?;
         Ok(Appended {
             seq: ack.sequence,
@@ -528,6 +550,8 @@ impl JetStreamLog {
             }
         }
         let _permit = self.batches.acquire().await.expect("never closed");
+        let mut upheavals = self.upheavals.clone();
+        upheavals.borrow_and_update();
         let batch_id = uuid::Uuid::new_v4().simple().to_string();
         let first_expect = appends[0].expect.clone();
         let mut commit = None;
@@ -550,9 +574,8 @@ impl JetStreamLog {
                     .map_err(|e| AppendError::Unacknowledged(e.to_string()))?;
             }
         }
-        let ack = commit
-            .expect("a batch has a last event")
-            .await
+        let ack = before_upheaval(&mut upheavals, commit.expect("a batch has a last event"))
+            .await?
             .map_err(|e| publish_error(e, &first_expect))?;
         let count = ack.batch_size.unwrap_or(n as u64);
         if count != n as u64 || ack.sequence < count {
@@ -646,7 +669,15 @@ impl JetStreamLog {
     /// makes no reader (consumer) on the server and no number of reads can use its consumers up.
     /// Each answer is checked to go on from the last; one that falls short (a replica that lags,
     /// a batch the server cut at its byte limit) is followed by a request for the rest.
-    async fn batch_read(&self, from: u64, end: u64) -> Result<Vec<Stored>, ReadFault> {
+    ///
+    /// `end` is the stream's last sequence as its leader told (or before it) when `known_end`;
+    /// otherwise (the leader could not be asked) the read ends where the stream's answers end.
+    async fn batch_read(
+        &self,
+        from: u64,
+        end: u64,
+        known_end: bool,
+    ) -> Result<Vec<Stored>, ReadFault> {
         let mut out = Vec::with_capacity((end - from + 1).min(DIRECT_BATCH_MAX) as usize);
         let mut order = InOrder::from(from);
         let mut empty_answers = 0;
@@ -654,6 +685,9 @@ impl JetStreamLog {
             let before = out.len();
             self.direct_batch(&mut order, end, &mut out).await?;
             if out.len() == before {
+                if !known_end {
+                    break;
+                }
                 // Only a replica that has not yet stored what the leader counts answers nothing.
                 empty_answers += 1;
                 if empty_answers >= DIRECT_EMPTY_ANSWERS_MAX {
@@ -738,6 +772,10 @@ impl JetStreamLog {
         }
     }
 
+    /// A reader from `from` for a subscription. Its pulls expire every [`SUBSCRIPTION_PULL`]
+    /// with a heartbeat at half that, so a reader lost with its server (a stream leader that
+    /// died while this connection stayed up) is noticed after two missed heartbeats and made
+    /// again where it was, instead of after async-nats's default 30 s.
     async fn ordered(&self, from: u64) -> Result<jetstream::consumer::pull::Ordered, LogError> {
         let consumer = self
             .ledger
@@ -745,6 +783,7 @@ impl JetStreamLog {
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: from.max(1),
                 },
+                max_expires: SUBSCRIPTION_PULL,
                 ..Default::default()
             })
             .await
@@ -753,6 +792,25 @@ impl JetStreamLog {
             .messages()
             .await
             .map_err(|e| LogError::Unavailable(format!("reading: {e}")))
+    }
+}
+
+/// Awaits an acknowledgement unless an upheaval (a new connection, a new leader of the ledger)
+/// comes first, after which it may never come: then the append is unacknowledged at once, and
+/// its writer retries it (with its idempotency key) on the new leader.
+async fn before_upheaval<T>(
+    upheavals: &mut tokio::sync::watch::Receiver<u64>,
+    ack: impl std::future::IntoFuture<Output = T>,
+) -> Result<T, AppendError> {
+    tokio::select! {
+        biased;
+        acked = ack.into_future() => Ok(acked),
+        _ = upheavals.changed() => Err(AppendError::Unacknowledged(
+            "the connection to NATS was made again or the ledger's leader changed before the \
+             acknowledgement came; it may or may not be written: retry with the same \
+             idempotency key"
+                .into(),
+        )),
     }
 }
 
@@ -849,17 +907,40 @@ impl EventLog for JetStreamLog {
 
     async fn read(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
         let from = from.max(1);
-        let last = self.stream_last_seq().await?;
-        if from > last || max == 0 {
+        if max == 0 {
             return Ok(Vec::new());
         }
-        let end = last.min(from.saturating_add(max as u64 - 1));
+        let asked_end = from.saturating_add(max as u64 - 1);
+        let last = tokio::time::timeout(STREAM_INFO_WAIT, self.stream_last_seq())
+            .await
+            .unwrap_or_else(|_| {
+                Err(LogError::Unavailable(format!(
+                    "stream info: no answer within {STREAM_INFO_WAIT:?}"
+                )))
+            });
+        let (end, known_end) = match last {
+            Ok(last) if from > last => return Ok(Vec::new()),
+            Ok(last) => (last.min(asked_end), true),
+            // A cluster electing the leader of its metadata cannot tell the stream's state, but
+            // the stream's replicas still answer direct gets: what they hold is read.
+            Err(e) => {
+                let events = self
+                    .batch_read(from, asked_end, false)
+                    .await
+                    .map_err(ReadFault::into_error)?;
+                return if events.is_empty() {
+                    Err(e)
+                } else {
+                    Ok(events)
+                };
+            }
+        };
         // A reader that goes back or skips is read once more, then fails rather than answer
         // other events than those asked for.
-        match self.batch_read(from, end).await {
+        match self.batch_read(from, end, known_end).await {
             Err(ReadFault::OutOfOrder(e)) => {
                 tracing::warn!(error = %e, "reading the ledger again");
-                self.batch_read(from, end)
+                self.batch_read(from, end, known_end)
                     .await
                     .map_err(ReadFault::into_error)
             }
@@ -871,16 +952,16 @@ impl EventLog for JetStreamLog {
         &self,
         from: u64,
     ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
-        let mut connections = self.connections.clone();
-        connections.borrow_and_update();
+        let mut upheavals = self.upheavals.clone();
+        upheavals.borrow_and_update();
         let messages = self.ordered(from).await?;
         // A subscription that jumps (a reader recreated at the wrong place) ends in an error:
         // its follower subscribes again after what it has. So does one that outlives its
-        // connection: the server may have lost its reader, which would show only when the
-        // pulls time out (15 s).
+        // connection or the ledger's leader: its reader may be gone with them, which would show
+        // only when its heartbeats are missed.
         let mut order = InOrder::from(from.max(1));
         let reconnected = async move {
-            let _ = connections.changed().await;
+            let _ = upheavals.changed().await;
         };
         Ok(messages
             .map(move |m| {
@@ -893,12 +974,20 @@ impl EventLog for JetStreamLog {
             .take_until(reconnected)
             .chain(futures::stream::once(async {
                 Err(LogError::Unavailable(
-                    "the connection to NATS was made again: subscribing again".into(),
+                    "the connection to NATS was made again or the ledger's leader changed: \
+                     subscribing again"
+                        .into(),
                 ))
             }))
             .boxed())
     }
 }
+
+/// How long a subscription's pull waits on the server before it is renewed.
+const SUBSCRIPTION_PULL: Duration = Duration::from_secs(2);
+
+/// How long a read waits for the stream's state before it reads what the replicas answer.
+const STREAM_INFO_WAIT: Duration = Duration::from_secs(1);
 
 /// Most events one batched direct get asks for.
 const DIRECT_BATCH_MAX: u64 = 1_024;
