@@ -974,13 +974,27 @@ pub async fn follow<L: EventLog>(
     let mut stop = std::pin::pin!(stop.fuse());
     'subscribe: loop {
         let from = projection.read().await.last_seq() + 1;
-        let mut events = match log.subscribe(from).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot follow the log; retrying");
-                tokio::select! {
-                    _ = &mut stop => break 'subscribe,
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue 'subscribe,
+        // Reading may work where making a reader does not (a cluster with a new leader for the
+        // ledger but not yet for its metadata, where readers are made): while a subscription is
+        // slow to come, or fails, what can be read is folded, so writes are answered meanwhile.
+        let mut subscribing = std::pin::pin!(log.subscribe(from));
+        let mut events = loop {
+            tokio::select! {
+                _ = &mut stop => break 'subscribe,
+                subscribed = &mut subscribing => match subscribed {
+                    Ok(events) => break events,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot follow the log; reading it meanwhile");
+                        let read = fold_a_read(log, projection, applied).await?;
+                        let pause = Duration::from_millis(if read { 20 } else { 200 });
+                        tokio::select! {
+                            _ = &mut stop => break 'subscribe,
+                            _ = tokio::time::sleep(pause) => continue 'subscribe,
+                        }
+                    }
+                },
+                _ = tokio::time::sleep(SUBSCRIBING_SLOW) => {
+                    fold_a_read(log, projection, applied).await?;
                 }
             }
         };
@@ -1046,6 +1060,30 @@ pub async fn follow<L: EventLog>(
         }
     }
     projection.write().await.checkpoint()
+}
+
+/// How long a subscription may take to be made before the follower reads the log meanwhile.
+const SUBSCRIBING_SLOW: Duration = Duration::from_millis(250);
+
+/// Folds one read of the log after what is folded; answers whether it found events.
+async fn fold_a_read<L: EventLog>(
+    log: &L,
+    projection: &tokio::sync::RwLock<Projector>,
+    applied: &tokio::sync::watch::Sender<u64>,
+) -> Result<bool, ProjectionError> {
+    let from = projection.read().await.last_seq() + 1;
+    let events = match log.read(from, BATCH).await {
+        Ok(events) if !events.is_empty() => events,
+        _ => return Ok(false),
+    };
+    let batch: Vec<Decoded> = events.iter().map(Decoded::from).collect();
+    let mut p = projection.write().await;
+    let result = p.apply_decoded(&batch);
+    applied.send_replace(p.last_seq());
+    match result {
+        Ok(_) | Err(ProjectionError::Gap { .. }) => Ok(true),
+        Err(e) => Err(e),
+    }
 }
 
 /// Rebuilds a projection of the whole log from sequence 0 in `dir` (which must be empty or
