@@ -898,3 +898,51 @@ fn a_gang_rank_its_node_cannot_launch_fails_the_gang_instead_of_requeueing_it() 
         "{h:?}"
     );
 }
+
+/// The agents inside an embedded `serve` leave their runs running when `serve` is SIGKILLed, as
+/// any agent does: `serve` started again on the same data re-adopts them (it does not launch them
+/// again), and stops them when asked.
+#[test]
+fn a_killed_servers_runs_go_on_and_its_restart_re_adopts_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text += "\n[[nodes]]\ncount = 1\ngpus = 2\nmodel = \"H100\"\n";
+    std::fs::write(&config, text).unwrap();
+    let data = tmp.path().join("data");
+    let args = [
+        "--data",
+        data.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let mut server = Server::start(&args);
+    let long = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": [job, "600"]}),
+    );
+    wait_until("the process to start", 20, || lines(&jobs).len() == 1);
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    // Dropped without killing the runs, which must outlive it (the next server's drop kills
+    // them).
+    server.data = tmp.path().join("not-the-data");
+    drop(server);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(lines(&jobs).len(), 1, "the run went on: {:?}", lines(&jobs));
+    let server = Server::start(&args);
+    wait_until("the run to be re-adopted", 20, || {
+        server.stderr.lock().unwrap().contains("re-adopting")
+    });
+    assert_eq!(wait_for(&server, &long, "running")["id"], long.as_str());
+    let (status, _) = server.call("DELETE", &format!("/v1/workloads/{long}"), None);
+    assert_eq!(status, 202);
+    wait_for(&server, &long, "cancelled");
+    wait_until("the adopted process to get SIGTERM", 20, || {
+        lines(&jobs).iter().any(|l| l[0] == "term" && l[2] == long)
+    });
+    let starts = lines(&jobs).iter().filter(|l| l[0] == "start").count();
+    assert_eq!(starts, 1, "launched once: {:?}", lines(&jobs));
+}
