@@ -16,7 +16,7 @@ rm -rf "$WORK/data"
 mkdir -p "$WORK"
 export FAIRLEDGER_BENCH_ALLOCATION=ai2/tulu
 $BIN serve --data "$WORK/data" --config ops/cluster.toml --no-agents \
-  --heartbeat-timeout-s 1000000000 --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
+  --heartbeat-timeout-s 86400 --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
 SERVER=$!
 STREAMS=()
 cleanup() {

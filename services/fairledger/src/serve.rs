@@ -51,9 +51,10 @@ pub struct ServeArgs {
     #[arg(long, env = "FAIRLEDGER_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
     /// A node whose agent has not sent a heartbeat for this long has its GPUs marked unhealthy
-    /// (its workloads are requeued as hardware failures).
-    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S", default_value_t = 30.0)]
-    pub heartbeat_timeout_s: f64,
+    /// (its workloads are requeued as hardware failures). Default: --config's `[policy]
+    /// heartbeat_timeout_s`, else 30.
+    #[arg(long, env = "FAIRLEDGER_HEARTBEAT_TIMEOUT_S")]
+    pub heartbeat_timeout_s: Option<f64>,
     /// Page cache of each sled database (the embedded log and the projection), in MiB: what
     /// the server keeps of its history in memory beyond its live work.
     #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = eventlog::embedded::DEFAULT_CACHE_BYTES / (1024 * 1024))]
@@ -69,7 +70,7 @@ pub struct ServeArgs {
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
     // The cluster's settings and set-up events: from --config, else the demo's.
-    let (state_config, policy, setup) = match &args.config {
+    let (state_config, policy, setup, configured_timeout_ms) = match &args.config {
         Some(path) => {
             let scenario = sim::scenario::Scenario::load(path).map_err(|e| e.to_string())?;
             let prepared = scenario
@@ -81,7 +82,12 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 clock_skew_tolerance_ms: StateConfig::default().clock_skew_tolerance_ms,
                 ..prepared.state_config
             };
-            (state_config, prepared.policy, prepared.setup)
+            (
+                state_config,
+                prepared.policy,
+                prepared.setup,
+                Some(prepared.heartbeat_timeout_ms),
+            )
         }
         None => {
             let name = args.policy.as_deref().unwrap_or("fairshare");
@@ -98,7 +104,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 policy: name,
                 ..PolicyConfig::default()
             };
-            (StateConfig::default(), policy, crate::demo::cluster())
+            (StateConfig::default(), policy, crate::demo::cluster(), None)
         }
     };
     if args.max_connections == 0 {
@@ -110,9 +116,15 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
     {
         return Err("--header-timeout-s must be a positive number of seconds under a day".into());
     }
-    if !(args.heartbeat_timeout_s.is_finite() && args.heartbeat_timeout_s > 0.0) {
-        return Err("--heartbeat-timeout-s must be a positive number of seconds".into());
-    }
+    let heartbeat_timeout_ms =
+        match args.heartbeat_timeout_s {
+            Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => (s * 1000.0) as u64,
+            Some(_) => return Err(
+                "--heartbeat-timeout-s must be a positive number of seconds, at most a day (86400)"
+                    .into(),
+            ),
+            None => configured_timeout_ms.unwrap_or(ledger::health::DEFAULT_TIMEOUT_MS),
+        };
     if args.cache_mb == 0 {
         return Err("--cache-mb must be at least 1 (MiB)".into());
     }
@@ -168,7 +180,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             serving,
             state_config,
             policy,
-            heartbeat_timeout_ms: (args.heartbeat_timeout_s * 1000.0) as u64,
+            heartbeat_timeout_ms,
             checkpoint_gap: CHECKPOINT_GAP,
             replicas: args.log.replicas,
             tls: args.tls_cert.clone().zip(args.tls_key.clone()),

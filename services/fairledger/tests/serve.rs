@@ -1028,3 +1028,49 @@ fn audit_verify_agrees_with_the_log_and_names_a_tampered_row() {
     assert!(!ok);
     assert!(err.contains("--from") && err.contains("RFC 3339"), "{err}");
 }
+
+/// The config's `[policy] heartbeat_timeout_s` is the server's, unless `--heartbeat-timeout-s`
+/// says otherwise: with no agent driving its node, the node's GPUs go unhealthy after the
+/// config's second, and stay healthy under the flag's hour.
+#[test]
+fn the_configs_heartbeat_timeout_holds_unless_the_flag_says_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "[policy]\nheartbeat_timeout_s = 1\n\
+         [[nodes]]\ncount = 1\ngpus = 2\nmodel = \"A100\"\n\
+         [[allocations]]\npath = \"lab/x\"\nweight = 1\n",
+    )
+    .unwrap();
+    let start = |data: &str, extra: &[&str]| {
+        let data = dir.path().join(data);
+        let mut args = vec![
+            "--config",
+            config.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--no-agents",
+        ];
+        args.extend_from_slice(extra);
+        Server::start(&args)
+    };
+    let healthy = |server: &Server| {
+        let (status, nodes) = server.call("GET", "/v1/nodes", None);
+        assert_eq!(status, 200, "{nodes}");
+        nodes["nodes"][0]["healthy_gpus"].as_u64().unwrap()
+    };
+    let configured = start("configured", &[]);
+    let flagged = start("flagged", &["--heartbeat-timeout-s", "3600"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while healthy(&configured) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the config's 1 s timeout never marked the silent node unhealthy"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Long past the config's second for the second server too.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(healthy(&flagged), 2, "the flag's hour wins over the config");
+}
