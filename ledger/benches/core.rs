@@ -155,7 +155,7 @@ fn bench_fold(c: &mut Criterion) {
     ] {
         let log = stream(200_000, backlog);
         assert!(
-            fold_all(&log).rejections.is_empty(),
+            fold_all(&log).rejections().is_empty(),
             "the bench stream must be valid"
         );
         g.throughput(Throughput::Elements(log.len() as u64));
@@ -230,16 +230,16 @@ fn big_state() -> State {
     let mut state = fold_all(&log);
     state.advance_to(2 * t);
     assert!(
-        state.rejections.is_empty(),
+        state.rejections().is_empty(),
         "the bench state must be valid: {:?}",
-        state.rejections
+        state.rejections()
     );
     state
 }
 
 fn bench_decide(c: &mut Criterion) {
     let state = big_state();
-    let now = state.now_ms;
+    let now = state.now_ms();
     let mut g = c.benchmark_group("decide");
     g.sample_size(10);
     for policy in ["fairshare", "fifo"] {

@@ -235,23 +235,23 @@ pub struct State {
     config: StateConfig,
     shape: WindowShape,
     /// Last applied sequence (0 before the first event).
-    pub last_seq: u64,
+    pub(crate) last_seq: u64,
     /// The sequence of the last `WorkloadStarted` event folded, applied or rejected (0 before
     /// the first). Schedulers fence their decisions on it: only another placement can make a
     /// placement unsafe, so submissions arriving meanwhile do not stop decisions from landing.
-    pub last_start_seq: u64,
+    pub(crate) last_start_seq: u64,
     /// The ledger's clock: the time of the latest event applied.
-    pub now_ms: u64,
+    pub(crate) now_ms: u64,
     /// The allocation tree.
-    pub allocations: AllocationTree,
+    pub(crate) allocations: AllocationTree,
     /// Nodes and GPUs.
-    pub cluster: Cluster,
+    pub(crate) cluster: Cluster,
     /// Live workloads (pending, running, stopped).
-    pub workloads: FxHashMap<WorkloadId, Workload>,
+    pub(crate) workloads: FxHashMap<WorkloadId, Workload>,
     /// Phase of every workload that ended, so late events are rejected with the right reason.
-    pub ended: FxHashMap<WorkloadId, Phase>,
+    pub(crate) ended: FxHashMap<WorkloadId, Phase>,
     /// Idempotency keys seen, with the workload each created.
-    pub idempotency: FxHashMap<String, WorkloadId>,
+    pub(crate) idempotency: FxHashMap<String, WorkloadId>,
     /// Pending workloads of each leaf, in queue order.
     pub(crate) queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
     /// Pending unallocated workloads, in queue order.
@@ -267,21 +267,21 @@ pub struct State {
     /// one may preempt them).
     pub(crate) running_with_estimate: u64,
     /// Running workloads, by id (ordered, so iteration is deterministic).
-    pub running: BTreeSet<WorkloadId>,
+    pub(crate) running: BTreeSet<WorkloadId>,
     /// Running workloads no preemption is under way for, by the end of their contract.
     pub(crate) contracts: Contracts,
     /// Running workloads with a preemption under way.
-    pub preempting: BTreeSet<WorkloadId>,
+    pub(crate) preempting: BTreeSet<WorkloadId>,
     /// GPUs held by running unallocated workloads (healthy or not).
     pub(crate) unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
     pub(crate) unallocated_delivering_gpus: u64,
     /// Accumulators for the cluster metrics.
-    pub counters: Counters,
+    pub(crate) counters: Counters,
     /// Rejections by rule code.
-    pub rejections: std::collections::BTreeMap<String, u64>,
+    pub(crate) rejections: std::collections::BTreeMap<String, u64>,
     /// The live principals: who may do what.
-    pub principals: crate::identity::Principals,
+    pub(crate) principals: crate::identity::Principals,
     /// Every actor that submitted a workload, in order of first submission
     /// ([`Workload::submitted_by`] indexes it).
     pub(crate) actors: Vec<String>,
@@ -320,6 +320,86 @@ impl State {
             actors: Vec::new(),
             actor_ids: FxHashMap::default(),
             owed_stale: false,
+        }
+    }
+
+    /// The sequence of the last event folded, applied or rejected (0 before the first).
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// The sequence of the last `WorkloadStarted` folded, applied or rejected (0 before the
+    /// first). Schedulers fence their decisions on it: only another placement can make a
+    /// placement unsafe, so submissions arriving meanwhile do not stop decisions from landing.
+    pub fn last_start_seq(&self) -> u64 {
+        self.last_start_seq
+    }
+
+    /// The ledger's clock: the time of the latest event folded (never goes back).
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// The allocation tree as it stands, removed allocations kept for their history.
+    pub fn allocations(&self) -> &AllocationTree {
+        &self.allocations
+    }
+
+    /// Nodes and their GPUs, with health, drains and holders.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// Live workloads (pending, running, stopped) by id; ended ones are in [`State::ended`].
+    pub fn workloads(&self) -> &FxHashMap<WorkloadId, Workload> {
+        &self.workloads
+    }
+
+    /// The phase each ended workload ended in (finished, cancelled, failed…), by id.
+    pub fn ended(&self) -> &FxHashMap<WorkloadId, Phase> {
+        &self.ended
+    }
+
+    /// The workload the first submission with idempotency key `key` created, if any.
+    pub fn idempotent(&self, key: &str) -> Option<WorkloadId> {
+        self.idempotency.get(key).copied()
+    }
+
+    /// Running workloads, by id (ordered, so iteration is deterministic).
+    pub fn running(&self) -> &BTreeSet<WorkloadId> {
+        &self.running
+    }
+
+    /// Running workloads with a preemption under way, by id.
+    pub fn preempting(&self) -> &BTreeSet<WorkloadId> {
+        &self.preempting
+    }
+
+    /// Accumulators of the cluster metrics since the ledger began.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Events rejected so far, by rule code.
+    pub fn rejections(&self) -> &std::collections::BTreeMap<String, u64> {
+        &self.rejections
+    }
+
+    /// The live principals: who may do what.
+    pub fn principals(&self) -> &crate::identity::Principals {
+        &self.principals
+    }
+
+    /// This state with the marks a rejected event leaves, taken from `after`: its sequences and
+    /// rejection counts. A rejection changes nothing else but the clock (which the caller
+    /// advances where the rule says), so `before.with_rejection_marks_of(&after)` (clock
+    /// advanced) equals `after` when every event between them was rejected.
+    pub fn with_rejection_marks_of(&self, after: &State) -> State {
+        State {
+            last_seq: after.last_seq,
+            last_start_seq: after.last_start_seq,
+            rejections: after.rejections.clone(),
+            ..self.clone()
         }
     }
 

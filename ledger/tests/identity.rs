@@ -56,7 +56,7 @@ fn rejected(outcome: Outcome) -> Rejection {
 }
 
 fn principal(l: &Ledger, name: &str) -> Principal {
-    l.state.principals.get(name).cloned().expect("granted")
+    l.state.principals().get(name).cloned().expect("granted")
 }
 
 #[test]
@@ -78,17 +78,17 @@ fn a_grant_records_role_scope_digest_and_granter_and_a_revocation_forgets_it() {
     assert_eq!(p.actor(), "user:nlp-bot");
     assert_eq!(
         l.state
-            .principals
+            .principals()
             .by_token_sha256(&digest(1))
             .map(|p| &p.name),
         Some(&"nlp-bot".to_string())
     );
 
     l.ok(6 * S, revoke("nlp-bot"));
-    assert!(l.state.principals.get("nlp-bot").is_none());
-    assert!(l.state.principals.by_token_sha256(&digest(1)).is_none());
+    assert!(l.state.principals().get("nlp-bot").is_none());
+    assert!(l.state.principals().by_token_sha256(&digest(1)).is_none());
     assert_eq!(
-        l.state.principals.revoked_token(&digest(1)),
+        l.state.principals().revoked_token(&digest(1)),
         Some("nlp-bot")
     );
     // A revoked token is never granted again.
@@ -99,8 +99,8 @@ fn a_grant_records_role_scope_digest_and_granter_and_a_revocation_forgets_it() {
         7 * S,
         grant("nlp-bot", Role::Submitter, &["uw/nlp"], None, 2),
     );
-    assert!(l.state.principals.by_token_sha256(&digest(1)).is_none());
-    assert!(l.state.principals.by_token_sha256(&digest(2)).is_some());
+    assert!(l.state.principals().by_token_sha256(&digest(1)).is_none());
+    assert!(l.state.principals().by_token_sha256(&digest(2)).is_some());
 }
 
 #[test]
@@ -148,12 +148,13 @@ fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
     l.ok(S, grant("root2", Role::Admin, &[], None, 10));
     l.ok(S, revoke("root"));
     assert_eq!(rejected(l.apply(S, revoke("root2"))).code(), "last_admin");
-    let before = l.state.principals.clone();
+    let before = l.state.principals().clone();
     for (event, code) in cases {
         let r = rejected(l.apply(S, event.clone()));
         assert_eq!(r.code(), code, "{event:?}: {r}");
         assert_eq!(
-            l.state.principals, before,
+            l.state.principals(),
+            &before,
             "{event:?} changed the principals"
         );
     }
@@ -225,7 +226,7 @@ fn a_submitter_acts_only_within_its_subtrees_while_they_live() {
     l.ok(0, grant("tulu", Role::Submitter, &["ai2/tulu"], None, 1));
     l.ok(0, grant("ai2", Role::Submitter, &["ai2"], None, 2));
     l.ok(0, grant("all", Role::Submitter, &[ANY_ALLOCATION], None, 3));
-    let tree = &l.state.allocations;
+    let tree = &l.state.allocations();
     let submit = |a| Action::Submit { allocation: a };
     let (tulu, ai2, all) = (
         principal(&l, "tulu"),
@@ -269,7 +270,7 @@ fn a_submitter_acts_only_within_its_subtrees_while_they_live() {
         }),
     );
     assert!(both
-        .allows(&submit(Some("uw/nlp/x")), &l.state.allocations)
+        .allows(&submit(Some("uw/nlp/x")), l.state.allocations())
         .is_ok());
     // Removing the allocation takes the scope's power with it.
     l.ok(
@@ -279,7 +280,7 @@ fn a_submitter_acts_only_within_its_subtrees_while_they_live() {
         }),
     );
     let denied = tulu
-        .allows(&submit(Some("ai2/tulu")), &l.state.allocations)
+        .allows(&submit(Some("ai2/tulu")), l.state.allocations())
         .unwrap_err();
     assert!(denied.0.contains("removed"), "{denied}");
 }
@@ -289,7 +290,7 @@ fn an_agent_speaks_for_its_own_node_only() {
     let mut l = cluster();
     l.ok(0, grant("n1", Role::Agent, &[], Some("n1"), 1));
     let a = principal(&l, "n1");
-    let tree = &l.state.allocations;
+    let tree = &l.state.allocations();
     assert_eq!(a.actor(), "agent:n1");
     assert!(a
         .allows(&Action::ReportForNode { node: "n1" }, tree)
@@ -344,7 +345,7 @@ fn a_workload_remembers_who_submitted_it() {
         l.seq += 1;
         assert_eq!(l.state.apply(l.seq, &env(n, actor)), Outcome::Applied);
     }
-    let who = |n| l.state.submitter(&l.state.workloads[&wid(n)]).to_owned();
+    let who = |n| l.state.submitter(&l.state.workloads()[&wid(n)]).to_owned();
     assert_eq!(
         (who(1), who(2), who(3)),
         ("user:alice".into(), "user:bob".into(), "user:alice".into())

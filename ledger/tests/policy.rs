@@ -401,11 +401,11 @@ fn a_drained_node_takes_no_new_work_and_its_running_work_runs_on() {
     l.submit(0, wid(1), Some("a"), 8, 1);
     l.submit(0, wid(2), Some("a"), 8, 1);
     assert_eq!(started(&l.schedule(0, &cfg)).len(), 2);
-    let on = |l: &Ledger, id| l.state.workloads[&wid(id)].placement[0].node;
-    let n1 = l.state.cluster.get("n1").unwrap();
+    let on = |l: &Ledger, id| l.state.workloads()[&wid(id)].placement[0].node;
+    let n1 = l.state.cluster().get("n1").unwrap();
     let drained_run = if on(&l, 1) == n1 { 1 } else { 2 };
     drain(&mut l, S, "n1");
-    assert_eq!(l.state.cluster.drained_free_gpus, 0, "n1 is busy");
+    assert_eq!(l.state.cluster().drained_free_gpus, 0, "n1 is busy");
     // b, under-served, may preempt a on n2 but not on n1: drained, n1 frees nothing for it.
     l.submit(2 * S, wid(3), Some("b"), 8, 1);
     let plan = l.schedule(2 * S, &cfg);
@@ -417,24 +417,25 @@ fn a_drained_node_takes_no_new_work_and_its_running_work_runs_on() {
         "a run on a drained node is no victim"
     );
     assert_eq!(
-        l.state.workloads[&wid(drained_run)].phase,
+        l.state.workloads()[&wid(drained_run)].phase,
         ledger::Phase::Running
     );
     // The drained node's run delivers while it runs (as does the victim, still in its grace,
     // unstopped): 8 GPUs each for the hour. When it ends, n1 idles.
     l.finish(H, wid(drained_run));
     approx(l.leaf("a").delivered_gpu_ms as f64, (2 * 8 * H) as f64);
-    assert_eq!(l.state.cluster.drained_free_gpus, 8);
+    assert_eq!(l.state.cluster().drained_free_gpus, 8);
     assert_eq!(
-        l.state.cluster.whole_free_gpus, 0,
+        l.state.cluster().whole_free_gpus,
+        0,
         "drained GPUs start nothing"
     );
     assert_eq!(
-        l.state.cluster.stranded_gpus(),
+        l.state.cluster().stranded_gpus(),
         0,
         "idle by decision, not fragmented"
     );
-    assert_eq!(l.state.cluster.largest_startable_gang(), 0);
+    assert_eq!(l.state.cluster().largest_startable_gang(), 0);
     l.submit(H, wid(4), Some("b"), 4, 1);
     let plan = l.schedule(H, &cfg);
     assert!(

@@ -96,20 +96,20 @@ impl Run {
             self.rejected, 0,
             "the fold rejected an event the engine wrote"
         );
-        assert_eq!(self.engine.state.counters.contract_violations, 0);
+        assert_eq!(self.engine.state.counters().contract_violations, 0);
     }
 
     fn delivered_h(&self, path: &str) -> f64 {
         let s = &self.engine.state;
-        s.allocations
-            .node(s.allocations.get(path).unwrap())
+        s.allocations()
+            .node(s.allocations().get(path).unwrap())
             .delivered_gpu_ms as f64
             / HOUR as f64
     }
 
     fn ratio(&self, path: &str) -> f64 {
         let s = &self.engine.state;
-        let a = s.allocations.node(s.allocations.get(path).unwrap());
+        let a = s.allocations().node(s.allocations().get(path).unwrap());
         a.delivered_gpu_ms as f64 / a.owed_gpu_ms
     }
 }
@@ -194,7 +194,7 @@ fn a_squatter_yields_to_an_arriving_team_within_min_runtime_and_grace() {
     let started = r.first_start[&b];
     assert!(started <= 2 * HOUR + grace, "b started at {started} ms");
     assert!(started >= 2 * HOUR, "b started before a's contract ended");
-    assert_eq!(r.engine.state.counters.preemptions, 1);
+    assert_eq!(r.engine.state.counters().preemptions, 1);
 }
 
 #[test]
@@ -220,7 +220,7 @@ fn a_flood_of_small_jobs_cannot_starve_a_whole_cluster_gang() {
         "gang started at {started} ms"
     );
     assert!(
-        r.engine.state.ended.contains_key(&gang),
+        r.engine.state.ended().contains_key(&gang),
         "the gang never finished"
     );
 }
@@ -240,16 +240,16 @@ fn a_gpu_failure_requeues_its_workload_without_a_contract_violation() {
     }]);
     r.run(None);
     let s = &r.engine.state;
-    assert_eq!(s.ended.get(&job), Some(&ledger::Phase::Finished));
-    assert_eq!(s.counters.preemptions, 1);
-    assert_eq!(s.counters.contract_violations, 0);
+    assert_eq!(s.ended().get(&job), Some(&ledger::Phase::Finished));
+    assert_eq!(s.counters().preemptions, 1);
+    assert_eq!(s.counters().contract_violations, 0);
     assert!(
         (r.delivered_h("a") - 16.0).abs() < 1e-9,
         "{}",
         r.delivered_h("a")
     );
     assert_eq!(
-        s.now_ms,
+        s.now_ms(),
         4 * HOUR,
         "it finished exactly when its remaining work was done"
     );
@@ -285,7 +285,7 @@ fn a_node_silent_past_the_timeout_loses_its_gpus_and_its_run_is_requeued_elsewhe
     }]);
     r.run(None);
     let s = &r.engine.state;
-    assert_eq!(s.ended.get(&job), Some(&ledger::Phase::Finished));
+    assert_eq!(s.ended().get(&job), Some(&ledger::Phase::Finished));
     let health: Vec<&GpuHealthChanged> = r
         .events
         .iter()
@@ -329,8 +329,8 @@ fn a_node_silent_past_the_timeout_loses_its_gpus_and_its_run_is_requeued_elsewhe
         .collect();
     assert_eq!(restarts.len(), 2);
     assert_ne!(restarts[1].placement[0].node, node, "restarted elsewhere");
-    let n = s.cluster.get(&node).unwrap();
-    assert_eq!(s.cluster.node(n).healthy, 0, "still silent");
+    let n = s.cluster().get(&node).unwrap();
+    assert_eq!(s.cluster().node(n).healthy, 0, "still silent");
 }
 
 #[test]
@@ -347,7 +347,7 @@ fn a_run_that_ends_while_its_agent_is_briefly_silent_is_reported_when_it_is_hear
     }]);
     r.run(None);
     assert_eq!(
-        r.engine.state.ended.get(&job),
+        r.engine.state.ended().get(&job),
         Some(&ledger::Phase::Finished)
     );
     let finished = r

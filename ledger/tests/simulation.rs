@@ -230,36 +230,36 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
     }
 
     // No contract violated.
-    assert_eq!(state.counters.contract_violations, 0, "{}", at());
+    assert_eq!(state.counters().contract_violations, 0, "{}", at());
 
     // Delivered never exceeds healthy capacity; delivered GPU-time equals occupied GPU-time.
     let leaves = state
-        .allocations
+        .allocations()
         .nodes
         .iter()
         .filter(|a| !a.removed && a.is_leaf());
     let delivering: u64 = leaves.clone().map(|a| a.delivering_gpus).sum::<u64>()
         + state.unallocated_delivering_gpus();
-    assert!(delivering <= state.cluster.healthy_gpus, "{}", at());
-    assert_eq!(delivering, state.cluster.allocated_gpus, "{}", at());
+    assert!(delivering <= state.cluster().healthy_gpus, "{}", at());
+    assert_eq!(delivering, state.cluster().allocated_gpus, "{}", at());
     let delivered_ms: u64 = leaves.clone().map(|a| a.delivered_gpu_ms).sum::<u64>()
-        + state.counters.unallocated_delivered_gpu_ms;
+        + state.counters().unallocated_delivered_gpu_ms;
     assert_eq!(
         delivered_ms,
-        state.counters.allocated_gpu_ms,
+        state.counters().allocated_gpu_ms,
         "conservation of GPU-time {}",
         at()
     );
-    assert!(delivered_ms <= state.counters.healthy_gpu_ms, "{}", at());
+    assert!(delivered_ms <= state.counters().healthy_gpu_ms, "{}", at());
 
     // Demand books, and owed sums to min(total demand, healthy GPUs).
     let mut demand: BTreeMap<u32, u64> = BTreeMap::new();
-    for w in state.workloads.values() {
+    for w in state.workloads().values() {
         if let (Some(a), Phase::Pending | Phase::Running) = (w.allocation, w.phase) {
             *demand.entry(a).or_insert(0) += w.gpus();
         }
     }
-    for (id, a) in state.allocations.nodes.iter().enumerate() {
+    for (id, a) in state.allocations().nodes.iter().enumerate() {
         if !a.removed && a.is_leaf() {
             assert_eq!(
                 a.demand_gpus,
@@ -272,9 +272,9 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
     }
     let owed = state.owed_now();
     let recomputed = state
-        .allocations
-        .owed_split(state.cluster.healthy_gpus as f64);
-    for (id, a) in state.allocations.nodes.iter().enumerate() {
+        .allocations()
+        .owed_split(state.cluster().healthy_gpus as f64);
+    for (id, a) in state.allocations().nodes.iter().enumerate() {
         assert!(
             (owed[id] - recomputed[id]).abs() < 1e-9,
             "owed of {} kept incrementally is {} but a full split gives {} {}",
@@ -285,9 +285,9 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
         );
     }
     let owed_sum: f64 = leaves
-        .map(|a| owed[state.allocations.get(&a.path).unwrap() as usize])
+        .map(|a| owed[state.allocations().get(&a.path).unwrap() as usize])
         .sum();
-    let want = (demand.values().sum::<u64>() as f64).min(state.cluster.healthy_gpus as f64);
+    let want = (demand.values().sum::<u64>() as f64).min(state.cluster().healthy_gpus as f64);
     assert!(
         (owed_sum - want).abs() < 1e-6,
         "owed {owed_sum} != min(demand, healthy) {want} {}",
@@ -307,7 +307,7 @@ fn run_seed(seed: u64) {
         // stop early and leave the reservation unworked when nothing depends on it. They must
         // decide the same (checked every few events: it doubles the cost of a pass).
         if seq.is_multiple_of(5) {
-            let t = state.now_ms;
+            let t = state.now_ms();
             let explained = ledger::policy::decide(
                 state,
                 t,
@@ -348,18 +348,18 @@ fn run_seed(seed: u64) {
 
     // Liveness: with every fault repaired, the run drained and every workload finished.
     assert!(
-        engine.state.workloads.is_empty(),
+        engine.state.workloads().is_empty(),
         "{} workloads never finished",
-        engine.state.workloads.len()
+        engine.state.workloads().len()
     );
     let finished = engine
         .state
-        .ended
+        .ended()
         .values()
         .filter(|&&p| p == Phase::Finished)
         .count();
     assert_eq!(finished, submitted);
-    assert_eq!(engine.state.cluster.allocated_gpus, 0);
+    assert_eq!(engine.state.cluster().allocated_gpus, 0);
 
     // Replaying the recorded events into a fresh state yields the identical state.
     let mut replayed = State::new(sc.state_config);
@@ -421,16 +421,16 @@ fn leaf_shares(state: &State) -> Vec<f64> {
     let shares = ledger::book::static_shares(state);
     shares
         .into_iter()
-        .zip(&state.allocations.nodes)
+        .zip(&state.allocations().nodes)
         .map(|(s, a)| if a.is_leaf() { s } else { 0.0 })
         .collect()
 }
 
 /// Adds each leaf's entitlement from the state's clock to `t`: healthy GPUs times its share.
 fn accrue(state: &State, entitlement: &mut [f64], t: u64) {
-    let dt = t.saturating_sub(state.now_ms) as f64;
+    let dt = t.saturating_sub(state.now_ms()) as f64;
     for (e, s) in entitlement.iter_mut().zip(leaf_shares(state)) {
-        *e += state.cluster.healthy_gpus as f64 * s * dt;
+        *e += state.cluster().healthy_gpus as f64 * s * dt;
     }
 }
 
@@ -460,7 +460,7 @@ fn reference(
         accrue(state, entitlement, t);
         state.advance_to(t);
         let figures = state
-            .allocations
+            .allocations()
             .nodes
             .iter()
             .zip(entitlement.iter())
@@ -475,10 +475,10 @@ fn reference(
                 ]
             })
             .collect();
-        (figures, state.counters.clone(), std::mem::take(seqs))
+        (figures, state.counters().clone(), std::mem::take(seqs))
     };
     for (seq, env) in log {
-        let t = env.occurred_at_ms.max(state.now_ms);
+        let t = env.occurred_at_ms.max(state.now_ms());
         while next < boundaries.len() && boundaries[next] <= t {
             out.push(read(
                 &mut state,
@@ -494,7 +494,7 @@ fn reference(
             seqs.0.get_or_insert(*seq);
             seqs.1 = Some(*seq);
         }
-        entitlement.resize(state.allocations.nodes.len(), 0.0);
+        entitlement.resize(state.allocations().nodes.len(), 0.0);
     }
     while next < boundaries.len() {
         out.push(read(
@@ -525,7 +525,7 @@ fn kept_figures_equal_a_refold_for_random_periods() {
         for (seq, env) in &log {
             book.apply(&mut state, *seq, env);
         }
-        let end = state.now_ms + 90 * MIN;
+        let end = state.now_ms() + 90 * MIN;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let g = Granularity::ALL[rng.random_range(0..2usize)];
         let mut rows = book.take_closed();
@@ -598,8 +598,8 @@ fn kept_figures_equal_a_refold_for_random_periods() {
 /// A careless or hostile writer's event about the state as it stands at `t`: unknown and ended
 /// workloads, bad names, shapes that do not fit, backdated times.
 fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
-    let live: Vec<Uuid> = state.workloads.keys().copied().collect();
-    let ended: Vec<Uuid> = state.ended.keys().copied().collect();
+    let live: Vec<Uuid> = state.workloads().keys().copied().collect();
+    let ended: Vec<Uuid> = state.ended().keys().copied().collect();
     let workload = match rng.random_range(0..5) {
         0..=2 if !live.is_empty() => live[rng.random_range(0..live.len())],
         3 if !ended.is_empty() => ended[rng.random_range(0..ended.len())],
@@ -608,7 +608,7 @@ fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
     let names = ["n0", "n1", "n9", "a.b", "a b", "a\0b", "a\x1bb", "_x", ""];
     let name = names[rng.random_range(0..names.len())].to_string();
     let paths: Vec<String> = state
-        .allocations
+        .allocations()
         .nodes
         .iter()
         .map(|a| a.path.clone())

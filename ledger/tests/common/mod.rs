@@ -192,9 +192,12 @@ impl Ledger {
     }
 
     pub fn leaf(&self, path: &str) -> &ledger::alloc::Allocation {
-        self.state
-            .allocations
-            .node(self.state.allocations.get(path).expect("allocation exists"))
+        self.state.allocations().node(
+            self.state
+                .allocations()
+                .get(path)
+                .expect("allocation exists"),
+        )
     }
 }
 

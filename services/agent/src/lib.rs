@@ -400,7 +400,7 @@ impl<L: EventLog> Agent<L> {
                 },
                 _ = tick.tick() => {
                     if resubscribe {
-                        match self.log.subscribe(self.state.last_seq + 1).await {
+                        match self.log.subscribe(self.state.last_seq() + 1).await {
                             Ok(s) => {
                                 events = s;
                                 resubscribe = false;
@@ -435,7 +435,7 @@ impl<L: EventLog> Agent<L> {
         seq: u64,
     ) -> Result<(), AgentError> {
         let mut failures = 0;
-        while self.state.last_seq < seq {
+        while self.state.last_seq() < seq {
             let why = match events.next().await {
                 Some(Ok(stored)) => {
                     self.apply(&stored);
@@ -452,7 +452,7 @@ impl<L: EventLog> Agent<L> {
             tracing::warn!(error = %why, "reading the ledger again");
             *events = self
                 .log
-                .subscribe(self.state.last_seq + 1)
+                .subscribe(self.state.last_seq() + 1)
                 .await
                 .map_err(|e| AgentError::Log(e.to_string()))?;
         }
@@ -486,7 +486,7 @@ impl<L: EventLog> Agent<L> {
                         let id = env.event.workload().expect("about a workload");
                         if self
                             .state
-                            .workloads
+                            .workloads()
                             .get(&id)
                             .is_none_or(|w| matches!(w.phase, Phase::Finished | Phase::Cancelled))
                         {
@@ -578,7 +578,7 @@ impl<L: EventLog> Agent<L> {
     /// another shape, or (`must`) does not hold it at all.
     fn check_registration(&self, must: bool) -> Result<bool, AgentError> {
         let gpus = self.gpus.len() as u32;
-        let Some(idx) = self.state.cluster.get(&self.config.node) else {
+        let Some(idx) = self.state.cluster().get(&self.config.node) else {
             if !must {
                 return Ok(false);
             }
@@ -587,7 +587,7 @@ impl<L: EventLog> Agent<L> {
                 self.config.node
             )));
         };
-        let n = self.state.cluster.node(idx);
+        let n = self.state.cluster().node(idx);
         let model = self.model();
         if n.gpu_count != gpus || n.model != model {
             return Err(AgentError::Node(format!(
@@ -600,10 +600,10 @@ impl<L: EventLog> Agent<L> {
 
     /// GPUs of this node held by running workloads.
     fn busy_gpus(&self) -> Vec<u32> {
-        let Some(idx) = self.state.cluster.get(&self.config.node) else {
+        let Some(idx) = self.state.cluster().get(&self.config.node) else {
             return Vec::new();
         };
-        let node = self.state.cluster.node(idx);
+        let node = self.state.cluster().node(idx);
         (0..node.gpu_count)
             .filter(|g| node.holder(*g).is_some())
             .collect()
@@ -612,7 +612,7 @@ impl<L: EventLog> Agent<L> {
     /// Runs the ledger places on this node: (workload, its start count) → the GPUs here.
     fn placed_here(&self) -> BTreeMap<(WorkloadId, u64), Vec<u32>> {
         let mut out = BTreeMap::new();
-        let Some(me) = self.state.cluster.get(&self.config.node) else {
+        let Some(me) = self.state.cluster().get(&self.config.node) else {
             return out;
         };
         for w in self.state.running_workloads() {
@@ -664,7 +664,7 @@ impl<L: EventLog> Agent<L> {
                 Some(mut run) => {
                     let preempting = self
                         .state
-                        .workloads
+                        .workloads()
                         .get(&key.0)
                         .is_some_and(|w| w.preempting.is_some());
                     if preempting && run.relaunch_pending() {
@@ -704,7 +704,12 @@ impl<L: EventLog> Agent<L> {
         let now = Instant::now();
         let server_now = self.clock().now_ms();
         for (key, run) in &mut self.runs {
-            let Some(p) = self.state.workloads.get(&key.0).and_then(|w| w.preempting) else {
+            let Some(p) = self
+                .state
+                .workloads()
+                .get(&key.0)
+                .and_then(|w| w.preempting)
+            else {
                 continue;
             };
             if run.kill_at.is_none() && run::signal_group(&run.dir, Signal::SIGTERM) {
@@ -741,10 +746,10 @@ impl<L: EventLog> Agent<L> {
             run.reported = true;
             ended.push((*key, status, run.kill_at.is_some()));
         }
-        let me = self.state.cluster.get(&self.config.node);
+        let me = self.state.cluster().get(&self.config.node);
         let mut reports = Vec::new();
         for (key, status, signalled) in ended {
-            let Some(w) = self.state.workloads.get(&key.0) else {
+            let Some(w) = self.state.workloads().get(&key.0) else {
                 continue;
             };
             if w.placement.first().map(|p| p.node) != me {
@@ -816,7 +821,7 @@ impl<L: EventLog> Agent<L> {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let me = self.state.cluster.get(&self.config.node);
+        let me = self.state.cluster().get(&self.config.node);
         let keys: Vec<_> = self
             .runs
             .iter()
@@ -826,7 +831,7 @@ impl<L: EventLog> Agent<L> {
         for key in keys {
             let first = self
                 .state
-                .workloads
+                .workloads()
                 .get(&key.0)
                 .and_then(|w| w.placement.first())
                 .map(|p| p.node);
@@ -881,7 +886,7 @@ impl<L: EventLog> Agent<L> {
 
     /// The command and environment of a workload's run here.
     fn spec(&self, id: WorkloadId, gpus: &[u32], dir: &std::path::Path) -> run::Spec {
-        let w = &self.state.workloads[&id];
+        let w = &self.state.workloads()[&id];
         let (command, mut env) = self.specs.get(&id).cloned().unwrap_or_default();
         let info = &self.gpus;
         let by_uuid: Option<Vec<String>> = gpus
@@ -904,7 +909,7 @@ impl<L: EventLog> Agent<L> {
         let nodes: Vec<&str> = w
             .placement
             .iter()
-            .map(|p| self.state.cluster.node(p.node).name.as_str())
+            .map(|p| self.state.cluster().node(p.node).name.as_str())
             .collect();
         let rank = nodes
             .iter()
@@ -935,7 +940,7 @@ impl<L: EventLog> Agent<L> {
         status: run::Status,
         signalled: bool,
     ) -> (u64, Vec<Event>) {
-        let w = &self.state.workloads[&id];
+        let w = &self.state.workloads()[&id];
         match status {
             run::Status::Ended(exit) => {
                 let at = self.clock().server_time(exit.ended_at_ms);
@@ -977,7 +982,7 @@ impl<L: EventLog> Agent<L> {
             // Stamped anew at each try: never earlier than the ledger's clock allows.
             let floor = self
                 .state
-                .now_ms
+                .now_ms()
                 .max(self.clock().now_ms())
                 .saturating_sub(REPORT_LATE_MAX_MS);
             if at_ms < floor && attempt == 0 {

@@ -239,7 +239,7 @@ impl Application {
             .read()
             .await
             .state()
-            .principals
+            .principals()
             .is_empty()
         {
             return Ok(None);

@@ -71,7 +71,7 @@ impl Caller {
     /// it would need otherwise.
     pub fn allow(&self, action: &Action, state: &ledger::State) -> Result<(), Problem> {
         self.0
-            .allows(action, &state.allocations)
+            .allows(action, state.allocations())
             .map_err(|denied| Problem::forbidden(denied.to_string()))
     }
 
@@ -114,7 +114,7 @@ fn bearer(parts: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
 /// Who holds `token` now, as the projection has folded the grants: a 401 saying why not.
 pub fn authenticate(state: &ledger::State, token: &str, now_ms: u64) -> Result<Caller, Problem> {
     let digest = token_sha256(token);
-    let principals = &state.principals;
+    let principals = &state.principals();
     let Some(p) = principals.by_token_sha256(&digest) else {
         return Err(match principals.revoked_token(&digest) {
             Some(name) => Problem::unauthenticated(format!(

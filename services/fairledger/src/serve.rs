@@ -271,7 +271,7 @@ async fn local_agent_token(
         let p = app.projection().read().await;
         let live = p
             .state()
-            .principals
+            .principals()
             .by_token_sha256(&api::auth::token_sha256(&token))
             .is_some_and(|g| g.node.as_deref() == Some(node));
         if live {
@@ -294,7 +294,7 @@ async fn local_agent_token(
         .read()
         .await
         .state()
-        .principals
+        .principals()
         .get(node)
         .map(|p| p.node.as_deref() == Some(node));
     if before == Some(false) {

@@ -117,7 +117,7 @@ async fn measure<L: EventLog>(name: &str, log: &L, events: usize) {
     let p = Projector::open(&dir.path().join("bare"), StateConfig::default(), log)
         .await
         .unwrap();
-    assert_eq!(p.state().last_seq, last);
+    assert_eq!(p.state().last_seq(), last);
     println!(
         "{name}: restart without a checkpoint (refold of the whole log): {:.2} s",
         started.elapsed().as_secs_f64()

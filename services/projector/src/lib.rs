@@ -309,11 +309,11 @@ impl Projector {
             });
         }
         // Refold, in memory only, what the projection applied after the checkpoint.
-        while p.state.last_seq < p.last_seq {
+        while p.state.last_seq() < p.last_seq {
             let events = log
                 .read(
-                    p.state.last_seq + 1,
-                    (p.last_seq - p.state.last_seq) as usize,
+                    p.state.last_seq() + 1,
+                    (p.last_seq - p.state.last_seq()) as usize,
                 )
                 .await?;
             if events.is_empty() {
@@ -321,7 +321,8 @@ impl Projector {
                     dir: dir.to_owned(),
                     reason: format!(
                         "the log has no event after {} to reach the projected {}",
-                        p.state.last_seq, p.last_seq
+                        p.state.last_seq(),
+                        p.last_seq
                     ),
                 });
             }
@@ -423,10 +424,10 @@ impl Projector {
                     .get(CHECKPOINT_SEQ)
                     .map_err(storage)?
                     .and_then(|v| u64_of(&v));
-                if seq != Some(state.last_seq) || state.last_seq > last_seq {
+                if seq != Some(state.last_seq()) || state.last_seq() > last_seq {
                     return Err(corrupt(format!(
                         "checkpoint at {:?} disagrees with its state at {} and the projection at {last_seq}",
-                        seq, state.last_seq
+                        seq, state.last_seq()
                     )));
                 }
                 if *state.config() != config {
@@ -667,7 +668,7 @@ impl Projector {
                                 let mut row = match self.row_of(id, e.seq) {
                                     Some(row) => row,
                                     None => {
-                                        let phase = self.state.ended.get(&id).copied();
+                                        let phase = self.state.ended().get(&id).copied();
                                         let mut row = before.ok_or_else(|| {
                                             self.corrupt("an ending applied to an unknown workload")
                                         })?;
@@ -675,7 +676,7 @@ impl Projector {
                                         row.placement.clear();
                                         row.preempting = false;
                                         row.protected_until_ms = None;
-                                        row.ended_at_ms = Some(self.state.now_ms);
+                                        row.ended_at_ms = Some(self.state.now_ms());
                                         if let Event::WorkloadFinished(f) = &env.event {
                                             row.exit_code = f.exit_code;
                                             row.signal = f.signal;
@@ -750,7 +751,7 @@ impl Projector {
         let Some(mut row) = row else {
             return Ok(());
         };
-        let live = self.state.workloads.contains_key(&id);
+        let live = self.state.workloads().contains_key(&id);
         // Its trail: in memory while it lives, else the row's own (which may be newer than
         // the stored one, from this very batch).
         let mut trail = self.trails.remove(&id).unwrap_or_else(|| Trail {
@@ -779,7 +780,7 @@ impl Projector {
                 postcard::to_stdvec(row).expect("rows always serialize"),
             );
         }
-        for a in &self.state.allocations.nodes {
+        for a in &self.state.allocations().nodes {
             let row = AllocationRow {
                 path: a.path.clone(),
                 weight: a.weight,
@@ -818,7 +819,7 @@ impl Projector {
         batch.insert(CHECKPOINT_STATE, bytes);
         let book = postcard::to_stdvec(&self.book).expect("the book always serializes");
         batch.insert(CHECKPOINT_BOOK, book);
-        batch.insert(CHECKPOINT_SEQ, &self.state.last_seq.to_be_bytes());
+        batch.insert(CHECKPOINT_SEQ, &self.state.last_seq().to_be_bytes());
         self.since_checkpoint = 0;
         self.last_checkpoint = std::time::Instant::now();
         if let Err(e) = self.checkpoints.apply_batch(batch) {
@@ -910,7 +911,7 @@ impl Projector {
 
     /// The row of live workload `id`, as of the event at `seq`.
     fn row_of(&self, id: WorkloadId, seq: u64) -> Option<WorkloadRow> {
-        let w = self.state.workloads.get(&id)?;
+        let w = self.state.workloads().get(&id)?;
         let running = w.phase == Phase::Running;
         Some(WorkloadRow {
             id,
@@ -928,7 +929,7 @@ impl Projector {
                 .placement
                 .iter()
                 .map(|p| PlacedRow {
-                    node: self.state.cluster.node(p.node).name.clone(),
+                    node: self.state.cluster().node(p.node).name.clone(),
                     gpus: (0..64).filter(|g| p.gpus & (1u64 << g) != 0).collect(),
                 })
                 .collect(),

@@ -87,9 +87,9 @@ async fn incremental_projection_equals_full_replay() {
             );
             // Every row the fresh fold closed is kept, as it closed it.
             assert_eq!(p.kept().all().unwrap().len(), closed.len());
-            assert_eq!(p.state().last_seq, fresh.last_seq);
-            assert_eq!(p.state().workloads, fresh.workloads);
-            assert_eq!(p.state().counters, fresh.counters);
+            assert_eq!(p.state().last_seq(), fresh.last_seq());
+            assert_eq!(p.state().workloads(), fresh.workloads());
+            assert_eq!(p.state().counters(), fresh.counters());
             break;
         }
         reopened += 1;
@@ -138,7 +138,7 @@ async fn rows_answer_for_workloads_and_allocations() {
     assert_eq!(row.ended_at_ms, Some(events[last_about].occurred_at_ms));
     // Delivered GPU-hours per allocation agree with the fold's own accounting.
     let state = p.state();
-    for a in &state.allocations.nodes {
+    for a in &state.allocations().nodes {
         let row = p.allocation(&a.path).unwrap().unwrap();
         assert_eq!(row.delivered_gpu_ms, a.delivered_gpu_ms, "{}", a.path);
     }
@@ -193,7 +193,7 @@ async fn malformed_and_unknown_version_events_are_counted_and_skipped() {
         let seq = if i < 50 { i + 1 } else { i + 3 } as u64;
         clean.apply(seq, e);
     }
-    assert_eq!(p.state().workloads, clean.workloads);
+    assert_eq!(p.state().workloads(), clean.workloads());
 }
 
 #[tokio::test]

@@ -154,9 +154,9 @@ impl Fence {
         match self {
             Fence::Starts => Expect::LastSubjectSequence {
                 filter: eventlog::subject::STARTS.to_owned(),
-                seq: state.last_start_seq,
+                seq: state.last_start_seq(),
             },
-            Fence::Log => Expect::LastSequence(state.last_seq),
+            Fence::Log => Expect::LastSequence(state.last_seq()),
         }
     }
 }

@@ -97,7 +97,7 @@ async fn race<L: EventLog>(log: &L, dir: &std::path::Path) {
     );
     // 16 GPUs, demands of 1, 2 and 4: everything that fits was placed, nothing twice.
     let held: u64 = p.state().running_workloads().map(|w| w.gpus()).sum();
-    assert_eq!(held, p.state().cluster.allocated_gpus);
+    assert_eq!(held, p.state().cluster().allocated_gpus);
     assert!((14..=16).contains(&held), "{held} GPUs held");
     assert_eq!(b.read().await.digest().unwrap(), p.digest().unwrap());
 }

@@ -155,7 +155,7 @@ impl Timeline {
             Event::WorkloadStarted(s) => {
                 let colour_of = self.colour_of.get_or_insert_with(|| {
                     let mut leaves: Vec<&str> = state
-                        .allocations
+                        .allocations()
                         .nodes
                         .iter()
                         .filter(|a| !a.removed && a.is_leaf())
@@ -169,11 +169,11 @@ impl Timeline {
                         .collect()
                 });
                 let colour = state
-                    .workloads
+                    .workloads()
                     .get(&s.workload)
                     .and_then(|w| w.allocation)
                     .map_or(PALETTE.len() + 1, |a| {
-                        let path = &state.allocations.node(a).path;
+                        let path = &state.allocations().node(a).path;
                         colour_of.get(path).copied().unwrap_or(PALETTE.len())
                     });
                 let gpus = s

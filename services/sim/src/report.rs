@@ -173,9 +173,9 @@ impl Collector {
 
     /// The report over `[0, state.now_ms]`.
     pub fn finish(mut self, state: &State, policy: &str, seed: u64, wall_s: f64) -> Report {
-        let m = Metrics::between(&Counters::default(), &state.counters);
+        let m = Metrics::between(&Counters::default(), state.counters());
         let mut allocations: Vec<AllocationReport> = state
-            .allocations
+            .allocations()
             .nodes
             .iter()
             .filter(|a| !a.removed && a.is_leaf())
@@ -209,8 +209,8 @@ impl Collector {
                 rejected: self.rejected_submissions,
                 started: self.started,
                 finished: self.finished,
-                preemptions: state.counters.preemptions,
-                contract_violations: state.counters.contract_violations,
+                preemptions: state.counters().preemptions,
+                contract_violations: state.counters().contract_violations,
             },
             metrics: MetricsReport {
                 availability: m.availability,
@@ -221,7 +221,7 @@ impl Collector {
                 delivered_over_owed: if owed > 0.0 { within / owed } else { 1.0 },
             },
             allocations,
-            unallocated_delivered_gpu_hours: state.counters.unallocated_delivered_gpu_ms as f64
+            unallocated_delivered_gpu_hours: state.counters().unallocated_delivered_gpu_ms as f64
                 / MS_PER_HOUR,
             fragmentation: Fragmentation {
                 stranded_gpu_hours: m.stranded_gpu_hours,
@@ -231,7 +231,7 @@ impl Collector {
                 events: self.events,
                 wall_s,
                 simulated_s: self.last_event_ms as f64 / 1000.0,
-                horizon_s: state.now_ms as f64 / 1000.0,
+                horizon_s: state.now_ms() as f64 / 1000.0,
                 seed,
             },
         }

@@ -50,10 +50,10 @@ pub(crate) async fn allocations(
     let state = p.state();
     // The split as of the last event, even if time has not moved since.
     let owed = state.owed_now();
-    let nodes = &state.allocations.nodes;
+    let nodes = &state.allocations().nodes;
     let share = ledger::book::static_shares(state);
     // Leaves account; a parent shows the sum of its subtree (children after parents).
-    let window_now = state.now_ms;
+    let window_now = state.now_ms();
     let shape = state.window_shape();
     let mut sums: Vec<[f64; 10]> = nodes
         .iter()
@@ -122,7 +122,7 @@ pub(crate) async fn allocations(
             row
         })
         .collect();
-    let mut body = json!({"as_of_seq": state.last_seq, "allocations": rows});
+    let mut body = json!({"as_of_seq": state.last_seq(), "allocations": rows});
     if let Some((from, to, _)) = period {
         body["period"] = json!({"from_ms": from, "to_ms": to});
     }
@@ -210,7 +210,7 @@ pub(crate) async fn remove_allocation(
         .read()
         .await
         .state()
-        .allocations
+        .allocations()
         .get(&path)
         .is_none()
     {

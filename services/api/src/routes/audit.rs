@@ -195,7 +195,7 @@ async fn known_allocation(app: &App, path: Option<&str>) -> Result<(), Problem> 
     };
     ledger::names::path(path).map_err(|r| Problem::invalid("allocation", r.to_string()))?;
     let p = app.inner.projection.read().await;
-    if !p.state().allocations.nodes.iter().any(|a| a.path == path) {
+    if !p.state().allocations().nodes.iter().any(|a| a.path == path) {
         return Err(Problem::invalid(
             "allocation",
             format!("allocation {path:?} never existed; see GET /v1/allocations"),

@@ -257,7 +257,7 @@ async fn token_gone(app: App, caller: Caller) {
         let p = app.inner.projection.read().await;
         let live = p
             .state()
-            .principals
+            .principals()
             .by_token_sha256(&caller.0.token_sha256)
             .is_some_and(|now| now.granted_seq == caller.0.granted_seq);
         if !live || caller.0.expired_at(scheduler::wall_clock_ms()) {

@@ -242,9 +242,9 @@ pub(crate) fn bad_body(rejection: JsonRejection) -> Problem {
 /// The live workload `id`; a 409 if it has ended, a 404 if it never existed.
 pub(crate) fn live(state: &ledger::State, id: Uuid) -> Result<&ledger::Workload, Problem> {
     state
-        .workloads
+        .workloads()
         .get(&id)
-        .ok_or_else(|| match state.ended.get(&id) {
+        .ok_or_else(|| match state.ended().get(&id) {
             Some(phase) => Problem::new(
                 StatusCode::CONFLICT,
                 "already-ended",

@@ -39,7 +39,7 @@ pub(crate) struct NodeBody {
     responses((status = 200, description = "every node: GPUs, model, labels, whether it is drained, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
 pub(crate) async fn nodes(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
-    let cluster = &p.state().cluster;
+    let cluster = &p.state().cluster();
     let rows: Vec<_> = cluster
         .nodes
         .iter()
@@ -66,7 +66,7 @@ pub(crate) async fn nodes(State(app): State<App>) -> Response {
             })
         })
         .collect();
-    Json(json!({"as_of_seq": p.state().last_seq, "nodes": rows})).into_response()
+    Json(json!({"as_of_seq": p.state().last_seq(), "nodes": rows})).into_response()
 }
 
 #[utoipa::path(post, path = "/v1/nodes", tag = "nodes", request_body = NodeBody,
@@ -111,7 +111,7 @@ pub(crate) struct DrainBody {
 
 /// The node named `node` as registered: 404 otherwise.
 fn registered(state: &ledger::State, node: &str) -> Result<(), Problem> {
-    match state.cluster.get(node) {
+    match state.cluster().get(node) {
         Some(_) => Ok(()),
         None => Err(Problem::not_found(format!(
             "node {node:?} is not registered"
@@ -210,7 +210,7 @@ pub(crate) async fn heartbeat(
     caller.allow(&Action::ReportForNode { node: &node }, projection.state())?;
     let Json(body) = body.map_err(bad_body)?;
     let gpus = {
-        let cluster = &projection.state().cluster;
+        let cluster = &projection.state().cluster();
         let idx = cluster.get(&node).ok_or_else(|| {
             Problem::not_found(format!(
                 "node {node:?} is not registered; POST /v1/nodes first"

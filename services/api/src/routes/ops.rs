@@ -89,7 +89,7 @@ pub(crate) async fn metrics(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let s = p.stats();
     let state = p.state();
-    let c = &state.cluster;
+    let c = &state.cluster();
     let text = format!(
         "# HELP fairledger_projection_last_seq Last ledger sequence folded.\n\
          # TYPE fairledger_projection_last_seq gauge\n\
@@ -120,8 +120,8 @@ pub(crate) async fn metrics(State(app): State<App>) -> Response {
         c.total_gpus,
         c.healthy_gpus,
         c.allocated_gpus,
-        state.running.len(),
-        state.workloads.len(),
+        state.running().len(),
+        state.workloads().len(),
         app.inner.stuck.total(),
     );
     (

@@ -117,8 +117,8 @@ pub(crate) async fn create(
         let p = app.inner.projection.read().await;
         let state = p.state();
         state
-            .principals
-            .check_grant(&grant, &state.allocations)
+            .principals()
+            .check_grant(&grant, state.allocations())
             .map_err(refused)?;
     }
     let seq = app
@@ -132,7 +132,7 @@ pub(crate) async fn create(
     let p = app.inner.projection.read().await;
     let granted = p
         .state()
-        .principals
+        .principals()
         .get(&grant.name)
         .filter(|g| g.granted_seq == seq)
         .ok_or_else(|| Problem::unavailable("the grant was folded but is gone; list the tokens"))?;
@@ -152,11 +152,11 @@ pub(crate) async fn list(State(app): State<App>) -> Response {
     let now = scheduler::wall_clock_ms();
     let rows: Vec<_> = p
         .state()
-        .principals
+        .principals()
         .iter()
         .map(|p| describe(p, now))
         .collect();
-    Json(json!({"as_of_seq": p.state().last_seq, "tokens": rows})).into_response()
+    Json(json!({"as_of_seq": p.state().last_seq(), "tokens": rows})).into_response()
 }
 
 #[utoipa::path(delete, path = "/v1/tokens/{name}", tag = "tokens",
@@ -179,7 +179,7 @@ pub(crate) async fn revoke(
         .read()
         .await
         .state()
-        .principals
+        .principals()
         .get(&name)
         .is_some();
     if !known {

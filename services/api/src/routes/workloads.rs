@@ -123,7 +123,7 @@ pub(crate) async fn submit(
             },
             state,
         )?;
-        if let Some(id) = key.as_ref().and_then(|k| state.idempotency.get(k)) {
+        if let Some(id) = key.as_deref().and_then(|k| state.idempotent(k)) {
             return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
         }
     }
@@ -159,7 +159,7 @@ pub(crate) async fn submit(
     let original = {
         let p = app.inner.projection.read().await;
         key.as_ref()
-            .and_then(|k| p.state().idempotency.get(k).copied())
+            .and_then(|k| p.state().idempotent(k))
             .filter(|&original| original != id)
     };
     if let Some(original) = original {
@@ -371,7 +371,11 @@ fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Pl
         explain: true,
         ..policy.clone()
     };
-    decide(state, scheduler::wall_clock_ms().max(state.now_ms), &config)
+    decide(
+        state,
+        scheduler::wall_clock_ms().max(state.now_ms()),
+        &config,
+    )
 }
 
 #[utoipa::path(get, path = "/v1/workloads/{id}/explain", tag = "workloads",
@@ -413,7 +417,7 @@ pub(crate) async fn explain(
         .pending
         .iter()
         .take_while(|q| q.workload != id)
-        .filter_map(|q| state.workloads.get(&q.workload))
+        .filter_map(|q| state.workloads().get(&q.workload))
         .take(20)
         .map(|a| {
             json!({
@@ -466,7 +470,7 @@ pub(crate) async fn queue(
     let plan = explained(state, &app.inner.policy);
     let mut rows = Vec::new();
     for pending in &plan.pending {
-        let Some(w) = state.workloads.get(&pending.workload) else {
+        let Some(w) = state.workloads().get(&pending.workload) else {
             continue;
         };
         let path = state.allocation_path(w);
@@ -492,5 +496,5 @@ pub(crate) async fn queue(
             "reason": reason(&pending.reason),
         }));
     }
-    Ok(Json(json!({"as_of_seq": state.last_seq, "pending": rows})).into_response())
+    Ok(Json(json!({"as_of_seq": state.last_seq(), "pending": rows})).into_response())
 }

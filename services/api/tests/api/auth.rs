@@ -886,7 +886,7 @@ async fn an_operator_drains_and_resumes_a_node() {
             loop {
                 let running = {
                     let p = p.read().await;
-                    p.state().running.len()
+                    p.state().running().len()
                 };
                 if running >= 1 || tokio::time::Instant::now() > deadline {
                     return running;
@@ -901,18 +901,18 @@ async fn an_operator_drains_and_resumes_a_node() {
         let p = f.projection.read().await;
         let state = p.state();
         assert_eq!(
-            state.running.len(),
+            state.running().len(),
             1,
             "one fits on n1, none on the drained n0"
         );
-        let n0 = state.cluster.get("n0").unwrap();
+        let n0 = state.cluster().get("n0").unwrap();
         assert!(state.running_workloads().all(|w| w.placement[0].node != n0));
     }
     let (status, _, _) = call_as(&f, Some(&op), "DELETE", "/v1/nodes/n0/drain", None, &[]).await;
     assert_eq!(status, StatusCode::OK);
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let running = f.projection.read().await.state().running.len();
+        let running = f.projection.read().await.state().running().len();
         if running == 2 {
             break;
         }

@@ -457,7 +457,7 @@ async fn allocations_are_set_removed_and_listed() {
         .read()
         .await
         .state()
-        .allocations
+        .allocations()
         .get("c/d")
         .is_none());
     let (_, _, list) = call(&f, "GET", "/v1/allocations", None, &[]).await;
@@ -856,7 +856,7 @@ async fn heartbeats_are_checked_and_bad_gpus_leave_the_cluster() {
     assert_eq!(passed.appended, 1);
     f.projection.write().await.catch_up(&f.log).await.unwrap();
     let p = f.projection.read().await;
-    let cluster = &p.state().cluster;
+    let cluster = &p.state().cluster();
     assert_eq!(cluster.healthy_gpus, 15);
     let n0 = cluster.node(cluster.get("n0").unwrap());
     assert_eq!(n0.healthy & (1 << 3), 0, "GPU 3 of n0 is out");
