@@ -171,7 +171,7 @@ impl Collector {
         &self.rejections
     }
 
-    /// The report over `[0, state.now_ms]`.
+    /// The report over `[0, state.now_ms()]`.
     pub fn finish(mut self, state: &State, policy: &str, seed: u64, wall_s: f64) -> Report {
         let m = Metrics::between(&Counters::default(), state.counters());
         let mut allocations: Vec<AllocationReport> = state
