@@ -452,16 +452,7 @@ fn the_ledger_leader_killed_under_load_on_a_cluster_loses_nothing_and_pages_stay
 fn a_standby_scheduler_takes_over_from_a_killed_lease_holder() {
     let nats = NatsServer::start();
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let start = |role: &str, dir: &tempfile::TempDir| {
-        Server::start(&[
-            "--nats",
-            &nats.url(),
-            "--role",
-            role,
-            "--data",
-            dir.path().to_str().unwrap(),
-        ])
-    };
+    let start = |role: &str, dir: &tempfile::TempDir| common::on_nats(&nats.url(), role, dir);
     let api = start("api", &dirs[0]);
     set_up(&api);
     let mut schedulers = vec![start("scheduler", &dirs[1]), start("scheduler", &dirs[2])];

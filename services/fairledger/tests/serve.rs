@@ -12,7 +12,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::{wait_for, Server, BIN};
+use common::{on_nats, wait_for, Server, BIN};
 
 #[test]
 fn embedded_submit_run_finish_and_audit_across_a_restart() {
@@ -84,7 +84,7 @@ fn embedded_submit_run_finish_and_audit_across_a_restart() {
 fn on_nats_a_submission_is_placed() {
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let server = on_nats(&nats, "all", &data);
+    let server = on_nats(&nats.url(), "all", &data);
     let (status, _) = server.call("PUT", "/v1/allocations/team", Some(r#"{"weight":1}"#));
     assert_eq!(status, 200);
     // No nodes yet: a submission has nowhere to go and says so.
@@ -350,18 +350,6 @@ fn a_downstream_subscriber_sees_exactly_one_teams_events() {
     assert!(server.stop().success());
 }
 
-/// `serve --role ROLE` on `nats`, with its data in `dir`.
-fn on_nats(nats: &NatsServer, role: &str, dir: &tempfile::TempDir) -> Server {
-    Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--role",
-        role,
-        "--data",
-        dir.path().to_str().unwrap(),
-    ])
-}
-
 /// One API process and two scheduler processes share a nats-server: work is placed, nothing is
 /// placed twice, and no decision is ever rejected, because every decision is fenced by the
 /// sequence it was made on.
@@ -369,7 +357,7 @@ fn on_nats(nats: &NatsServer, role: &str, dir: &tempfile::TempDir) -> Server {
 fn an_api_and_two_schedulers_share_one_nats() {
     let nats = NatsServer::start();
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats, role, dir);
+    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats.url(), role, dir);
     let api = start("api", &dirs[0]);
     let schedulers = [start("scheduler", &dirs[1]), start("scheduler", &dirs[2])];
     let (status, refusal) = schedulers[0].call("GET", "/v1/queue", None);
@@ -719,7 +707,7 @@ fn serve_waits_for_a_nats_server_that_comes_up_later() {
 fn readiness_follows_the_log_away_and_back() {
     let mut nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let server = on_nats(&nats, "all", &data);
+    let server = on_nats(&nats.url(), "all", &data);
     let ready = |want: u16, secs: u64| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
         loop {
@@ -754,7 +742,7 @@ fn readiness_follows_the_log_away_and_back() {
 fn a_revocation_reaches_every_api_process_on_nats() {
     let nats = NatsServer::start();
     let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats, role, dir);
+    let start = |role: &str, dir: &tempfile::TempDir| on_nats(&nats.url(), role, dir);
     let first = start("all", &dirs[0]);
     let second = start("api", &dirs[1]);
     assert!(

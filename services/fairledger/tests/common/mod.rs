@@ -204,3 +204,15 @@ pub fn wait_for(server: &Server, id: &str, phase: &str) -> Value {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// `serve` in `role` on the nats-server at `url`, with `dir` for its data.
+pub fn on_nats(url: &str, role: &str, dir: &tempfile::TempDir) -> Server {
+    Server::start(&[
+        "--nats",
+        url,
+        "--role",
+        role,
+        "--data",
+        dir.path().to_str().unwrap(),
+    ])
+}
