@@ -302,12 +302,7 @@ fn serve_killed_under_load_on_nats_loses_nothing_acknowledged() {
 fn nats_killed_and_restarted_under_load_loses_nothing_acknowledged() {
     let mut nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        data.path().to_str().unwrap(),
-    ]);
+    let server = common::on_nats(&nats.url(), "all", &data);
     set_up(&server);
     let target = Target::of(&server);
     let load = Load::start(&target);

@@ -270,12 +270,7 @@ fn a_downstream_subscriber_sees_exactly_one_teams_events() {
     rt.block_on(client.flush()).unwrap();
 
     let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--nats",
-        &nats.url(),
-        "--data",
-        data.path().to_str().unwrap(),
-    ]);
+    let server = on_nats(&nats.url(), "all", &data);
     for path in ["ai2/olmo/pretrain", "ai2/olmo/eval", "uw/nlp"] {
         let (status, _) = server.call(
             "PUT",

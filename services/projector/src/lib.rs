@@ -1037,11 +1037,7 @@ pub async fn follow<L: EventLog>(
                     None => break,
                 }
             }
-            let mut p = projection.write().await;
-            let result = p.apply_decoded(&batch);
-            applied.send_replace(p.last_seq());
-            drop(p);
-            match result {
+            match fold(projection, applied, &batch).await {
                 Ok(_) => {}
                 Err(e @ ProjectionError::Gap { .. }) => {
                     tracing::warn!(error = %e, "lost events in the log subscription");
@@ -1066,6 +1062,19 @@ pub async fn follow<L: EventLog>(
 /// How long a subscription may take to be made before the follower reads the log meanwhile.
 const SUBSCRIBING_SLOW: Duration = Duration::from_millis(250);
 
+/// Folds `batch` and tells the waiters how far the projection now goes (also when folding
+/// stopped short).
+async fn fold(
+    projection: &tokio::sync::RwLock<Projector>,
+    applied: &tokio::sync::watch::Sender<u64>,
+    batch: &[Decoded],
+) -> Result<usize, ProjectionError> {
+    let mut p = projection.write().await;
+    let result = p.apply_decoded(batch);
+    applied.send_replace(p.last_seq());
+    result
+}
+
 /// Folds one read of the log after what is folded; answers whether it found events.
 async fn fold_a_read<L: EventLog>(
     log: &L,
@@ -1078,10 +1087,7 @@ async fn fold_a_read<L: EventLog>(
         _ => return Ok(false),
     };
     let batch: Vec<Decoded> = events.iter().map(Decoded::from).collect();
-    let mut p = projection.write().await;
-    let result = p.apply_decoded(&batch);
-    applied.send_replace(p.last_seq());
-    match result {
+    match fold(projection, applied, &batch).await {
         Ok(_) | Err(ProjectionError::Gap { .. }) => Ok(true),
         Err(e) => Err(e),
     }
