@@ -20,7 +20,8 @@
 //! stream itself: they make no consumer on the server, so no number of them can use its
 //! consumers up, and each is checked to start where it was asked and go on without a gap. A
 //! subscription (the projector, the event stream) is one ordered consumer for as long as it
-//! lives, ended when the connection is made again so that its follower resubscribes at once.
+//! lives, ended when the connection is made again or the ledger's leader changes, so that its
+//! follower resubscribes at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -960,7 +961,7 @@ impl EventLog for JetStreamLog {
         // connection or the ledger's leader: its reader may be gone with them, which would show
         // only when its heartbeats are missed.
         let mut order = InOrder::from(from.max(1));
-        let reconnected = async move {
+        let upheaval = async move {
             let _ = upheavals.changed().await;
         };
         Ok(messages
@@ -971,7 +972,7 @@ impl EventLog for JetStreamLog {
                 order.check(event.seq)?;
                 Ok(event)
             })
-            .take_until(reconnected)
+            .take_until(upheaval)
             .chain(futures::stream::once(async {
                 Err(LogError::Unavailable(
                     "the connection to NATS was made again or the ledger's leader changed: \
