@@ -71,4 +71,4 @@ pub mod window;
 
 pub use event::{Envelope, Event, WorkloadId};
 pub use rejection::Rejection;
-pub use state::{Outcome, Phase, State, StateConfig, Workload};
+pub use state::{Archive, Outcome, Phase, State, StateConfig, Workload};

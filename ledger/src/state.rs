@@ -42,6 +42,36 @@ impl Default for StateConfig {
     }
 }
 
+/// What a state lends out instead of holding: the workloads that ended and the idempotency keys
+/// used. A projection that keeps both in rows of its own lends them back through this, so the
+/// state's memory is bounded by live work ([`State::archive_in`]); without one the state holds
+/// them all. An archive answers as of a sequence: what it learned after that does not exist
+/// yet for the state asking, which may be refolding from an older checkpoint.
+pub trait Archive: Send + Sync {
+    /// The phase workload `id` ended in, if it ended at or before sequence `as_of`.
+    fn ended(&self, id: WorkloadId, as_of: u64) -> Option<Phase>;
+    /// The workload the first submission with idempotency key `key` created, if that
+    /// submission is at or before sequence `as_of`.
+    fn idempotent(&self, key: &str, as_of: u64) -> Option<WorkloadId>;
+}
+
+/// The archive a state lends to, if any. Where the ended workloads are kept does not change
+/// what the state is, so any two compare equal.
+#[derive(Clone, Default)]
+struct Lent(Option<std::sync::Arc<dyn Archive>>);
+
+impl PartialEq for Lent {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for Lent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "archive" } else { "none" })
+    }
+}
+
 /// Where a workload is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Phase {
@@ -67,6 +97,19 @@ impl Phase {
             Phase::Finished => "finished",
             Phase::Cancelled => "cancelled",
         }
+    }
+
+    /// The phase [`Phase::name`] names.
+    pub fn of_name(name: &str) -> Option<Phase> {
+        [
+            Phase::Pending,
+            Phase::Running,
+            Phase::Stopped,
+            Phase::Finished,
+            Phase::Cancelled,
+        ]
+        .into_iter()
+        .find(|p| p.name() == name)
     }
 }
 
@@ -248,10 +291,16 @@ pub struct State {
     pub(crate) cluster: Cluster,
     /// Live workloads (pending, running, stopped).
     pub(crate) workloads: FxHashMap<WorkloadId, Workload>,
-    /// Phase of every workload that ended, so late events are rejected with the right reason.
+    /// Phase of every workload that ended, so late events are rejected with the right reason
+    /// (with an archive, only those that ended after `archived_through`).
     pub(crate) ended: FxHashMap<WorkloadId, Phase>,
-    /// Idempotency keys seen, with the workload each created.
+    /// Idempotency keys seen, with the workload each created (with an archive, only those
+    /// used after `archived_through`).
     pub(crate) idempotency: FxHashMap<String, WorkloadId>,
+    /// The last sequence whose ended workloads and keys the archive holds.
+    archived_through: u64,
+    #[serde(skip)]
+    archive: Lent,
     /// Pending workloads of each leaf, in queue order.
     pub(crate) queues: FxHashMap<AllocId, BTreeSet<QueueKey>>,
     /// Pending unallocated workloads, in queue order.
@@ -303,6 +352,8 @@ impl State {
             workloads: FxHashMap::default(),
             ended: FxHashMap::default(),
             idempotency: FxHashMap::default(),
+            archived_through: 0,
+            archive: Lent(None),
             queues: FxHashMap::default(),
             unallocated_queue: BTreeSet::new(),
             pending_shapes: std::collections::BTreeMap::new(),
@@ -350,19 +401,56 @@ impl State {
         &self.cluster
     }
 
-    /// Live workloads (pending, running, stopped) by id; ended ones are in [`State::ended`].
+    /// Live workloads (pending, running, stopped) by id; see [`State::ended_phase`] for the
+    /// others.
     pub fn workloads(&self) -> &FxHashMap<WorkloadId, Workload> {
         &self.workloads
     }
 
-    /// The phase each ended workload ended in (finished, cancelled, failed…), by id.
+    /// The ended workloads the state holds, with the phase each ended in: every one when it
+    /// lends to no archive, else those that ended since it last lent them
+    /// ([`State::ended_phase`] looks in both).
     pub fn ended(&self) -> &FxHashMap<WorkloadId, Phase> {
         &self.ended
     }
 
+    /// The phase workload `id` ended in, if it ended.
+    pub fn ended_phase(&self, id: WorkloadId) -> Option<Phase> {
+        self.ended
+            .get(&id)
+            .copied()
+            .or_else(|| self.archive.0.as_ref()?.ended(id, self.archived_through))
+    }
+
     /// The workload the first submission with idempotency key `key` created, if any.
     pub fn idempotent(&self, key: &str) -> Option<WorkloadId> {
-        self.idempotency.get(key).copied()
+        self.idempotency.get(key).copied().or_else(|| {
+            self.archive
+                .0
+                .as_ref()?
+                .idempotent(key, self.archived_through)
+        })
+    }
+
+    /// Lends ended workloads and used idempotency keys to `archive` from now on: after each
+    /// [`State::archived`] the state forgets those the archive then holds, and asks it for
+    /// them. A state restored from a checkpoint lends to none until told again.
+    pub fn archive_in(&mut self, archive: std::sync::Arc<dyn Archive>) {
+        self.archive = Lent(Some(archive));
+    }
+
+    /// Tells the state that its archive now holds every workload that ended and every key used
+    /// up to its last sequence, so it may forget them. Without an archive it keeps them.
+    pub fn archived(&mut self) {
+        if self.archive.0.is_some() {
+            self.archived_through = self.last_seq;
+            if !self.ended.is_empty() {
+                self.ended = FxHashMap::default();
+            }
+            if !self.idempotency.is_empty() {
+                self.idempotency = FxHashMap::default();
+            }
+        }
     }
 
     /// Running workloads, by id (ordered, so iteration is deterministic).
@@ -806,17 +894,17 @@ impl State {
     // ---- workloads ---------------------------------------------------------------------------
 
     fn check_known(&self, id: WorkloadId) -> Result<(), Rejection> {
-        if let Some(&phase) = self.ended.get(&id) {
+        if self.workloads.contains_key(&id) {
+            return Ok(());
+        }
+        if let Some(phase) = self.ended_phase(id) {
             return Err(Rejection::WrongPhase {
                 workload: id,
                 phase: phase.name(),
                 expected: "live",
             });
         }
-        if !self.workloads.contains_key(&id) {
-            return Err(Rejection::UnknownWorkload { workload: id });
-        }
-        Ok(())
+        Err(Rejection::UnknownWorkload { workload: id })
     }
 
     fn expect_phase(&self, id: WorkloadId, expected: Phase) -> Result<&Workload, Rejection> {
@@ -841,11 +929,11 @@ impl State {
         e: &WorkloadSubmitted,
     ) -> Result<Result<(Option<AllocId>, Option<u32>), WorkloadId>, Rejection> {
         if let Some(key) = &e.idempotency_key {
-            if let Some(&original) = self.idempotency.get(key) {
+            if let Some(original) = self.idempotent(key) {
                 return Ok(Err(original));
             }
         }
-        if self.workloads.contains_key(&e.workload) || self.ended.contains_key(&e.workload) {
+        if self.workloads.contains_key(&e.workload) || self.ended_phase(e.workload).is_some() {
             return Err(Rejection::DuplicateWorkload {
                 workload: e.workload,
             });

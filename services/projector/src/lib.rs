@@ -7,9 +7,15 @@
 //! - `w/<id>` one row per workload (phase, allocation, placement, protection), in postcard;
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
+//! - `i/<key>` the workload the first submission with an idempotency key created, and that
+//!   submission's sequence;
 //! - `k/<granularity><period start><allocation>` the kept figures of every closed hour, day,
 //!   ISO week and month, per allocation and for the cluster ([`ledger::book`]), written once
 //!   when the period closes and read by [`Kept`] without holding up the fold.
+//!
+//! The folded state lends its ended workloads (their `w/` rows) and used idempotency keys
+//! (`i/`) to the projection ([`ledger::Archive`]) once each batch is written, so what it holds
+//! in memory, and checkpoints, is bounded by live work rather than by history.
 //!
 //! The checkpoint — the whole folded [`ledger::State`], its [`Book`] and the sequence they are
 //! at — lives in a tree of its own: in the same tree, the few keys beside it that every batch
@@ -48,8 +54,9 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (11: version-1 events are folded by the names rules of their day again).
-const FORMAT: u32 = 11;
+/// (12: idempotency keys have rows; 11: version-1 events are folded by the names rules of
+/// their day again).
+const FORMAT: u32 = 12;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -266,6 +273,44 @@ pub struct Projector {
     /// Trails of live workloads, so a row's history need not be read back from sled (a
     /// workload missing here, after a restart, is read once).
     trails: rustc_hash::FxHashMap<WorkloadId, Trail>,
+    /// The rows the state lends its ended workloads and keys to.
+    archive: std::sync::Arc<RowArchive>,
+}
+
+/// The projection's rows as the folded state's [`ledger::Archive`]: an ended workload is its
+/// `w/` row in a final phase, a used key its `i/` row. A read that fails is remembered, and the
+/// batch folded meanwhile is not written (the fold cannot wait on an error).
+struct RowArchive {
+    tree: sled::Tree,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl RowArchive {
+    fn get(&self, key: &[u8]) -> Option<sled::IVec> {
+        self.tree.get(key).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "reading the projection's archive");
+            self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+            None
+        })
+    }
+}
+
+impl ledger::Archive for RowArchive {
+    fn ended(&self, id: WorkloadId, as_of: u64) -> Option<Phase> {
+        let row: WorkloadRow = postcard::from_bytes(&self.get(&workload_key(id))?).ok()?;
+        if row.ended_at_ms.is_none() || row.last_seq > as_of {
+            return None;
+        }
+        // A row that ended without a known phase (which a consistent projection never shows)
+        // is still ended.
+        Some(Phase::of_name(&row.phase).unwrap_or(Phase::Finished))
+    }
+
+    fn idempotent(&self, key: &str, as_of: u64) -> Option<WorkloadId> {
+        let (id, seq): (WorkloadId, u64) =
+            postcard::from_bytes(&self.get(&prefixed(b"i/", key.as_bytes()))?).ok()?;
+        (seq <= as_of).then_some(id)
+    }
 }
 
 impl Projector {
@@ -333,8 +378,10 @@ impl Projector {
                 p.state.skip(e.seq);
             }
         }
-        // The rows those events closed are stored already.
+        // The rows those events closed, the workloads they ended and the keys they used are
+        // stored already.
         p.book.take_closed();
+        p.state.archived();
         Ok(p)
     }
 
@@ -415,7 +462,7 @@ impl Projector {
             None => Stats::default(),
             Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt(format!("stats: {e}")))?,
         };
-        let (state, book) = match checkpoints.get(CHECKPOINT_STATE).map_err(storage)? {
+        let (mut state, book) = match checkpoints.get(CHECKPOINT_STATE).map_err(storage)? {
             None => (State::new(config), Book::new()),
             Some(v) => {
                 let state: State =
@@ -450,6 +497,11 @@ impl Projector {
                 stats.total()
             )));
         }
+        let archive = std::sync::Arc::new(RowArchive {
+            tree: tree.clone(),
+            failed: false.into(),
+        });
+        state.archive_in(archive.clone());
         Ok(Projector {
             dir: dir.to_owned(),
             db,
@@ -466,6 +518,7 @@ impl Projector {
             last_malformed: None,
             poisoned: false,
             trails: Default::default(),
+            archive,
         })
     }
 
@@ -663,12 +716,25 @@ impl Projector {
                                 // Its trail so far: kept in memory while it lives, else the
                                 // stored row's.
                                 let new = matches!(env.event, Event::WorkloadSubmitted(_));
+                                if let Event::WorkloadSubmitted(
+                                    ledger::event::WorkloadSubmitted {
+                                        idempotency_key: Some(key),
+                                        ..
+                                    },
+                                ) = &env.event
+                                {
+                                    batch.insert(
+                                        prefixed(b"i/", key.as_bytes()),
+                                        postcard::to_stdvec(&(id, e.seq))
+                                            .expect("keys always serialize"),
+                                    );
+                                }
                                 let mut trail = self.trail(id, new)?;
                                 trail.history.push(e.seq);
                                 let mut row = match self.row_of(id, e.seq) {
                                     Some(row) => row,
                                     None => {
-                                        let phase = self.state.ended().get(&id).copied();
+                                        let phase = self.state.ended_phase(id);
                                         let mut row = before.ok_or_else(|| {
                                             self.corrupt("an ending applied to an unknown workload")
                                         })?;
@@ -799,10 +865,23 @@ impl Projector {
         }
         batch.insert(LAST_SEQ, &self.last_seq.to_be_bytes());
         batch.insert(STATS, json(&self.stats));
+        if self
+            .archive
+            .failed
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            // The fold read a wrong answer: what it made of this batch must not be written.
+            self.poisoned = true;
+            return Err(ProjectionError::Storage {
+                dir: self.dir.clone(),
+                reason: "a read of the projection's own rows failed while folding".into(),
+            });
+        }
         if let Err(e) = self.tree.apply_batch(batch) {
             self.poisoned = true;
             return Err(self.storage(e));
         }
+        self.state.archived();
         if self.since_checkpoint >= self.checkpoint_every
             && self.last_checkpoint.elapsed() >= self.checkpoint_gap
         {

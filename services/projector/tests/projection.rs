@@ -90,6 +90,13 @@ async fn incremental_projection_equals_full_replay() {
             assert_eq!(p.state().last_seq(), fresh.last_seq());
             assert_eq!(p.state().workloads(), fresh.workloads());
             assert_eq!(p.state().counters(), fresh.counters());
+            assert_eq!(p.state().rejections(), fresh.rejections());
+            // The ended workloads are the projection's rows', not the state's to hold.
+            assert!(p.state().ended().is_empty());
+            assert!(fresh.ended().len() > 1_000, "{} ended", fresh.ended().len());
+            for (&id, &phase) in fresh.ended() {
+                assert_eq!(p.state().ended_phase(id), Some(phase));
+            }
             break;
         }
         reopened += 1;
@@ -443,4 +450,126 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
         digests.push(p.digest().unwrap());
     }
     assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+}
+
+/// The state lends the workloads that ended and the keys used to the projection's rows once
+/// each batch is written: it holds none of them, yet late events about an ended workload and
+/// a key used again get the verdicts a fold holding them all gives, however the batches fall
+/// and when refolding from a checkpoint older than the rows.
+#[tokio::test]
+async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
+    use ledger::event::*;
+    use ledger::{Event, Phase};
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let (a, b) = (uuid::Uuid::from_u128(1), uuid::Uuid::from_u128(2));
+    let keyed = |id| {
+        let mut s = WorkloadSubmitted::new(id, Some("lab".into()), 1, 1);
+        s.idempotency_key = Some("t/k1".into());
+        Event::WorkloadSubmitted(s)
+    };
+    let finished = || {
+        Event::WorkloadFinished(WorkloadFinished {
+            workload: a,
+            exit_code: Some(0),
+            signal: None,
+            error: None,
+        })
+    };
+    let events = [
+        Event::AllocationSet(AllocationSet {
+            path: "lab".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        Event::NodeRegistered(NodeRegistered {
+            node: "n".into(),
+            gpus: 2,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+        keyed(a),
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: a,
+            placement: vec![PlacedNode {
+                node: "n".into(),
+                gpus: vec![0],
+            }],
+            protected_until_ms: 10_000,
+        }),
+        finished(),
+        // 6: a duplicate of the first; 7: the ended id again; 8 and 9: late endings.
+        keyed(b),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: a,
+            reason: None,
+        }),
+        finished(),
+    ];
+    let envelopes = one_a_second(events);
+    write_all(&log, &envelopes).await;
+    let stored = log.read(1, 100).await.unwrap();
+    let mut fresh = ledger::State::new(config());
+    for (i, e) in envelopes.iter().enumerate() {
+        fresh.apply(i as u64 + 1, e);
+    }
+    assert_eq!(fresh.ended_phase(a), Some(Phase::Finished));
+    assert!(
+        fresh.rejections().values().sum::<u64>() == 3,
+        "{:?}",
+        fresh.rejections()
+    );
+    let same_verdicts = |p: &Projector, how: &str| {
+        assert_eq!(p.state().rejections(), fresh.rejections(), "{how}");
+        assert_eq!(p.stats().duplicates, 1, "{how}");
+        assert_eq!(p.stats().rejected, 3, "{how}");
+        assert!(
+            p.state().ended().is_empty(),
+            "{how}: the state holds an ended workload"
+        );
+        assert_eq!(p.state().ended_phase(a), Some(Phase::Finished), "{how}");
+        assert_eq!(p.state().idempotent("t/k1"), Some(a), "{how}");
+        assert_eq!(p.state().ended_phase(b), None, "{how}");
+        assert_eq!(p.state().idempotent("t/k2"), None, "{how}");
+    };
+    let mut digests = Vec::new();
+    for split in [1, 3, 9] {
+        let mut p = Projector::open(&dir.path().join(format!("p{split}")), config(), &log)
+            .await
+            .unwrap();
+        for chunk in stored.chunks(split) {
+            p.apply(chunk).unwrap();
+        }
+        same_verdicts(&p, &format!("batches of {split}"));
+        digests.push(p.digest().unwrap());
+    }
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+
+    // A checkpoint taken before the workload ended (but after its key was lent), and rows
+    // written up to the end: the refold after the checkpoint must not take the later rows
+    // for history it has not reached.
+    let at = dir.path().join("checkpointed");
+    let mut p = Projector::open(&at, config(), &log)
+        .await
+        .unwrap()
+        .checkpoint_every(1_000);
+    p.apply(&stored[..4]).unwrap();
+    p.checkpoint().unwrap();
+    p.apply(&stored[4..]).unwrap();
+    drop(p);
+    let p = Projector::open(&at, config(), &log).await.unwrap();
+    assert_eq!(p.checkpoint_seq().unwrap(), Some(4));
+    same_verdicts(&p, "refolded from the checkpoint at 4");
+    // And from no checkpoint at all.
+    let at = dir.path().join("unchecked");
+    let mut p = Projector::open(&at, config(), &log)
+        .await
+        .unwrap()
+        .checkpoint_every(1_000);
+    p.apply(&stored).unwrap();
+    drop(p);
+    let p = Projector::open(&at, config(), &log).await.unwrap();
+    assert_eq!(p.checkpoint_seq().unwrap(), None);
+    same_verdicts(&p, "refolded from the start");
 }

@@ -244,7 +244,7 @@ pub(crate) fn live(state: &ledger::State, id: Uuid) -> Result<&ledger::Workload,
     state
         .workloads()
         .get(&id)
-        .ok_or_else(|| match state.ended().get(&id) {
+        .ok_or_else(|| match state.ended_phase(id) {
             Some(phase) => Problem::new(
                 StatusCode::CONFLICT,
                 "already-ended",
