@@ -4,6 +4,8 @@
 //! events per second and a fingerprint of the ledger each run wrote.
 //! `FAIRLEDGER_BENCH_WORKLOADS=N` sets the generated trace's size (default 1,000,000 over a
 //! simulated year; fewer workloads keep the same load by shortening the year).
+//! `FAIRLEDGER_BENCH_LOAD=X` scales run times so the offered load is X of the cluster (by
+//! default about 1.13: the queue grows all year; below 1 it stays short).
 //! `FAIRLEDGER_BENCH_KEEP=DIR` keeps the generated year's scenario, trace and `events.jsonl` in
 //! DIR (the ledger the audit benchmark imports, see BENCHMARKS.md).
 
@@ -79,7 +81,7 @@ fn main() {
     );
 
     // A year of 1M workloads on 1,250 x 8 = 10,000 GPUs, 30 leaf allocations, offered load about
-    // 110% of the cluster: 1 to 8 GPUs and some 2- and 4-node gangs, log-uniform run times from
+    // 113% of the cluster: 1 to 8 GPUs and some 2- and 4-node gangs, log-uniform run times from
     // 13 minutes to 2.6 days.
     let n: u64 = std::env::var("FAIRLEDGER_BENCH_WORKLOADS")
         .ok()
@@ -111,8 +113,9 @@ fn main() {
     let mut rng = ChaCha8Rng::seed_from_u64(42);
     let mut times: Vec<u64> = (0..n).map(|_| rng.random_range(0..year_s)).collect();
     times.sort_unstable();
+    let mut rows = Vec::with_capacity(times.len());
     let mut gpu_s = 0.0;
-    for (i, t) in times.iter().enumerate() {
+    for t in times {
         let (gpus, nodes) = [
             (1, 1),
             (1, 1),
@@ -126,18 +129,24 @@ fn main() {
         let duration =
             1.3 * (600.0f64.ln() + rng.random_range(0.0..1.0) * (172_800.0f64 / 600.0).ln()).exp();
         gpu_s += duration * f64::from(gpus * nodes);
-        writeln!(
-            f,
-            "w{i},{},{t},{duration:.0},{gpus},{nodes}",
-            leaves[rng.random_range(0..leaves.len())]
-        )
-        .unwrap();
+        rows.push((t, duration, gpus, nodes, rng.random_range(0..leaves.len())));
+    }
+    // Run times as drawn offer about 1.13 of the cluster; FAIRLEDGER_BENCH_LOAD scales them to
+    // offer what it says instead.
+    let offered = gpu_s / (10_000.0 * year_s as f64);
+    let scale = std::env::var("FAIRLEDGER_BENCH_LOAD")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .map_or(1.0, |load| load / offered);
+    for (i, (t, duration, gpus, nodes, leaf)) in rows.into_iter().enumerate() {
+        let duration = duration * scale;
+        writeln!(f, "w{i},{},{t},{duration:.0},{gpus},{nodes}", leaves[leaf]).unwrap();
     }
     f.flush().unwrap();
     drop(f);
     println!(
         "generated: {n} workloads over {year_s} s, offered load {:.2} of 10,000 GPUs",
-        gpu_s / (10_000.0 * year_s as f64)
+        offered * scale
     );
     run(
         "generated year on 10,000 GPUs",
