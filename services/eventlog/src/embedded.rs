@@ -1,13 +1,21 @@
 //! The embedded event log: an append-only log in sled, for a single process.
 //!
-//! One sled tree holds three key spaces: `e<seq>` the events, `d<key>` idempotency keys (kept
-//! forever, a superset of JetStream's bounded duplicate window) and `s<subject>` the last
-//! sequence of each subject. A single writer thread gathers whatever appends are waiting into
-//! one atomic sled batch (group commit) and hands it to a flusher thread, which flushes to disk
-//! everything written so far and only then answers: one fsync serves every concurrent writer,
-//! and nothing is acknowledged before it is durable. The two overlap: while one flush is under
-//! way the writer checks and writes the next group, which the next flush covers. Readers see
-//! only what has been flushed.
+//! One sled tree holds three key spaces: `b<first seq>` blocks of consecutive events, `k<window
+//! number><key>` idempotency keys and `s<subject>` the last sequence of each subject. A single
+//! writer thread gathers whatever appends are waiting into one atomic sled batch (group commit)
+//! and hands it to a flusher thread, which flushes to disk everything written so far and only
+//! then answers: one fsync serves every concurrent writer, and nothing is acknowledged before it
+//! is durable. The two overlap: while one flush is under way the writer checks and writes the
+//! next group, which the next flush covers. Readers see only what has been flushed.
+//!
+//! What the log holds in memory is bounded by its recent traffic, not by its history: sled keeps
+//! a few hundred bytes per page of at most 16 keys whether or not the page is cached, so events
+//! are kept [`BLOCK_EVENTS`] (or [`BLOCK_BYTES`]) to a key — the writer fills the last block
+//! until it is full — and idempotency keys are kept for a duplicate window, as JetStream keeps
+//! them ([`DUPLICATE_WINDOW`]): a key is remembered for at least one window and at most two, in
+//! numbered windows of which the writer deletes the expired ones a little at a time. A log
+//! written with one key per event (and idempotency keys kept for ever) is converted once when
+//! it is opened.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -28,6 +36,18 @@ const FLUSH_QUEUE: usize = 64;
 const READ_CHUNK: usize = 1024;
 /// The file beside sled's holding the last acknowledged sequence.
 const HIGH_WATER: &str = "high-water";
+/// Most events kept in one block.
+pub const BLOCK_EVENTS: usize = 64;
+/// A block takes no more events once it holds this many bytes (so a leaf of 16 blocks stays
+/// under sled's inline limit).
+pub const BLOCK_BYTES: usize = 4096;
+/// How long an idempotency key is remembered at least (JetStream's default duplicate window
+/// in this product); it is forgotten within twice that.
+pub const DUPLICATE_WINDOW: std::time::Duration = std::time::Duration::from_secs(10 * 60);
+/// Expired idempotency keys deleted per group commit at most.
+const EXPIRE_PER_GROUP: usize = 1024;
+/// Events converted per sled batch when a log with one key per event is opened.
+const CONVERT_CHUNK: usize = 65_536;
 
 /// Why the embedded log could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -71,21 +91,53 @@ pub struct EmbeddedLog {
 impl EmbeddedLog {
     /// Opens (or creates) the log in `dir`.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
-        let db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
-        let tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+        Self::open_with_window(dir, DUPLICATE_WINDOW)
+    }
+
+    /// Opens the log in `dir` remembering idempotency keys for `window` (tests of the window).
+    #[doc(hidden)]
+    pub fn open_with_window(dir: &Path, window: std::time::Duration) -> Result<Self, OpenError> {
         let corrupt = |reason: String| OpenError::Corrupt {
             dir: dir.to_owned(),
             reason,
         };
-        let last_seq = match tree.scan_prefix(b"e").next_back() {
-            None => 0,
+        let storage = |reason: String| OpenError::Storage {
+            dir: dir.to_owned(),
+            reason,
+        };
+        finish_conversion(dir).map_err(|e| storage(e.to_string()))?;
+        let mut db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
+        let mut tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+        if tree.scan_prefix(b"e").next().is_some() || tree.scan_prefix(b"d").next().is_some() {
+            convert_per_event_keys(dir, &tree).map_err(|e| match e {
+                LogError::Corrupt { seq, reason } => corrupt(format!("event {seq}: {reason}")),
+                other => storage(other.to_string()),
+            })?;
+            drop((tree, db));
+            finish_conversion(dir).map_err(|e| storage(e.to_string()))?;
+            db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
+            tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+        }
+        let block = match tree.scan_prefix(b"b").next_back() {
+            None => Block::starting(1),
             Some(entry) => {
                 let (k, v) = entry.map_err(|e| open_error(dir, e))?;
-                let seq = seq_of_key(&k).ok_or_else(|| corrupt("bad event key".into()))?;
-                decode(seq, &v).map_err(|e| corrupt(e.to_string()))?;
-                seq
+                let first = seq_of_key(&k).ok_or_else(|| corrupt("bad block key".into()))?;
+                let records =
+                    records(first, &v).map_err(|e| corrupt(format!("last block: {e}")))?;
+                if records.is_empty() {
+                    return Err(corrupt(format!("the block at {first} is empty")));
+                }
+                Block {
+                    first,
+                    count: records.len(),
+                    bytes: v.to_vec(),
+                    dirty: false,
+                }
             }
         };
+        let last_seq = block.first + block.count as u64 - 1;
+        let dedupe = Dedupe::open(&tree, window).map_err(|e| open_error(dir, e))?;
         let mut subjects = HashMap::new();
         for entry in tree.scan_prefix(b"s") {
             let (k, v) = entry.map_err(|e| open_error(dir, e))?;
@@ -139,6 +191,8 @@ impl EmbeddedLog {
             tree: tree.clone(),
             last_seq,
             subjects,
+            block,
+            dedupe,
             failed,
             flusher: to_flusher,
         };
@@ -170,14 +224,33 @@ impl EmbeddedLog {
         if from > last || max == 0 {
             return Ok(Vec::new());
         }
-        let mut out = Vec::with_capacity(max.min((last - from + 1) as usize));
-        for entry in self.tree.range(key(b'e', from)..=key(b'e', last)).take(max) {
-            let (k, v) = entry.map_err(|e| LogError::Unavailable(e.to_string()))?;
-            let seq = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
-                seq: 0,
-                reason: "bad event key".into(),
+        let unavailable = |e: sled::Error| LogError::Unavailable(e.to_string());
+        // The block holding `from` is the last one starting at or before it.
+        let start = match self.tree.range(key(b'b', 0)..=key(b'b', from)).next_back() {
+            Some(entry) => entry.map_err(unavailable)?.0,
+            None => {
+                return Err(LogError::Corrupt {
+                    seq: from,
+                    reason: "no block holds it".into(),
+                })
+            }
+        };
+        let want = max.min((last - from + 1) as usize);
+        let mut out = Vec::with_capacity(want);
+        for entry in self.tree.range(start.to_vec()..=key(b'b', last).to_vec()) {
+            let (k, v) = entry.map_err(unavailable)?;
+            let first = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
+                seq: from,
+                reason: "bad block key".into(),
             })?;
-            out.push(decode(seq, &v)?);
+            for (seq, record) in records(first, &v)? {
+                if seq >= from && seq <= last {
+                    out.push(decode(seq, record)?);
+                    if out.len() == want {
+                        return Ok(out);
+                    }
+                }
+            }
         }
         Ok(out)
     }
@@ -242,6 +315,10 @@ struct Writer {
     /// The last sequence written (durable or about to be).
     last_seq: u64,
     subjects: HashMap<String, u64>,
+    /// The last block, which takes the next events until it is full.
+    block: Block,
+    /// The idempotency keys' windows.
+    dedupe: Dedupe,
     /// Why the log stopped, once it has: shared with the flusher, which finds most failures.
     failed: Arc<std::sync::Mutex<Option<String>>>,
     flusher: std::sync::mpsc::SyncSender<Written>,
@@ -356,15 +433,21 @@ impl Writer {
         let mut overlay = Overlay::default();
         let mut next = self.last_seq;
         let mut answers = Vec::with_capacity(group.len());
+        let window = self.dedupe.now();
         for (appends, answer) in group {
-            let result = self.check(&appends, next, &overlay);
+            let result = self.check(&appends, next, &overlay, window);
             if let Ok(Checked::Fresh) = result {
                 let mut acks = Vec::with_capacity(appends.len());
                 for a in appends {
                     next += 1;
-                    batch.insert(key(b'e', next).to_vec(), encode(&a));
+                    let record = encode(&a);
+                    if self.block.is_full_for(record.len()) {
+                        let full = std::mem::replace(&mut self.block, Block::starting(next));
+                        full.write_to(&mut batch);
+                    }
+                    self.block.push(&record);
                     if let Some(id) = &a.msg_id {
-                        batch.insert(prefixed(b'd', id.as_bytes()), &next.to_be_bytes());
+                        batch.insert(dedupe_key(window, id), &next.to_be_bytes());
                         overlay.ids.insert(id.clone(), next);
                     }
                     overlay.subjects.insert(a.subject, next);
@@ -386,10 +469,16 @@ impl Writer {
             }
         }
         if next > self.last_seq {
+            if self.block.dirty {
+                self.block.write_to(&mut batch);
+                self.block.dirty = false;
+            }
             // Each subject's last sequence once per group, not once per event.
             for (subject, seq) in &overlay.subjects {
                 batch.insert(prefixed(b's', subject.as_bytes()), &seq.to_be_bytes());
             }
+            self.dedupe.note(window);
+            self.dedupe.expire(&self.tree, window, &mut batch);
             if let Err(e) = self.tree.apply_batch(batch) {
                 // The log stops here; the flusher reports this group's appends (and those
                 // written before it but not yet flushed) as unacknowledged.
@@ -421,6 +510,7 @@ impl Writer {
         appends: &[Append],
         next: u64,
         overlay: &Overlay,
+        window: u32,
     ) -> Result<Checked, AppendError> {
         if appends.is_empty() {
             return Err(AppendError::Refused(
@@ -441,10 +531,9 @@ impl Writer {
             if let Some(&seq) = overlay.ids.get(id) {
                 return Ok(Some(seq));
             }
-            match self.tree.get(prefixed(b'd', id.as_bytes())) {
-                Ok(v) => Ok(v.and_then(|v| u64_of(&v))),
-                Err(e) => Err(AppendError::Unavailable(e.to_string())),
-            }
+            self.dedupe
+                .find(&self.tree, window, id)
+                .map_err(|e| AppendError::Unavailable(e.to_string()))
         };
         if let [single] = appends {
             if let Some(id) = &single.msg_id {
@@ -509,6 +598,255 @@ impl Writer {
 enum Checked {
     Fresh,
     Duplicate(u64),
+}
+
+/// Consecutive events under one key `b<first seq>`: `u32 length, record` for each (see
+/// [`encode`]).
+struct Block {
+    first: u64,
+    count: usize,
+    bytes: Vec<u8>,
+    /// Changed since it was last written.
+    dirty: bool,
+}
+
+impl Block {
+    fn starting(first: u64) -> Self {
+        Block {
+            first,
+            count: 0,
+            bytes: Vec::new(),
+            dirty: false,
+        }
+    }
+
+    /// Whether a record of `len` bytes must start the next block.
+    fn is_full_for(&self, len: usize) -> bool {
+        self.count > 0 && (self.count >= BLOCK_EVENTS || self.bytes.len() + 4 + len > BLOCK_BYTES)
+    }
+
+    /// The sequence the next record would have.
+    fn next(&self) -> u64 {
+        self.first + self.count as u64
+    }
+
+    fn push(&mut self, record: &[u8]) {
+        self.bytes
+            .extend_from_slice(&(record.len() as u32).to_be_bytes());
+        self.bytes.extend_from_slice(record);
+        self.count += 1;
+        self.dirty = true;
+    }
+
+    fn write_to(&self, batch: &mut sled::Batch) {
+        if self.dirty && self.count > 0 {
+            batch.insert(key(b'b', self.first).to_vec(), self.bytes.clone());
+        }
+    }
+}
+
+/// The records of the block starting at `first`, with their sequences.
+fn records(first: u64, mut v: &[u8]) -> Result<Vec<(u64, &[u8])>, LogError> {
+    let mut out = Vec::new();
+    while !v.is_empty() {
+        let seq = first + out.len() as u64;
+        let truncated = || LogError::Corrupt {
+            seq,
+            reason: "block truncated".into(),
+        };
+        let len = v
+            .get(..4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .ok_or_else(truncated)?;
+        let record = v.get(4..4 + len).ok_or_else(truncated)?;
+        out.push((seq, record));
+        v = &v[4 + len..];
+    }
+    Ok(out)
+}
+
+/// Idempotency keys by numbered duplicate window: `k<window number><key>` holds the key's
+/// sequence. A key is looked up in the current window and the one before; older windows are
+/// expired.
+struct Dedupe {
+    window_s: u64,
+    /// The windows that hold keys.
+    windows: std::collections::BTreeSet<u32>,
+}
+
+impl Dedupe {
+    fn open(tree: &sled::Tree, window: std::time::Duration) -> sled::Result<Self> {
+        let mut windows = std::collections::BTreeSet::new();
+        let mut from = 0u32;
+        loop {
+            let Some(entry) = tree.range(dedupe_key(from, "")..).next() else {
+                break;
+            };
+            let (k, _) = entry?;
+            let Some(n) = (k.first() == Some(&b'k'))
+                .then(|| k.get(1..5))
+                .flatten()
+                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+            else {
+                break;
+            };
+            windows.insert(n);
+            match n.checked_add(1) {
+                Some(after) => from = after,
+                None => break,
+            }
+        }
+        Ok(Dedupe {
+            window_s: window.as_secs().max(1),
+            windows,
+        })
+    }
+
+    /// The number of the window under way.
+    fn now(&self) -> u32 {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        (secs / self.window_s).min(u64::from(u32::MAX)) as u32
+    }
+
+    fn note(&mut self, window: u32) {
+        self.windows.insert(window);
+    }
+
+    /// The sequence of the append that used `id`, if it is remembered in window `now`.
+    fn find(&self, tree: &sled::Tree, now: u32, id: &str) -> sled::Result<Option<u64>> {
+        for &w in self.windows.iter().rev() {
+            if w.saturating_add(1) < now {
+                break;
+            }
+            if let Some(v) = tree.get(dedupe_key(w, id))? {
+                return Ok(u64_of(&v));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Adds to `batch` the deletion of some keys of the oldest window if it has expired.
+    fn expire(&mut self, tree: &sled::Tree, now: u32, batch: &mut sled::Batch) {
+        let Some(&oldest) = self.windows.first() else {
+            return;
+        };
+        if oldest.saturating_add(1) >= now {
+            return;
+        }
+        let prefix = dedupe_key(oldest, "");
+        let mut n = 0;
+        for k in tree.scan_prefix(&prefix).keys().take(EXPIRE_PER_GROUP) {
+            match k {
+                Ok(k) => {
+                    batch.remove(k);
+                    n += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading expired idempotency keys");
+                    return;
+                }
+            }
+        }
+        if n < EXPIRE_PER_GROUP {
+            // Its last keys go with this batch.
+            self.windows.remove(&oldest);
+        }
+    }
+}
+
+fn dedupe_key(window: u32, id: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(5 + id.len());
+    k.push(b'k');
+    k.extend_from_slice(&window.to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+/// Where a log being converted is written, beside its directory.
+fn converting(dir: &Path) -> PathBuf {
+    dir.with_extension("converting")
+}
+
+/// Where a converted log's old directory waits to be deleted.
+fn converted(dir: &Path) -> PathBuf {
+    dir.with_extension("converted")
+}
+
+/// Writes the log in `dir`, kept with one key per event (`e<seq>`) and idempotency keys kept
+/// for ever (`d<key>`), as blocks into a directory beside it, which [`finish_conversion`]
+/// puts in its place: sled does not give back the memory of pages emptied in place, so the
+/// converted log starts afresh. The idempotency keys are not carried over (a window's worth
+/// of retries after an upgrade is all they would catch).
+fn convert_per_event_keys(dir: &Path, tree: &sled::Tree) -> Result<(), LogError> {
+    let unavailable = |e: sled::Error| LogError::Unavailable(e.to_string());
+    let io = |e: std::io::Error| LogError::Unavailable(e.to_string());
+    let to = converting(dir);
+    if to.exists() {
+        std::fs::remove_dir_all(&to).map_err(io)?;
+    }
+    tracing::info!(dir = %dir.display(), "converting the event log to blocks of events (once)");
+    let db = open_sled(sled::Config::new().path(&to)).map_err(unavailable)?;
+    let out = db.open_tree("log").map_err(unavailable)?;
+    let mut batch = sled::Batch::default();
+    let mut block: Option<Block> = None;
+    let mut pending = 0;
+    for entry in tree.scan_prefix(b"e") {
+        let (k, v) = entry.map_err(unavailable)?;
+        let seq = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
+            seq: 0,
+            reason: "bad event key".into(),
+        })?;
+        decode(seq, &v)?;
+        let b = match block.take() {
+            Some(b) if b.next() == seq && !b.is_full_for(v.len()) => b,
+            Some(b) => {
+                b.write_to(&mut batch);
+                pending += 1;
+                if pending >= CONVERT_CHUNK / BLOCK_EVENTS {
+                    out.apply_batch(std::mem::take(&mut batch))
+                        .map_err(unavailable)?;
+                    pending = 0;
+                }
+                Block::starting(seq)
+            }
+            None => Block::starting(seq),
+        };
+        block.insert(b).push(&v);
+    }
+    if let Some(b) = block {
+        b.write_to(&mut batch);
+    }
+    for entry in tree.scan_prefix(b"s") {
+        let (k, v) = entry.map_err(unavailable)?;
+        batch.insert(k, v);
+    }
+    out.apply_batch(batch).map_err(unavailable)?;
+    db.flush().map_err(unavailable)?;
+    let mark = dir.join(HIGH_WATER);
+    if mark.exists() {
+        std::fs::copy(&mark, to.join(HIGH_WATER)).map_err(io)?;
+    }
+    // Complete: the old directory steps aside, and the new one takes its place.
+    std::fs::rename(dir, converted(dir)).map_err(io)
+}
+
+/// Finishes or undoes a conversion a crash interrupted: a converted log whose old directory
+/// stepped aside takes its place; one still being written is deleted (the old directory is
+/// whole, and is converted again).
+fn finish_conversion(dir: &Path) -> std::io::Result<()> {
+    let (to, old) = (converting(dir), converted(dir));
+    if old.exists() {
+        if !dir.exists() && to.exists() {
+            std::fs::rename(&to, dir)?;
+        }
+        std::fs::remove_dir_all(&old)?;
+    }
+    if to.exists() && dir.exists() {
+        std::fs::remove_dir_all(&to)?;
+    }
+    Ok(())
 }
 
 /// The page cache each sled database of this process gets by default (the log's and the
@@ -700,5 +1038,190 @@ mod tests {
         let err = EmbeddedLog::open(dir.path()).err().unwrap();
         assert!(matches!(err, OpenError::Locked(_)), "{err}");
         assert!(err.to_string().contains("another process"), "{err}");
+    }
+
+    fn keys_in(log: &EmbeddedLog, space: u8) -> usize {
+        log.tree.scan_prefix([space]).count()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_fill_blocks_and_read_back_from_anywhere() {
+        let dir = tempfile::tempdir().unwrap();
+        let payload = |i: u64| {
+            format!(
+                "{{\"n\":{i},\"pad\":\"{}\"}}",
+                "x".repeat((i % 300) as usize)
+            )
+        };
+        let mut written = 0u64;
+        {
+            let log = EmbeddedLog::open(dir.path()).unwrap();
+            // Singles and batches, as writers send them.
+            while written < 400 {
+                let n = [1, 7, 1, 33, 2][(written % 5) as usize];
+                let appends = (written..written + n)
+                    .map(|i| Append::new("fairledger.ledger.test", payload(i + 1)))
+                    .collect();
+                log.append_batch(appends).await.unwrap();
+                written += n;
+            }
+            let blocks = keys_in(&log, b'b');
+            assert!(
+                blocks * 8 < written as usize,
+                "{blocks} blocks for {written} events"
+            );
+            assert_eq!(keys_in(&log, b'e'), 0);
+        }
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        assert_eq!(log.last_seq().await.unwrap(), written);
+        let before = keys_in(&log, b'b');
+        log.append(Append::new("fairledger.ledger.test", payload(written + 1)))
+            .await
+            .unwrap();
+        written += 1;
+        assert!(
+            keys_in(&log, b'b') <= before + 1,
+            "the last block goes on filling after a restart"
+        );
+        for from in 1..=written {
+            let max = (from % 50 + 1) as usize;
+            let read = log.read(from, max).await.unwrap();
+            let expected: Vec<u64> = (from..=written).take(max).collect();
+            assert_eq!(
+                read.iter().map(|e| e.seq).collect::<Vec<_>>(),
+                expected,
+                "read({from}, {max})"
+            );
+            for e in &read {
+                assert_eq!(e.payload, payload(e.seq).into_bytes());
+            }
+        }
+        assert!(log.read(written + 1, 10).await.unwrap().is_empty());
+    }
+
+    /// Writes `appends` into `dir` as the log was kept before blocks: e<seq>, d<key>,
+    /// s<subject>.
+    fn write_per_event_keys(dir: &Path, appends: &[Append]) {
+        let db = open_sled(sled::Config::new().path(dir)).unwrap();
+        let tree = db.open_tree("log").unwrap();
+        for (i, a) in appends.iter().enumerate() {
+            let seq = i as u64 + 1;
+            tree.insert(key(b'e', seq), encode(a)).unwrap();
+            tree.insert(
+                prefixed(b'd', a.msg_id.as_deref().unwrap().as_bytes()),
+                &seq.to_be_bytes(),
+            )
+            .unwrap();
+            tree.insert(prefixed(b's', a.subject.as_bytes()), &seq.to_be_bytes())
+                .unwrap();
+        }
+        db.flush().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_conversion_cut_short_is_finished_or_done_again() {
+        let parent = tempfile::tempdir().unwrap();
+        let appends: Vec<Append> = (1..=50u64)
+            .map(|i| Append::new("fairledger.ledger.s", format!("{i}")).with_msg_id(format!("{i}")))
+            .collect();
+        // Cut short while the new directory was being written: the old one stands.
+        let dir = parent.path().join("a");
+        write_per_event_keys(&dir, &appends);
+        std::fs::create_dir_all(converting(&dir)).unwrap();
+        std::fs::write(converting(&dir).join("db"), b"half").unwrap();
+        let log = EmbeddedLog::open(&dir).unwrap();
+        assert_eq!(log.read(1, 100).await.unwrap().len(), 50);
+        assert!(!converting(&dir).exists());
+        drop(log);
+        // Cut short between the two renames: the converted log takes its place.
+        let dir = parent.path().join("b");
+        write_per_event_keys(&dir, &appends);
+        {
+            let db = open_sled(sled::Config::new().path(&dir)).unwrap();
+            let tree = db.open_tree("log").unwrap();
+            convert_per_event_keys(&dir, &tree).unwrap();
+        }
+        assert!(!dir.exists() && converted(&dir).exists() && converting(&dir).exists());
+        let log = EmbeddedLog::open(&dir).unwrap();
+        let read = log.read(1, 100).await.unwrap();
+        assert_eq!(read.len(), 50);
+        assert_eq!(read[49].payload, appends[49].payload);
+        assert_eq!(keys_in(&log, b'e'), 0);
+        assert!(!converting(&dir).exists() && !converted(&dir).exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_log_with_one_key_per_event_is_converted_when_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = &dir.path().join("log");
+        let appends: Vec<Append> = (1..=3000u64)
+            .map(|i| {
+                Append::new(
+                    format!("fairledger.ledger.s{}", i % 3),
+                    format!("{{\"n\":{i}}}"),
+                )
+                .with_msg_id(format!("id{i}"))
+            })
+            .collect();
+        write_per_event_keys(dir, &appends);
+        std::fs::write(dir.join(HIGH_WATER), format!("{:020}\n", 3000)).unwrap();
+        let log = EmbeddedLog::open(dir).unwrap();
+        assert_eq!(log.last_seq().await.unwrap(), 3000);
+        assert!(!converting(dir).exists() && !converted(dir).exists());
+        assert!(
+            dir.join(HIGH_WATER).exists(),
+            "the high-water mark came along"
+        );
+        assert_eq!((keys_in(&log, b'e'), keys_in(&log, b'd')), (0, 0));
+        let read = log.read(1, 5000).await.unwrap();
+        assert_eq!(read.len(), 3000);
+        for (e, a) in read.iter().zip(&appends) {
+            assert_eq!(
+                (&e.subject, &e.msg_id, &e.payload),
+                (&a.subject, &a.msg_id, &a.payload)
+            );
+        }
+        let next = log
+            .append(Append::new("fairledger.ledger.s0", "{}").with_msg_id("new"))
+            .await
+            .unwrap();
+        assert_eq!(next.seq, 3001);
+        // The subjects' last sequences came through.
+        let fenced = log
+            .append(Append::new("fairledger.ledger.s1", "{}").expecting(
+                Expect::LastSubjectSequence {
+                    filter: "fairledger.ledger.s1".into(),
+                    seq: 2998,
+                },
+            ))
+            .await
+            .unwrap();
+        assert_eq!(fenced.seq, 3002);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idempotency_keys_are_remembered_for_a_window_then_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let window = std::time::Duration::from_secs(1);
+        let append = |key: &str| Append::new("fairledger.ledger.test", "x").with_msg_id(key);
+        {
+            let log = EmbeddedLog::open_with_window(dir.path(), window).unwrap();
+            assert_eq!(log.append(append("a")).await.unwrap().seq, 1);
+        }
+        // Remembered across a restart, within the window.
+        let log = EmbeddedLog::open_with_window(dir.path(), window).unwrap();
+        let again = log.append(append("a")).await.unwrap();
+        assert_eq!((again.seq, again.duplicate), (1, true));
+        // Two windows on, it is forgotten, and so are its keys on disk.
+        tokio::time::sleep(std::time::Duration::from_millis(2_100)).await;
+        let later = log.append(append("a")).await.unwrap();
+        assert_eq!((later.seq, later.duplicate), (2, false));
+        assert_eq!(
+            keys_in(&log, b'k'),
+            1,
+            "the expired window's key is deleted"
+        );
+        let retry = log.append(append("a")).await.unwrap();
+        assert_eq!((retry.seq, retry.duplicate), (2, true));
     }
 }
