@@ -1,7 +1,7 @@
 //! The commands that work on the event log itself: `replay` from a log, `project`, `log import`.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use eventlog::{AnyLog, EmbeddedLog, EventLog, JetStreamLog, JetStreamOptions, NatsAuth};
 use ledger::{Envelope, StateConfig};
@@ -264,8 +264,10 @@ pub async fn shutdown_signal() {
 }
 
 /// `fairledger log import FILE`: appends a ledger written as JSON lines (a simulator's
-/// `events.jsonl`, an export) to the log, in order, each event keyed by its id so that running
-/// the import again appends nothing twice.
+/// `events.jsonl`, an export) to the log, in order, leaving out the events whose ids the log
+/// already holds, so that running the import again, however much later, appends nothing twice.
+/// (The logs remember idempotency keys only for a duplicate window, so the import asks the log
+/// what it holds instead of keying each event.)
 pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), String> {
     // Two passes over the file, so that memory does not grow with its length: the first checks
     // every line (nothing is imported from a file with a bad one), the second appends.
@@ -294,15 +296,24 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
     runtime()?.block_on(async {
         let log = log_args.open().await?;
         let started = Instant::now();
+        let held = ids_in(&log).await?;
         let mut router = eventlog::subject::Router::default();
         let (mut written, mut duplicates) = (0u64, 0u64);
-        let mut chunk: Vec<Envelope> = Vec::with_capacity(batch);
+        let mut chunk: Vec<eventlog::Append> = Vec::with_capacity(batch);
         let mut lines = lines()?.peekable();
         while lines.peek().is_some() {
             chunk.clear();
             for (i, line) in lines.by_ref() {
                 if let Some(env) = parse(i, line)? {
-                    chunk.push(env);
+                    // Every event goes past the router, which learns workloads' allocations
+                    // from their submissions, held or not.
+                    let mut append = router.append(&env, None);
+                    if held.contains(&env.id) {
+                        duplicates += 1;
+                        continue;
+                    }
+                    append.msg_id = None;
+                    chunk.push(append);
                     if chunk.len() == batch {
                         break;
                     }
@@ -311,22 +322,10 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
             if chunk.is_empty() {
                 break;
             }
-            let appends: Vec<_> = chunk.iter().map(|e| router.append(e, None)).collect();
-            // Append one by one where a batch would be refused for holding a known key (a
-            // second import of the same file).
-            match log.append_batch(appends.clone()).await {
+            let appends = std::mem::take(&mut chunk);
+            match log.append_batch(appends).await {
                 Ok(acks) => written += acks.len() as u64,
-                Err(eventlog::AppendError::DuplicateBatch(_)) => {
-                    for a in appends {
-                        let ack = append_retrying(&log, a).await?;
-                        if ack.duplicate {
-                            duplicates += 1;
-                        } else {
-                            written += 1;
-                        }
-                    }
-                }
-                Err(e) => return Err(format!("import stopped after {written} events: {e}")),
+                Err(e) => return Err(format!("import stopped after {written} events: {e}; running the import again goes on from there")),
             }
         }
         eprintln!(
@@ -338,22 +337,30 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
     })
 }
 
-async fn append_retrying(
-    log: &AnyLog,
-    append: eventlog::Append,
-) -> Result<eventlog::Appended, String> {
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match log.append(append.clone()).await {
-            Ok(ack) => return Ok(ack),
-            Err(eventlog::AppendError::Unacknowledged(why)) if delay < Duration::from_secs(5) => {
-                eprintln!("append not acknowledged ({why}); retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            Err(e) => return Err(e.to_string()),
-        }
+/// The ids of the events the log holds (none for a new log: the common import).
+async fn ids_in(log: &AnyLog) -> Result<std::collections::HashSet<uuid::Uuid>, String> {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: uuid::Uuid,
     }
+    let last = log.last_seq().await.map_err(|e| e.to_string())?;
+    let mut ids = std::collections::HashSet::with_capacity(last as usize);
+    let mut next = 1;
+    while next <= last {
+        let events = log.read(next, 4096).await.map_err(|e| e.to_string())?;
+        let Some(end) = events.last().map(|e| e.seq) else {
+            break;
+        };
+        // An event that does not decode has no id to match: the import cannot hold it.
+        ids.extend(
+            events
+                .iter()
+                .filter_map(|e| serde_json::from_slice::<Id>(&e.payload).ok())
+                .map(|e| e.id),
+        );
+        next = end + 1;
+    }
+    Ok(ids)
 }
 
 /// `fairledger audit verify`.

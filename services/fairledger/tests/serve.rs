@@ -1057,3 +1057,66 @@ fn the_configs_heartbeat_timeout_holds_unless_the_flag_says_otherwise() {
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(healthy(&flagged), 2, "the flag's hour wins over the config");
 }
+
+/// An import run again appends nothing twice, without relying on the log's duplicate window:
+/// it leaves out the events whose ids the log holds, and goes on after those it has.
+#[test]
+fn an_import_run_again_appends_only_what_the_log_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let sim_out = dir.path().join("sim");
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../sim/tests/data");
+    let (ok, _, err) = run(&[
+        "sim",
+        "--scenario",
+        &format!("{fixtures}/two-teams.toml"),
+        "--workloads",
+        &format!("{fixtures}/two-teams.jsonl"),
+        "--out",
+        sim_out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let events = std::fs::read_to_string(sim_out.join("events.jsonl")).unwrap();
+    let lines: Vec<&str> = events.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() > 50, "{} events", lines.len());
+    // The first half, then the whole file: only the second half is appended.
+    let half = dir.path().join("half.jsonl");
+    std::fs::write(&half, lines[..lines.len() / 2].join("\n")).unwrap();
+    let data_arg = data.to_str().unwrap();
+    let import = |file: &std::path::Path| {
+        let (ok, _, err) = run(&["log", "import", "--data", data_arg, file.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        err
+    };
+    let err = import(&half);
+    assert!(
+        err.contains(&format!(
+            "imported {} events (0 already present)",
+            lines.len() / 2
+        )),
+        "{err}"
+    );
+    let whole = sim_out.join("events.jsonl");
+    let err = import(&whole);
+    assert!(
+        err.contains(&format!(
+            "imported {} events ({} already present)",
+            lines.len() - lines.len() / 2,
+            lines.len() / 2
+        )),
+        "{err}"
+    );
+    let err = import(&whole);
+    assert!(
+        err.contains(&format!(
+            "imported 0 events ({} already present)",
+            lines.len()
+        )),
+        "{err}"
+    );
+    // The log is the file, in order, once.
+    let (ok, out, err) = run(&["project", "--once", "--data", data_arg, "--json"]);
+    assert!(ok, "{err}");
+    let reached: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(reached["last_seq"], lines.len() as u64, "{reached}");
+}
