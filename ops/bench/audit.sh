@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Auditors at scale. Builds a ledger from a simulated year (FAIRLEDGER_BENCH_WORKLOADS workloads,
-# default 1,000,000: about 3 million events), moved in time to end an hour ago, imports it into
-# an embedded log and measures, with wrk against the release `fairledger serve`:
-#   - the projection rebuild (`project --once`), start-up to /readyz, and resident memory;
+# default 1,000,000: about 3 million events; offered load FAIRLEDGER_BENCH_LOAD, default 0.97, so
+# the queue stays short), moved in time to end an hour ago, imports it into an embedded log and
+# measures, with wrk against the release `fairledger serve`:
+#   - the projection rebuild (`project --once`), start-up to /readyz, and resident memory, at
+#     start and with 50,000 more submissions waiting;
 #   - an audit of every allocation over the last 30 days by day, and the cluster metrics of
 #     the same period;
 #   - submissions alone, then submissions while 8 connections query the audit;
@@ -16,12 +18,13 @@ BIN=target/release/fairledger
 URL=http://127.0.0.1:$PORT
 cargo build --release -p fairledger
 if [ ! -f "$WORK/events.jsonl" ]; then
-  FAIRLEDGER_BENCH_KEEP="$WORK/year" cargo bench -p sim --bench year
+  FAIRLEDGER_BENCH_LOAD=${FAIRLEDGER_BENCH_LOAD:-0.97} FAIRLEDGER_BENCH_KEEP="$WORK/year" \
+    cargo bench -p sim --bench year
   python3 ops/bench/shift.py "$WORK/year/events.jsonl" "$WORK/events.jsonl"
 fi
 # A fresh log each run: the submissions of an earlier run would otherwise wait in its queue.
 rm -rf "$WORK/data"
-$BIN log import --data "$WORK/data" "$WORK/events.jsonl"
+/usr/bin/time -f "import: %e s, %M KB max resident" $BIN log import --data "$WORK/data" "$WORK/events.jsonl"
 echo "== projection rebuild"
 /usr/bin/time -f "%e s, %M KB max resident" $BIN project --once --data "$WORK/data"
 
@@ -34,6 +37,14 @@ until curl -sf "$URL/readyz" >/dev/null; do sleep 0.05; done
 echo "== start-up to /readyz: $(echo "$(date +%s.%N) - $start" | bc) s"
 echo "== resident: $(ps -o rss= -p $SERVE) KB"
 export FAIRLEDGER_TOKEN=$(cat "$WORK/data/admin.token")
+live() {
+  curl -sf -H "Authorization: Bearer $FAIRLEDGER_TOKEN" "$URL/metrics" |
+    awk '/^fairledger_workloads\{phase="live"\}/ {print $2}'
+}
+echo "== live workloads at start: $(live)"
+FAIRLEDGER_BENCH_COUNT=50000 wrk -t1 -c64 -d60s -s ops/bench/submit.lua "$URL/v1/workloads" >/dev/null
+sleep 2
+echo "== after 50,000 submissions: $(live) live, resident $(ps -o rss= -p $SERVE) KB"
 FROM=$(date -u -d '30 days ago' +%Y-%m-%d)
 AUDIT="$URL/v1/audit/ledger?from=$FROM&granularity=day"
 METRICS="$URL/v1/metrics/cluster?from=$FROM"
