@@ -918,20 +918,8 @@ fn run(args: &[&str]) -> (bool, String, String) {
 fn audit_verify_agrees_with_the_log_and_names_a_tampered_row() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let sim_out = dir.path().join("sim");
-    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../sim/tests/data");
-    let (ok, _, err) = run(&[
-        "sim",
-        "--scenario",
-        &format!("{fixtures}/two-teams.toml"),
-        "--workloads",
-        &format!("{fixtures}/two-teams.jsonl"),
-        "--out",
-        sim_out.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+    let events = simulate_two_teams(dir.path());
     let data_arg = data.to_str().unwrap();
-    let events = sim_out.join("events.jsonl");
     let (ok, _, err) = run(&[
         "log",
         "import",
@@ -1058,13 +1046,9 @@ fn the_configs_heartbeat_timeout_holds_unless_the_flag_says_otherwise() {
     assert_eq!(healthy(&flagged), 2, "the flag's hour wins over the config");
 }
 
-/// An import run again appends nothing twice, without relying on the log's duplicate window:
-/// it leaves out the events whose ids the log holds, and goes on after those it has.
-#[test]
-fn an_import_run_again_appends_only_what_the_log_lacks() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let sim_out = dir.path().join("sim");
+/// The ledger of the simulator's two-team fixture, written under `dir`: its events.jsonl.
+fn simulate_two_teams(dir: &std::path::Path) -> std::path::PathBuf {
+    let out = dir.join("sim");
     let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../sim/tests/data");
     let (ok, _, err) = run(&[
         "sim",
@@ -1073,10 +1057,21 @@ fn an_import_run_again_appends_only_what_the_log_lacks() {
         "--workloads",
         &format!("{fixtures}/two-teams.jsonl"),
         "--out",
-        sim_out.to_str().unwrap(),
+        out.to_str().unwrap(),
     ]);
     assert!(ok, "{err}");
-    let events = std::fs::read_to_string(sim_out.join("events.jsonl")).unwrap();
+    out.join("events.jsonl")
+}
+
+/// An import run again appends nothing twice, without relying on the log's duplicate window:
+/// it leaves out the events whose ids the log holds, and goes on after those it has.
+#[test]
+fn an_import_run_again_appends_only_what_the_log_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let events = simulate_two_teams(dir.path());
+    let whole = events;
+    let events = std::fs::read_to_string(&whole).unwrap();
     let lines: Vec<&str> = events.lines().filter(|l| !l.trim().is_empty()).collect();
     assert!(lines.len() > 50, "{} events", lines.len());
     // The first half, then the whole file: only the second half is appended.
@@ -1096,7 +1091,6 @@ fn an_import_run_again_appends_only_what_the_log_lacks() {
         )),
         "{err}"
     );
-    let whole = sim_out.join("events.jsonl");
     let err = import(&whole);
     assert!(
         err.contains(&format!(

@@ -38,6 +38,34 @@ async fn write_all(log: &EmbeddedLog, events: &[Envelope]) {
     }
 }
 
+/// An allocation `lab` and a node `n` of two GPUs: where the hand-written ledgers run.
+fn lab_and_node() -> [ledger::Event; 2] {
+    use ledger::event::*;
+    [
+        ledger::Event::AllocationSet(AllocationSet {
+            path: "lab".into(),
+            weight: 1,
+            max_gpus: None,
+        }),
+        ledger::Event::NodeRegistered(NodeRegistered {
+            node: "n".into(),
+            gpus: 2,
+            model: "H100".into(),
+            labels: Default::default(),
+        }),
+    ]
+}
+
+/// Workload `id` finished with exit code 0.
+fn finished(id: uuid::Uuid) -> ledger::Event {
+    ledger::Event::WorkloadFinished(ledger::event::WorkloadFinished {
+        workload: id,
+        exit_code: Some(0),
+        signal: None,
+        error: None,
+    })
+}
+
 fn config() -> StateConfig {
     StateConfig::default()
 }
@@ -316,18 +344,7 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
     let id = uuid::Uuid::from_u128(42);
-    let events = [
-        Event::AllocationSet(AllocationSet {
-            path: "lab".into(),
-            weight: 1,
-            max_gpus: None,
-        }),
-        Event::NodeRegistered(NodeRegistered {
-            node: "n".into(),
-            gpus: 2,
-            model: "H100".into(),
-            labels: Default::default(),
-        }),
+    let events = lab_and_node().into_iter().chain([
         Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("lab".into()), 2, 1)),
         Event::WorkloadStarted(WorkloadStarted {
             workload: id,
@@ -347,7 +364,7 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
             workload: id,
             reason: StopReason::Cancelled,
         }),
-    ];
+    ]);
     write_all(&log, &one_a_second(events)).await;
     let mut p = Projector::open(&dir.path().join("p"), config(), &log)
         .await
@@ -397,29 +414,10 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
     let id = uuid::Uuid::from_u128(7);
-    let finished = || {
-        Event::WorkloadFinished(WorkloadFinished {
-            workload: id,
-            exit_code: Some(0),
-            signal: None,
-            error: None,
-        })
-    };
-    let events = [
-        Event::AllocationSet(AllocationSet {
-            path: "lab".into(),
-            weight: 1,
-            max_gpus: None,
-        }),
-        Event::NodeRegistered(NodeRegistered {
-            node: "n".into(),
-            gpus: 2,
-            model: "H100".into(),
-            labels: Default::default(),
-        }),
+    let events = lab_and_node().into_iter().chain([
         Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("lab".into()), 1, 1)),
         // 4: refused, it is not running yet.
-        finished(),
+        finished(id),
         Event::WorkloadStarted(WorkloadStarted {
             workload: id,
             placement: vec![PlacedNode {
@@ -428,11 +426,11 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
             }],
             protected_until_ms: 10_000,
         }),
-        finished(),
+        finished(id),
         // 7 and 8: refused, it has ended.
-        finished(),
-        finished(),
-    ];
+        finished(id),
+        finished(id),
+    ]);
     write_all(&log, &one_a_second(events)).await;
     let stored = log.read(1, 100).await.unwrap();
     let mut digests = Vec::new();
@@ -468,26 +466,7 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
         s.idempotency_key = Some("t/k1".into());
         Event::WorkloadSubmitted(s)
     };
-    let finished = || {
-        Event::WorkloadFinished(WorkloadFinished {
-            workload: a,
-            exit_code: Some(0),
-            signal: None,
-            error: None,
-        })
-    };
-    let events = [
-        Event::AllocationSet(AllocationSet {
-            path: "lab".into(),
-            weight: 1,
-            max_gpus: None,
-        }),
-        Event::NodeRegistered(NodeRegistered {
-            node: "n".into(),
-            gpus: 2,
-            model: "H100".into(),
-            labels: Default::default(),
-        }),
+    let events = lab_and_node().into_iter().chain([
         keyed(a),
         Event::WorkloadStarted(WorkloadStarted {
             workload: a,
@@ -497,7 +476,7 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
             }],
             protected_until_ms: 10_000,
         }),
-        finished(),
+        finished(a),
         // 6: a duplicate of the first; 7: the ended id again; 8 and 9: late endings.
         keyed(b),
         Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
@@ -505,8 +484,8 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
             workload: a,
             reason: None,
         }),
-        finished(),
-    ];
+        finished(a),
+    ]);
     let envelopes = one_a_second(events);
     write_all(&log, &envelopes).await;
     let stored = log.read(1, 100).await.unwrap();
