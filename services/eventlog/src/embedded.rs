@@ -105,8 +105,10 @@ impl EmbeddedLog {
             dir: dir.to_owned(),
             reason,
         };
-        finish_conversion(dir).map_err(|e| storage(e.to_string()))?;
+        put_converted_in_place(dir).map_err(|e| storage(e.to_string()))?;
         let mut db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
+        // Holding the directory's lock, so no conversion is under way elsewhere.
+        clear_conversion_leftovers(dir).map_err(|e| storage(e.to_string()))?;
         let mut tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
         if tree.scan_prefix(b"e").next().is_some() || tree.scan_prefix(b"d").next().is_some() {
             convert_per_event_keys(dir, &tree).map_err(|e| match e {
@@ -114,8 +116,9 @@ impl EmbeddedLog {
                 other => storage(other.to_string()),
             })?;
             drop((tree, db));
-            finish_conversion(dir).map_err(|e| storage(e.to_string()))?;
+            put_converted_in_place(dir).map_err(|e| storage(e.to_string()))?;
             db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
+            clear_conversion_leftovers(dir).map_err(|e| storage(e.to_string()))?;
             tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
         }
         let block = match tree.scan_prefix(b"b").next_back() {
@@ -702,12 +705,14 @@ impl Dedupe {
         })
     }
 
-    /// The number of the window under way.
+    /// The number of the window under way: never lower than one already used, so a clock
+    /// stepped back does not file keys where lookups would no longer look.
     fn now(&self) -> u32 {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        (secs / self.window_s).min(u64::from(u32::MAX)) as u32
+        let now = (secs / self.window_s).min(u64::from(u32::MAX)) as u32;
+        now.max(self.windows.last().copied().unwrap_or(0))
     }
 
     fn note(&mut self, window: u32) {
@@ -775,7 +780,7 @@ fn converted(dir: &Path) -> PathBuf {
 }
 
 /// Writes the log in `dir`, kept with one key per event (`e<seq>`) and idempotency keys kept
-/// for ever (`d<key>`), as blocks into a directory beside it, which [`finish_conversion`]
+/// for ever (`d<key>`), as blocks into a directory beside it, which [`put_converted_in_place`]
 /// puts in its place: sled does not give back the memory of pages emptied in place, so the
 /// converted log starts afresh. The idempotency keys are not carried over (a window's worth
 /// of retries after an upgrade is all they would catch).
@@ -827,24 +832,68 @@ fn convert_per_event_keys(dir: &Path, tree: &sled::Tree) -> Result<(), LogError>
     let mark = dir.join(HIGH_WATER);
     if mark.exists() {
         std::fs::copy(&mark, to.join(HIGH_WATER)).map_err(io)?;
+        std::fs::File::open(to.join(HIGH_WATER))
+            .and_then(|f| f.sync_all())
+            .map_err(io)?;
     }
+    std::fs::write(to.join(CONVERTED), b"blocks\n")
+        .and_then(|()| std::fs::File::open(to.join(CONVERTED))?.sync_all())
+        .and_then(|()| sync_dir(&to))
+        .map_err(io)?;
     // Complete: the old directory steps aside, and the new one takes its place.
-    std::fs::rename(dir, converted(dir)).map_err(io)
+    std::fs::rename(dir, converted(dir))
+        .and_then(|()| sync_dir(dir))
+        .map_err(io)
 }
 
-/// Finishes or undoes a conversion a crash interrupted: a converted log whose old directory
-/// stepped aside takes its place; one still being written is deleted (the old directory is
-/// whole, and is converted again).
-fn finish_conversion(dir: &Path) -> std::io::Result<()> {
+/// The file a converted log's directory holds, once the conversion is complete.
+const CONVERTED: &str = "converted";
+
+/// Makes the entries of `path`'s parent directory (a rename) durable.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(parent)?.sync_all()
+}
+
+/// Puts a complete conversion in place of the old directory that stepped aside for it (a
+/// crash between the two renames). Runs before the directory's lock can be taken: it touches
+/// nothing while the directory exists.
+fn put_converted_in_place(dir: &Path) -> std::io::Result<()> {
     let (to, old) = (converting(dir), converted(dir));
+    if dir.exists() || !old.exists() {
+        return Ok(());
+    }
+    if !to.join(CONVERTED).exists() {
+        return Err(std::io::Error::other(format!(
+            "the log was being converted and its new copy {} is not complete; move {} back to {}",
+            to.display(),
+            old.display(),
+            dir.display()
+        )));
+    }
+    std::fs::rename(&to, dir)?;
+    sync_dir(dir)
+}
+
+/// Deletes what a conversion left behind: a new copy never completed, or the old directory once
+/// the converted one is in place. Only with the directory's lock held.
+fn clear_conversion_leftovers(dir: &Path) -> std::io::Result<()> {
+    let (to, old) = (converting(dir), converted(dir));
+    if to.exists() {
+        std::fs::remove_dir_all(&to)?;
+    }
     if old.exists() {
-        if !dir.exists() && to.exists() {
-            std::fs::rename(&to, dir)?;
+        if !dir.join(CONVERTED).exists() {
+            return Err(std::io::Error::other(format!(
+                "{} is a log set aside by a conversion, but {} is not the converted one; keep the one that holds the ledger and move the other away",
+                old.display(),
+                dir.display()
+            )));
         }
         std::fs::remove_dir_all(&old)?;
-    }
-    if to.exists() && dir.exists() {
-        std::fs::remove_dir_all(&to)?;
     }
     Ok(())
 }
@@ -1148,6 +1197,16 @@ mod tests {
         assert_eq!(read[49].payload, appends[49].payload);
         assert_eq!(keys_in(&log, b'e'), 0);
         assert!(!converting(&dir).exists() && !converted(&dir).exists());
+        drop(log);
+        // Set aside with no complete copy to take its place: nothing is deleted, and the error
+        // says what to do.
+        let dir = parent.path().join("c");
+        write_per_event_keys(&dir, &appends);
+        std::fs::rename(&dir, converted(&dir)).unwrap();
+        std::fs::create_dir_all(converting(&dir)).unwrap();
+        let err = EmbeddedLog::open(&dir).err().unwrap().to_string();
+        assert!(err.contains("move") && err.contains("back"), "{err}");
+        assert!(converted(&dir).join("db").exists());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

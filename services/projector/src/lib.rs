@@ -293,7 +293,8 @@ fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Resu
 
 /// The projection's rows as the folded state's [`ledger::Archive`]: an ended workload is its
 /// `w/` row in a final phase, a used key its `i/` row. A read that fails is remembered, and the
-/// batch folded meanwhile is not written (the fold cannot wait on an error).
+/// batch folded meanwhile is not written (the fold cannot wait on an error); a reader's failed
+/// read between folds only makes its answer a "not found".
 struct RowArchive {
     tree: sled::Tree,
     failed: std::sync::atomic::AtomicBool,
@@ -391,6 +392,12 @@ impl Projector {
                 }
                 p.state.skip(e.seq);
             }
+        }
+        if p.archive.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(ProjectionError::Storage {
+                dir: dir.to_owned(),
+                reason: "a read of the projection's own rows failed while refolding".into(),
+            });
         }
         // The rows those events closed, the workloads they ended and the keys they used are
         // stored already.
@@ -678,6 +685,11 @@ impl Projector {
                 dir: self.dir.clone(),
             });
         }
+        // Only a failed read by this fold stops it (a reader's, between folds, answered
+        // without changing anything).
+        self.archive
+            .failed
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         let mut batch = sled::Batch::default();
         let mut rows: BTreeMap<WorkloadId, WorkloadRow> = BTreeMap::new();
         let mut applied = 0;
