@@ -105,38 +105,21 @@ impl EmbeddedLog {
             dir: dir.to_owned(),
             reason,
         };
-        put_converted_in_place(dir).map_err(|e| storage(e.to_string()))?;
-        let mut db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
-        // Holding the directory's lock, so no conversion is under way elsewhere.
-        clear_conversion_leftovers(dir).map_err(|e| storage(e.to_string()))?;
-        let mut tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+        let (mut db, mut tree) = open_tree(dir)?;
         if tree.scan_prefix(b"e").next().is_some() || tree.scan_prefix(b"d").next().is_some() {
             convert_per_event_keys(dir, &tree).map_err(|e| match e {
                 LogError::Corrupt { seq, reason } => corrupt(format!("event {seq}: {reason}")),
                 other => storage(other.to_string()),
             })?;
             drop((tree, db));
-            put_converted_in_place(dir).map_err(|e| storage(e.to_string()))?;
-            db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
-            clear_conversion_leftovers(dir).map_err(|e| storage(e.to_string()))?;
-            tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+            (db, tree) = open_tree(dir)?;
         }
         let block = match tree.scan_prefix(b"b").next_back() {
             None => Block::starting(1),
             Some(entry) => {
                 let (k, v) = entry.map_err(|e| open_error(dir, e))?;
                 let first = seq_of_key(&k).ok_or_else(|| corrupt("bad block key".into()))?;
-                let records =
-                    records(first, &v).map_err(|e| corrupt(format!("last block: {e}")))?;
-                if records.is_empty() {
-                    return Err(corrupt(format!("the block at {first} is empty")));
-                }
-                Block {
-                    first,
-                    count: records.len(),
-                    bytes: v.to_vec(),
-                    dirty: false,
-                }
+                Block::stored(first, &v).map_err(|e| corrupt(format!("last block: {e}")))?
             }
         };
         let last_seq = block.first + block.count as u64 - 1;
@@ -443,12 +426,7 @@ impl Writer {
                 let mut acks = Vec::with_capacity(appends.len());
                 for a in appends {
                     next += 1;
-                    let record = encode(&a);
-                    if self.block.is_full_for(record.len()) {
-                        let full = std::mem::replace(&mut self.block, Block::starting(next));
-                        full.write_to(&mut batch);
-                    }
-                    self.block.push(&record);
+                    self.block.add(next, &encode(&a), &mut batch);
                     if let Some(id) = &a.msg_id {
                         batch.insert(dedupe_key(window, id), &next.to_be_bytes());
                         overlay.ids.insert(id.clone(), next);
@@ -472,10 +450,7 @@ impl Writer {
             }
         }
         if next > self.last_seq {
-            if self.block.dirty {
-                self.block.write_to(&mut batch);
-                self.block.dirty = false;
-            }
+            self.block.write_to(&mut batch);
             // Each subject's last sequence once per group, not once per event.
             for (subject, seq) in &overlay.subjects {
                 batch.insert(prefixed(b's', subject.as_bytes()), &seq.to_be_bytes());
@@ -623,28 +598,50 @@ impl Block {
         }
     }
 
-    /// Whether a record of `len` bytes must start the next block.
-    fn is_full_for(&self, len: usize) -> bool {
-        self.count > 0 && (self.count >= BLOCK_EVENTS || self.bytes.len() + 4 + len > BLOCK_BYTES)
+    /// The block stored at `b<first>`.
+    fn stored(first: u64, bytes: &[u8]) -> Result<Self, LogError> {
+        let count = records(first, bytes)?.len();
+        if count == 0 {
+            return Err(LogError::Corrupt {
+                seq: first,
+                reason: "an empty block".into(),
+            });
+        }
+        Ok(Block {
+            first,
+            count,
+            bytes: bytes.to_vec(),
+            dirty: false,
+        })
     }
 
-    /// The sequence the next record would have.
-    fn next(&self) -> u64 {
-        self.first + self.count as u64
-    }
-
-    fn push(&mut self, record: &[u8]) {
+    /// Adds the record of event `seq`. When the block is full, or `seq` does not follow it,
+    /// the block is written to `batch` first and the record starts the next one; says whether
+    /// it did.
+    fn add(&mut self, seq: u64, record: &[u8], batch: &mut sled::Batch) -> bool {
+        let next = self.count > 0
+            && (seq != self.first + self.count as u64
+                || self.count >= BLOCK_EVENTS
+                || self.bytes.len() + 4 + record.len() > BLOCK_BYTES);
+        if next {
+            std::mem::replace(self, Block::starting(seq)).write_to(batch);
+        } else if self.count == 0 {
+            self.first = seq;
+        }
         self.bytes
             .extend_from_slice(&(record.len() as u32).to_be_bytes());
         self.bytes.extend_from_slice(record);
         self.count += 1;
         self.dirty = true;
+        next
     }
 
-    fn write_to(&self, batch: &mut sled::Batch) {
+    /// Adds the block to `batch` if it changed since it was last written.
+    fn write_to(&mut self, batch: &mut sled::Batch) {
         if self.dirty && self.count > 0 {
             batch.insert(key(b'b', self.first).to_vec(), self.bytes.clone());
         }
+        self.dirty = false;
     }
 }
 
@@ -769,6 +766,21 @@ fn dedupe_key(window: u32, id: &str) -> Vec<u8> {
     k
 }
 
+/// Opens the log's tree in `dir`, putting a conversion a crash interrupted in place first and
+/// clearing what conversions left behind once the directory's lock is held (so no conversion
+/// is under way elsewhere).
+fn open_tree(dir: &Path) -> Result<(sled::Db, sled::Tree), OpenError> {
+    let storage = |e: std::io::Error| OpenError::Storage {
+        dir: dir.to_owned(),
+        reason: e.to_string(),
+    };
+    put_converted_in_place(dir).map_err(storage)?;
+    let db = open_sled(sled::Config::new().path(dir)).map_err(|e| open_error(dir, e))?;
+    clear_conversion_leftovers(dir).map_err(storage)?;
+    let tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
+    Ok((db, tree))
+}
+
 /// Where a log being converted is written, beside its directory.
 fn converting(dir: &Path) -> PathBuf {
     dir.with_extension("converting")
@@ -795,8 +807,8 @@ fn convert_per_event_keys(dir: &Path, tree: &sled::Tree) -> Result<(), LogError>
     let db = open_sled(sled::Config::new().path(&to)).map_err(unavailable)?;
     let out = db.open_tree("log").map_err(unavailable)?;
     let mut batch = sled::Batch::default();
-    let mut block: Option<Block> = None;
-    let mut pending = 0;
+    let mut block = Block::starting(1);
+    let mut written = 0;
     for entry in tree.scan_prefix(b"e") {
         let (k, v) = entry.map_err(unavailable)?;
         let seq = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
@@ -804,25 +816,15 @@ fn convert_per_event_keys(dir: &Path, tree: &sled::Tree) -> Result<(), LogError>
             reason: "bad event key".into(),
         })?;
         decode(seq, &v)?;
-        let b = match block.take() {
-            Some(b) if b.next() == seq && !b.is_full_for(v.len()) => b,
-            Some(b) => {
-                b.write_to(&mut batch);
-                pending += 1;
-                if pending >= CONVERT_CHUNK / BLOCK_EVENTS {
-                    out.apply_batch(std::mem::take(&mut batch))
-                        .map_err(unavailable)?;
-                    pending = 0;
-                }
-                Block::starting(seq)
+        if block.add(seq, &v, &mut batch) {
+            written += 1;
+            if written % (CONVERT_CHUNK / BLOCK_EVENTS) == 0 {
+                out.apply_batch(std::mem::take(&mut batch))
+                    .map_err(unavailable)?;
             }
-            None => Block::starting(seq),
-        };
-        block.insert(b).push(&v);
+        }
     }
-    if let Some(b) = block {
-        b.write_to(&mut batch);
-    }
+    block.write_to(&mut batch);
     for entry in tree.scan_prefix(b"s") {
         let (k, v) = entry.map_err(unavailable)?;
         batch.insert(k, v);
