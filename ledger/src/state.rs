@@ -444,12 +444,9 @@ impl State {
     pub fn archived(&mut self) {
         if self.archive.0.is_some() {
             self.archived_through = self.last_seq;
-            if !self.ended.is_empty() {
-                self.ended = FxHashMap::default();
-            }
-            if !self.idempotency.is_empty() {
-                self.idempotency = FxHashMap::default();
-            }
+            // Dropped, not cleared: a refold may have grown them large.
+            self.ended = FxHashMap::default();
+            self.idempotency = FxHashMap::default();
         }
     }
 
