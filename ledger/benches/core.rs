@@ -131,6 +131,7 @@ fn stream(workloads: u64, backlog: u64) -> Vec<(u64, Envelope)> {
                 workload: Uuid::from_u128(u128::from(i)),
                 placement,
                 protected_until_ms: t,
+                borrowed: None,
             }),
         ));
     }
@@ -202,6 +203,7 @@ fn big_state() -> State {
                     workload: Uuid::from_u128(id),
                     placement,
                     protected_until_ms,
+                    borrowed: None,
                 }),
             ));
         }

@@ -171,12 +171,15 @@ pub struct Preemptions {
     pub opportunistic: u64,
     /// For a failed GPU.
     pub hardware_failure: u64,
+    /// Borrowed GPUs taken back for the reservation they were lent from, once the borrower's
+    /// shorter contract was over.
+    pub reclaimed: u64,
 }
 
 impl Preemptions {
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.fair_share + self.opportunistic + self.hardware_failure
+        self.fair_share + self.opportunistic + self.hardware_failure + self.reclaimed
     }
 
     fn count(&mut self, reason: PreemptionReason) {
@@ -184,6 +187,7 @@ impl Preemptions {
             PreemptionReason::FairShare => self.fair_share += 1,
             PreemptionReason::Opportunistic => self.opportunistic += 1,
             PreemptionReason::HardwareFailure => self.hardware_failure += 1,
+            PreemptionReason::Reclaimed => self.reclaimed += 1,
             PreemptionReason::UserCancelled => {}
         }
     }
@@ -193,6 +197,7 @@ impl Preemptions {
             fair_share: self.fair_share - start.fair_share,
             opportunistic: self.opportunistic - start.opportunistic,
             hardware_failure: self.hardware_failure - start.hardware_failure,
+            reclaimed: self.reclaimed - start.reclaimed,
         }
     }
 
@@ -201,6 +206,7 @@ impl Preemptions {
         self.fair_share += other.fair_share;
         self.opportunistic += other.opportunistic;
         self.hardware_failure += other.hardware_failure;
+        self.reclaimed += other.reclaimed;
     }
 }
 

@@ -99,6 +99,9 @@ pub struct Hold {
     pub ends_ms: Option<u64>,
     /// End of the grace period of a preemption under way.
     pub grace_until_ms: Option<u64>,
+    /// A borrowed placement ([`crate::event::WorkloadStarted::borrowed`]): from this instant
+    /// whoever holds the reservation may take its GPUs back.
+    pub borrowed_until_ms: Option<u64>,
 }
 
 /// A workload's part of one node, kept beside the node so that a scheduling pass times and prices

@@ -374,6 +374,23 @@ pub struct WorkloadStarted {
     pub placement: Vec<PlacedNode>,
     /// Until this instant the workload may be preempted only for hardware failure.
     pub protected_until_ms: u64,
+    /// A *borrowed* placement: the GPUs were reserved for a pending workload and are lent until
+    /// it can start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub borrowed: Option<Borrowed>,
+}
+
+/// GPUs a reservation lends: the borrower accepts a contract with its lender that ends when the
+/// reservation is due (a grace period before, so it has left by then), or at once when that is
+/// not known. From then on the reservation may take them back ([`PreemptionReason::Reclaimed`]),
+/// which is no contract violation; any other preemption still waits for `protected_until_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Borrowed {
+    /// The pending workload the GPUs are reserved for.
+    pub reserved_for: WorkloadId,
+    /// From this instant the reservation may take the GPUs back.
+    pub until_ms: u64,
 }
 
 /// Why a running workload is asked to stop.
@@ -388,6 +405,9 @@ pub enum PreemptionReason {
     HardwareFailure,
     /// Its owner cancelled it.
     UserCancelled,
+    /// It runs on GPUs borrowed from a reservation ([`WorkloadStarted::borrowed`]), whose
+    /// workload now needs them, and the borrowing's term is over.
+    Reclaimed,
 }
 
 /// A running workload was asked to stop within a grace period.

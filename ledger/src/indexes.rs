@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::cluster::{Hold, Tenant};
+use crate::event::WorkloadId;
 use crate::state::{Contracts, Phase, QueueKey, State};
 
 impl State {
@@ -52,6 +53,7 @@ impl State {
                             .duration_estimate_ms
                             .map(|d| (w.started_at_ms + d).saturating_sub(w.work_done_ms)),
                         grace_until_ms: w.preempting.map(|p| p.grace_until_ms),
+                        borrowed_until_ms: w.borrowed.map(|b| b.until_ms),
                     },
                     started_at_ms: w.started_at_ms,
                     checkpoint_ms: w.checkpoint_ms,
@@ -110,6 +112,15 @@ impl State {
         }
         if self.preempting != preempting {
             return Err("the index of preempting work drifted".into());
+        }
+        let borrowed: BTreeSet<WorkloadId> = self
+            .running
+            .iter()
+            .filter(|id| self.workloads[*id].borrowed.is_some())
+            .copied()
+            .collect();
+        if self.borrowed != borrowed {
+            return Err("the index of borrowed placements drifted".into());
         }
         // Queues: pending work only, counted by shape overall and split by shape per leaf.
         type ByShape = BTreeMap<(u32, u32), BTreeSet<QueueKey>>;

@@ -287,17 +287,21 @@ impl Engine {
                     Event::WorkloadStarted(WorkloadStarted {
                         workload,
                         protected_until_ms,
+                        borrowed,
                         ..
                     }) => {
                         let w = &self.state.workloads[&workload];
                         let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
                         self.timers
                             .push(Reverse((t + left, Timer::Finish(workload, w.starts))));
-                        if protected_until_ms > t && t + left > protected_until_ms {
-                            self.timers.push(Reverse((
-                                protected_until_ms,
-                                Timer::ContractEnds(workload, w.starts),
-                            )));
+                        // Passes when it may be preempted, and when its borrowed GPUs may be
+                        // taken back.
+                        let ends = std::iter::once(protected_until_ms)
+                            .chain(borrowed.map(|b| b.until_ms))
+                            .filter(|&end| end > t && t + left > end);
+                        for end in ends {
+                            self.timers
+                                .push(Reverse((end, Timer::ContractEnds(workload, w.starts))));
                         }
                     }
                     Event::PreemptionRequested(PreemptionRequested {

@@ -170,6 +170,8 @@ pub struct Workload {
     pub protected_until_ms: u64,
     /// A preemption in progress.
     pub preempting: Option<Preempting>,
+    /// While running on GPUs lent from a reservation: its terms.
+    pub borrowed: Option<Borrowed>,
     /// Run time of completed runs, less work lost at requeues.
     pub work_done_ms: u64,
     /// Runs started.
@@ -321,6 +323,8 @@ pub struct State {
     pub(crate) contracts: Contracts,
     /// Running workloads with a preemption under way.
     pub(crate) preempting: BTreeSet<WorkloadId>,
+    /// Running workloads on borrowed GPUs (see [`Workload::borrowed_for`]).
+    pub(crate) borrowed: BTreeSet<WorkloadId>,
     /// GPUs held by running unallocated workloads (healthy or not).
     pub(crate) unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
@@ -363,6 +367,7 @@ impl State {
             running: BTreeSet::new(),
             contracts: Contracts::default(),
             preempting: BTreeSet::new(),
+            borrowed: BTreeSet::new(),
             unallocated_held_gpus: 0,
             unallocated_delivering_gpus: 0,
             counters: Counters::default(),
@@ -389,6 +394,35 @@ impl State {
     /// The ledger's clock: the time of the latest event folded (never goes back).
     pub fn now_ms(&self) -> u64 {
         self.now_ms
+    }
+
+    /// Free healthy GPUs some pending workload could start on now, were nothing reserved: on the
+    /// nodes of each model with at least as many free GPUs as the smallest pending shape that
+    /// fits there (GPUs per node, and enough such nodes for its gang). After a scheduling pass
+    /// these are the GPUs left idle while fitting work waits (held for a reservation or a
+    /// preemption under way, or work at its allocation's cap). A model a workload requires is
+    /// not told apart.
+    pub fn idle_gpus_fitting_pending(&self) -> u64 {
+        if self.pending_shapes.is_empty() {
+            return 0;
+        }
+        self.cluster
+            .models
+            .iter()
+            .map(|g| {
+                let hist = &g.free_hist;
+                let nodes_with = |k: usize| hist.iter().skip(k).map(|&n| u64::from(n)).sum::<u64>();
+                self.pending_shapes
+                    .keys()
+                    .map(|&(gpus, nodes)| (gpus as usize, u64::from(nodes)))
+                    .filter(|&(gpus, nodes)| gpus < hist.len() && nodes_with(gpus) >= nodes)
+                    .map(|(gpus, _)| gpus)
+                    .min()
+                    .map_or(0, |k| {
+                        (k..hist.len()).map(|j| j as u64 * u64::from(hist[j])).sum()
+                    })
+            })
+            .sum()
     }
 
     /// The allocation tree as it stands, removed allocations kept for their history.
@@ -1019,6 +1053,7 @@ impl State {
             started_at_ms: 0,
             protected_until_ms: 0,
             preempting: None,
+            borrowed: None,
             work_done_ms: 0,
             starts: 0,
             submitted_by: self.actor_id(actor),
@@ -1330,6 +1365,7 @@ impl State {
                 .duration_estimate_ms
                 .map(|d| self.now_ms.saturating_add(d).saturating_sub(w.work_done_ms)),
             grace_until_ms: None,
+            borrowed_until_ms: e.borrowed.map(|b| b.until_ms),
         };
         let checkpoint_ms = w.checkpoint_ms;
         self.dequeue(id);
@@ -1359,6 +1395,10 @@ impl State {
         w.placement = parts;
         w.started_at_ms = now;
         w.protected_until_ms = e.protected_until_ms;
+        w.borrowed = e.borrowed;
+        if e.borrowed.is_some() {
+            self.borrowed.insert(id);
+        }
         w.starts += 1;
         self.contracts.insert(w);
         Ok(Outcome::Applied)
@@ -1382,12 +1422,20 @@ impl State {
         let contract_applies = match e.reason {
             PreemptionReason::HardwareFailure => !self.holds_unhealthy_gpu(w),
             PreemptionReason::UserCancelled => false,
-            PreemptionReason::FairShare | PreemptionReason::Opportunistic => w.allocation.is_some(),
+            PreemptionReason::FairShare
+            | PreemptionReason::Opportunistic
+            | PreemptionReason::Reclaimed => w.allocation.is_some(),
         };
-        if contract_applies && now < w.protected_until_ms {
+        // Borrowed GPUs are taken back on the borrowing's term; anything else waits for the
+        // contract.
+        let until_ms = match (e.reason, w.borrowed) {
+            (PreemptionReason::Reclaimed, Some(b)) => b.until_ms,
+            _ => w.protected_until_ms,
+        };
+        if contract_applies && now < until_ms {
             return Err(Rejection::ContractProtected {
                 workload: e.workload,
-                protected_until_ms: w.protected_until_ms,
+                protected_until_ms: until_ms,
             });
         }
         Ok(())
@@ -1437,6 +1485,9 @@ impl State {
         let now = self.now_ms;
         let w = self.workloads.get_mut(&id).expect("caller checked");
         let parts = std::mem::take(&mut w.placement);
+        if w.borrowed.take().is_some() {
+            self.borrowed.remove(&id);
+        }
         w.work_done_ms += now - w.started_at_ms;
         if w.preempting.take().is_some() {
             self.preempting.remove(&id);
@@ -1477,10 +1528,13 @@ impl State {
                 StopReason::Preempted | StopReason::HardwareFailure
             )
             && !hardware
+            // (Borrowed GPUs taken back were asked for on the borrowing's term, as agreed.)
             && !matches!(
                 w.preempting,
                 Some(Preempting {
-                    reason: PreemptionReason::UserCancelled | PreemptionReason::HardwareFailure,
+                    reason: PreemptionReason::UserCancelled
+                        | PreemptionReason::HardwareFailure
+                        | PreemptionReason::Reclaimed,
                     ..
                 })
             );

@@ -28,6 +28,7 @@ fn ledger() -> Vec<Envelope> {
                     gpus,
                 }],
                 protected_until_ms: t,
+                borrowed: None,
             }),
         )
     };

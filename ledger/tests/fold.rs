@@ -283,6 +283,7 @@ fn bad_input_is_rejected_with_a_reason_and_changes_nothing() {
                 gpus: gpus.to_vec(),
             }],
             protected_until_ms: 10,
+            borrowed: None,
         })
     };
     rejects_without_change(&mut l, 10, start2(&[3, 4, 5, 6]), "gpu_taken");

@@ -5,6 +5,7 @@ mod common;
 use common::*;
 use ledger::event::*;
 use ledger::policy::{decide, Blocked, Decision, PolicyConfig};
+use ledger::Outcome;
 use uuid::Uuid;
 
 fn started(plan: &ledger::policy::Plan) -> Vec<(Uuid, Vec<PlacedNode>)> {
@@ -36,6 +37,18 @@ fn reason(plan: &ledger::policy::Plan, id: Uuid) -> &Blocked {
         .find(|p| p.workload == id)
         .expect("workload is pending")
         .reason
+}
+
+/// What the fold makes of preempting `id` at `t_ms`, leaving `l` as it was.
+fn try_preempt(l: &Ledger, t_ms: u64, id: Uuid, reason: PreemptionReason) -> Outcome {
+    let event = Event::PreemptionRequested(PreemptionRequested {
+        workload: id,
+        reason,
+        beneficiary: None,
+        grace_s: 0,
+    });
+    let env = ledger::Envelope::new(Uuid::from_u128(u128::MAX), t_ms, "test", event);
+    l.state.clone().apply(u64::MAX, &env)
 }
 
 fn cluster(nodes: &[(&str, u32, Option<&str>)]) -> Ledger {
@@ -158,11 +171,35 @@ fn placement_respects_the_gpu_model() {
     );
 }
 
+/// A start's contract: the workload, protected until, borrowed from whom until when.
+type Contract = (Uuid, u64, Option<(Uuid, u64)>);
+
+/// Start decisions with their contracts.
+fn contracts(plan: &ledger::policy::Plan) -> Vec<Contract> {
+    plan.starts()
+        .map(|d| match d {
+            Decision::Start {
+                workload,
+                protected_until_ms,
+                borrowed,
+                ..
+            } => (
+                *workload,
+                *protected_until_ms,
+                borrowed.map(|b| (b.reserved_for, b.until_ms)),
+            ),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
 #[test]
 fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
     // Two 8-GPU nodes each run a 1-GPU job of team a until t=1h (estimates known). Team b wants a
     // 2-node gang: it holds the reservation on both nodes from 1h. A later 1-GPU job of a with no
-    // estimate may not take the reserved GPUs; one estimated to end by 1h may.
+    // estimate may take reserved GPUs only as a borrowed placement, to give them back a grace
+    // period before the gang is due; one estimated to end by 1h backfills.
+    // A 2-node job behind the gang may not borrow (a borrowed placement is one node).
     let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
     l.alloc(0, "a", 1);
     l.alloc(0, "b", 1);
@@ -173,10 +210,11 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
         l.start(0, wid(i), &[(node, &[0])], 2 * H);
     }
     l.submit(0, wid(3), Some("b"), 8, 2);
-    l.submit(0, wid(4), Some("a"), 1, 1);
     let mut short = submission(wid(5), Some("a"), 1, 1);
     short.duration_estimate_s = Some(1800);
     l.ok(0, Event::WorkloadSubmitted(short));
+    l.submit(0, wid(4), Some("a"), 1, 1);
+    l.submit(0, wid(6), Some("a"), 2, 2);
 
     let cfg = PolicyConfig {
         min_runtime_ms: 4 * H,
@@ -190,13 +228,108 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
         Some((wid(3), Some(H)))
     );
     assert_eq!(
-        started(&plan).into_iter().map(|s| s.0).collect::<Vec<_>>(),
-        vec![wid(5)]
+        contracts(&plan),
+        vec![
+            (wid(5), 4 * H, None),
+            (wid(4), 4 * H, Some((wid(3), H - cfg.grace_ms)))
+        ]
     );
     assert_eq!(
-        reason(&plan, wid(4)),
+        reason(&plan, wid(6)),
         &Blocked::BehindReservation { holder: wid(3) }
     );
+}
+
+#[test]
+fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_contract() {
+    // n1 runs a's long job on 4 GPUs; under fifo nothing may be preempted for b's 8-GPU job, so
+    // when its reservation of n1 is due is unknown, and a's next 4-GPU job borrows the other 4
+    // GPUs with a term ending at once and a 4-hour contract. While the long job runs the borrower
+    // stays (the node would not be free anyway); once it has ended, b takes the borrowed GPUs
+    // back: on the borrowing's term, though the contract protects the borrower from any other
+    // preemption.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
+    l.submit(H, wid(2), Some("b"), 8, 1);
+    l.submit(H, wid(3), Some("a"), 4, 1);
+    let cfg = PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, H, &cfg);
+    assert_eq!(contracts(&plan), vec![(wid(3), 5 * H, Some((wid(2), H)))]);
+    l.ok(H, plan.decisions[0].to_event());
+    assert!(
+        preempted(&decide(&l.state, 2 * H, &cfg)).is_empty(),
+        "the long job still holds half the node: {:?}",
+        decide(&l.state, 2 * H, &cfg).decisions
+    );
+    l.finish(3 * H, wid(1));
+    let plan = decide(&l.state, 3 * H, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(3)]);
+    assert!(matches!(
+        plan.decisions[0],
+        Decision::Preempt {
+            reason: PreemptionReason::Reclaimed,
+            beneficiary: Some(b),
+            ..
+        } if b == wid(2)
+    ));
+    assert!(matches!(
+        reason(&plan, wid(2)),
+        Blocked::WaitingForPreemption { victims: 1, .. }
+    ));
+    // The fold holds the borrower to its contract for any other preemption.
+    assert!(matches!(
+        try_preempt(&l, 3 * H, wid(3), PreemptionReason::FairShare),
+        Outcome::Rejected(_)
+    ));
+    l.ok(3 * H, plan.decisions[0].to_event());
+}
+
+#[test]
+fn the_fold_takes_borrowed_gpus_back_no_sooner_than_the_term() {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.submit(0, wid(2), Some("a"), 8, 1);
+    l.ok(
+        0,
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: wid(2),
+            placement: vec![PlacedNode {
+                node: "n1".into(),
+                gpus: (0..8).collect(),
+            }],
+            protected_until_ms: 4 * H,
+            borrowed: Some(Borrowed {
+                reserved_for: wid(1),
+                until_ms: H,
+            }),
+        }),
+    );
+    assert!(matches!(
+        try_preempt(&l, H - 1, wid(2), PreemptionReason::Reclaimed),
+        Outcome::Rejected(ledger::Rejection::ContractProtected {
+            protected_until_ms: until,
+            ..
+        }) if until == H
+    ));
+    assert_eq!(
+        try_preempt(&l, H, wid(2), PreemptionReason::Reclaimed),
+        Outcome::Applied
+    );
+    assert!(matches!(
+        try_preempt(&l, H, wid(2), PreemptionReason::FairShare),
+        Outcome::Rejected(ledger::Rejection::ContractProtected {
+            protected_until_ms: until,
+            ..
+        }) if until == 4 * H
+    ));
 }
 
 #[test]

@@ -108,6 +108,7 @@ fn samples() -> Vec<Event> {
                 gpus: (0..8).collect(),
             }],
             protected_until_ms: 1_700_007_200_000,
+            borrowed: None,
         }),
         Event::PreemptionRequested(PreemptionRequested {
             workload: w,

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use ledger::event::*;
-use ledger::policy::{PolicyConfig, POLICY_NAMES};
+use ledger::policy::{Blocked, PolicyConfig, POLICY_NAMES};
 use ledger::sim::{Engine, Fault, FaultKind, SimWorkload};
 use ledger::{Outcome, Phase, State, StateConfig};
 use rand::{RngExt, SeedableRng};
@@ -232,6 +232,20 @@ fn check_invariants(state: &State, seq: u64, env: &Envelope, outcome: &Outcome) 
     // No contract violated.
     assert_eq!(state.counters().contract_violations, 0, "{}", at());
 
+    // A borrowed placement's term is set when it starts, never in the past, and the GPUs are
+    // lent by another workload's reservation.
+    for id in state.running() {
+        let w = &state.workloads()[id];
+        if let Some(b) = w.borrowed {
+            assert!(
+                b.until_ms >= w.started_at_ms,
+                "{id} borrowed GPUs with a term in the past {}",
+                at()
+            );
+            assert_ne!(b.reserved_for, *id, "{}", at());
+        }
+    }
+
     // Delivered never exceeds healthy capacity; delivered GPU-time equals occupied GPU-time.
     let leaves = state
         .allocations()
@@ -331,6 +345,26 @@ fn run_seed(seed: u64) {
             // A terse pass works out the reservation only when a decision depends on it.
             if terse.reservation.is_some() {
                 assert_eq!(explained.reservation, terse.reservation, "at event {seq}");
+            }
+            // No GPU idles while work that fits it waits: single-node work that would fit on
+            // reserved GPUs borrows them, so it waits behind a reservation only where the GPUs
+            // are gathered from workloads leaving for it (they are not lent).
+            for p in &explained.pending {
+                let Blocked::BehindReservation { holder } = p.reason else {
+                    continue;
+                };
+                if state.workloads()[&p.workload].nodes == 1 {
+                    let theirs = explained.pending.iter().find(|q| q.workload == holder);
+                    assert!(
+                        matches!(
+                            theirs.map(|q| &q.reason),
+                            Some(Blocked::WaitingForPreemption { .. })
+                        ),
+                        "GPUs reserved for {holder} ({:?}) idle while {} waits and would fit on them, at event {seq}",
+                        theirs.map(|q| &q.reason),
+                        p.workload
+                    );
+                }
             }
         }
         log.push((seq, env.clone()));
@@ -652,6 +686,7 @@ fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
                 gpus: vec![rng.random_range(0..9)],
             }],
             protected_until_ms: t + rng.random_range(0..3 * HOUR),
+            borrowed: None,
         }),
         6 => Event::NodeRegistered(NodeRegistered {
             node: name,

@@ -119,6 +119,7 @@ fn event() -> impl Strategy<Value = Event> {
                         .map(|(node, gpus)| PlacedNode { node, gpus })
                         .collect(),
                     protected_until_ms,
+                    borrowed: None,
                 })
             }),
         (

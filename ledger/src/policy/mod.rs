@@ -3,11 +3,17 @@
 //!
 //! One pass walks the pending workloads in the policy's order ([`rank`]). Each that fits is
 //! started (best-fit, gangs all-or-nothing, see [`placement`]). The first that does not fit gets
-//! the *reservation*: the nodes that free up soonest for it, which later workloads may use only if
-//! they are expected to end before it starts (backfill). A blocked workload of an under-served
-//! allocation may preempt post-contract work of allocations ranked above it by more than the
-//! hysteresis margin, choosing victims that lose the fewest GPU-hours. Every workload left
-//! waiting gets a [`Blocked`] reason, which is what "why is my job pending" answers.
+//! the *reservation*: the nodes that free up soonest for it, which later workloads may use if
+//! they are expected to end before it starts (backfill) or, one node each, as a *borrowed
+//! placement*: the GPUs are lent until a grace period before the reservation is due (at once
+//! when that is not known), so no GPU idles while work that fits waits, with or without
+//! estimates. From the end of that term the head of the queue may take borrowed GPUs back
+//! ([`PreemptionReason::Reclaimed`], no contract violation); nothing else preempts a borrowed
+//! run before its own contract ends, and fair share does not preempt it at all. A blocked
+//! workload of an under-served allocation may preempt post-contract work of allocations ranked
+//! above it by more than the hysteresis margin, choosing victims that lose the fewest
+//! GPU-hours. Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
+//! job pending" answers.
 
 pub mod fairshare;
 pub mod fairtree;
@@ -22,7 +28,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::cluster::Hold;
 use crate::event::{
-    Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
+    Borrowed, Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
 };
 use crate::state::{State, Workload};
 use placement::Scratch;
@@ -112,6 +118,8 @@ pub enum Decision {
         placement: Vec<PlacedNode>,
         /// End of its contract.
         protected_until_ms: u64,
+        /// A borrowed placement: the reservation lending the GPUs, and its term.
+        borrowed: Option<Borrowed>,
     },
     /// Ask a running workload to stop within the grace period.
     Preempt {
@@ -134,10 +142,12 @@ impl Decision {
                 workload,
                 placement,
                 protected_until_ms,
+                borrowed,
             } => Event::WorkloadStarted(WorkloadStarted {
                 workload: *workload,
                 placement: placement.clone(),
                 protected_until_ms: *protected_until_ms,
+                borrowed: *borrowed,
             }),
             Decision::Preempt {
                 workload,
@@ -172,9 +182,10 @@ pub enum Blocked {
         /// When the last grace period ends.
         until_ms: u64,
     },
-    /// It would fit, but on GPUs reserved for a workload ranked above it.
+    /// It would fit, but on GPUs held for a workload ranked above it: its reservation (work
+    /// that may not borrow them: a gang), or workloads leaving for it.
     BehindReservation {
-        /// The workload holding the reservation.
+        /// The workload they are held for.
         holder: WorkloadId,
     },
     /// Not enough free GPUs of the right shape.
@@ -361,13 +372,47 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     }
                 }
             }
+            // A borrowed placement: the reservation's free GPUs are lent to work that accepts to
+            // give them back a grace period before the reservation is due (at once when that is
+            // not known), so no GPU idles while work that fits waits. The holder takes them back
+            // then, if it needs them.
+            if w.nodes == 1 && scratch.free_total() >= u64::from(w.gpus_per_node) {
+                deferred.settle(&mut plan, &mut scratch, &rank);
+                if let Some(r) = &plan.reservation {
+                    if let Some(parts) = scratch.place_borrowed(w) {
+                        // Taken back a grace period before the reservation is due, it has
+                        // left by then (and, its GPUs timed from the end of its term plus
+                        // grace, it does not push the reservation later).
+                        let lent = Lent {
+                            to: r.workload,
+                            due_ms: r
+                                .start_at_ms
+                                .map_or(now_ms, |s| s.saturating_sub(cfg.grace_ms))
+                                .max(now_ms),
+                        };
+                        plan.decisions.push(start_lent(
+                            state,
+                            w,
+                            parts,
+                            now_ms,
+                            cfg,
+                            cap_ms,
+                            Some(lent),
+                        ));
+                        rank.placed(w);
+                        continue;
+                    }
+                }
+            }
         }
 
+        // The first workload left waiting for capacity holds the reservation.
+        let head = plan.reservation.is_none() && deferred.holder.is_none();
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
                 deferred.settle(&mut plan, &mut scratch, &rank);
-                scratch.withhold_nodes(nodes);
+                scratch.withhold_nodes(nodes, id);
                 // A gang's other nodes had room when its victims were chosen: hold them as
                 // well, or work ranked after it takes them while the victims leave, and the
                 // gang waits for ever (two workloads preempting each other for it in turn).
@@ -397,7 +442,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 let missing = (w.nodes as usize).saturating_sub(will_have_room);
                 if missing > 0 {
                     let more = scratch.room_for(w, nodes, missing);
-                    scratch.withhold_nodes(&more);
+                    scratch.withhold_nodes(&more, id);
                     held.extend(more);
                 }
                 if plan.reservation.is_none() {
@@ -405,18 +450,27 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 }
                 Blocked::WaitingForPreemption { victims, until_ms }
             }
-            (None, None) => match search
-                .worth_searching(state, &rank, policy, cfg, w)
-                .then(|| {
-                    deferred.settle(&mut plan, &mut scratch, &rank);
-                    search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
-                })
-                .flatten()
-            {
+            // The head of the queue, about to hold the reservation, also looks among lent GPUs
+            // whose term is over (and takes them back where that loses least); any other
+            // blocked workload only among the work it may take.
+            (None, None) => match if head && lent_due(state, now_ms) {
+                search.reclaim(state, &scratch, &rank, policy, cfg, w, now_ms)
+            } else {
+                search
+                    .worth_searching(state, &rank, policy, cfg, w)
+                    .then(|| {
+                        deferred.settle(&mut plan, &mut scratch, &rank);
+                        search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
+                    })
+                    .flatten()
+            } {
                 Some((nodes, victims)) => {
                     let until_ms = now_ms + cfg.grace_ms;
                     for v in &victims {
-                        let reason = if state.workloads[v].allocation.is_none() {
+                        let victim = &state.workloads[v];
+                        let reason = if victim.borrowed.is_some() {
+                            PreemptionReason::Reclaimed
+                        } else if victim.allocation.is_none() {
                             PreemptionReason::Opportunistic
                         } else {
                             PreemptionReason::FairShare
@@ -428,7 +482,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                             grace_s,
                         });
                     }
-                    scratch.withhold_nodes(&nodes);
+                    scratch.withhold_nodes(&nodes, id);
                     if plan.reservation.is_none() {
                         plan.reservation =
                             Some(Reservation::new(state, id, &nodes, Some(until_ms)));
@@ -438,7 +492,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         until_ms,
                     }
                 }
-                None if plan.reservation.is_none() && deferred.holder.is_none() => {
+                None if head => {
                     // The head of the queue gets the reservation. Without explanations it is
                     // worked out only once a decision depends on it (often none does).
                     deferred.holder = Some(id);
@@ -459,11 +513,9 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     nodes: w.nodes,
                     fitting_nodes: 0,
                 },
-                None => match &plan.reservation {
-                    Some(r) if scratch.fits_withheld(w) => {
-                        Blocked::BehindReservation { holder: r.workload }
-                    }
-                    _ => Blocked::NoCapacity {
+                None => match scratch.withheld_holder(w) {
+                    Some(holder) => Blocked::BehindReservation { holder },
+                    None => Blocked::NoCapacity {
                         gpus_per_node: w.gpus_per_node,
                         nodes: w.nodes,
                         fitting_nodes: scratch.fitting_nodes(w),
@@ -485,12 +537,16 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         // The head of the queue holds the reservation and no more preemptions may be looked for:
         // from here on a workload visited either starts or waits, with no effect on the pass
         // unless preemptions are under way for it. Whether a shape (GPUs per node, nodes) fits
-        // anywhere, whatever the model (reserved nodes count only if some pending work has an
-        // estimate and so might backfill; a reservation not worked out yet withholds nothing,
-        // so this errs on going on):
+        // anywhere, whatever the model (reserved nodes count for single-node work, which may
+        // borrow them, and for any if some pending work has an estimate and so might backfill;
+        // a reservation not worked out yet withholds nothing, so this errs on going on):
         let fits = |&(gpus_per_node, nodes): &(u32, u32)| {
             scratch.free_total() > 0
-                && scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
+                && scratch.could_fit(
+                    gpus_per_node,
+                    nodes,
+                    state.pending_with_estimate > 0 || nodes == 1,
+                )
         };
         if !asks.keys().any(fits) {
             // No workload not visited yet can start. Without explanations to give, the pass is
@@ -642,22 +698,14 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        // Preemptible at all: not leaving already, and unallocated or past its contract.
-        let preemptible = |h: &Hold| {
-            h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
-        };
-        let nodes = self.nodes.get_or_insert_with(|| {
-            (0..state.cluster.nodes.len() as u32)
-                .filter(|&i| {
-                    state.cluster.nodes[i as usize]
-                        .tenants
-                        .iter()
-                        .any(|t| preemptible(&t.hold))
-                })
-                .collect()
-        });
+        self.gather_victim_nodes(state, now_ms);
+        let nodes = self.nodes.as_deref().unwrap_or_default();
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-            preemptible(&t.hold) && has(&mine, t.hold.allocation)
+            // Borrowed GPUs go back to the reservation that lent them, not to fair share (see
+            // `reclaim`): work filling a reservation's gaps is not churned.
+            preemptible(&t.hold, now_ms)
+                && has(&mine, t.hold.allocation)
+                && t.hold.borrowed_until_ms.is_none()
         });
         match found {
             Ok((nodes, victims)) => {
@@ -674,6 +722,84 @@ impl VictimSearch {
             }
         }
     }
+}
+
+impl VictimSearch {
+    /// The nodes holding work that may be preempted at all, gathered once a search needs them.
+    fn gather_victim_nodes(&mut self, state: &State, now_ms: u64) {
+        self.nodes.get_or_insert_with(|| {
+            (0..state.cluster.nodes.len() as u32)
+                .filter(|&i| {
+                    state.cluster.nodes[i as usize]
+                        .tenants
+                        .iter()
+                        .any(|t| preemptible(&t.hold, now_ms))
+                })
+                .collect()
+        });
+    }
+
+    /// For blocked `w` at the head of the queue: victims that make room for it now among the
+    /// borrowed placements whose term is over as well as the work it may take anyway, and the
+    /// nodes it would use. Outside the budget of searches: one per pass at most.
+    #[allow(clippy::too_many_arguments)]
+    fn reclaim(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+        now_ms: u64,
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        let due = |h: &Hold| {
+            h.grace_until_ms.is_none() && h.borrowed_until_ms.is_some_and(|u| u <= now_ms)
+        };
+        let mut nodes: Vec<u32> = state
+            .borrowed
+            .iter()
+            .flat_map(|id| &state.workloads[id].placement)
+            .filter(|p| {
+                state.cluster.nodes[p.node as usize]
+                    .tenants
+                    .iter()
+                    .any(|t| due(&t.hold))
+            })
+            .map(|p| p.node)
+            .collect();
+        if nodes.is_empty() || w.allocation.is_none() {
+            return None;
+        }
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        self.gather_victim_nodes(state, now_ms);
+        nodes.extend(self.nodes.as_deref().unwrap_or_default());
+        nodes.sort_unstable();
+        nodes.dedup();
+        let (nodes, victims) = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, &nodes, |t| {
+                due(&t.hold)
+                    || preemptible(&t.hold, now_ms)
+                        && has(&mine, t.hold.allocation)
+                        && t.hold.borrowed_until_ms.is_none()
+            })
+            .ok()?;
+        self.claimed.extend(victims.iter().copied());
+        Some((nodes, victims))
+    }
+}
+
+/// Whether a borrowed placement's term is over and it is not leaving already.
+fn lent_due(state: &State, now_ms: u64) -> bool {
+    state.borrowed.iter().any(|id| {
+        let w = &state.workloads[id];
+        w.preempting.is_none() && w.borrowed.is_some_and(|b| b.until_ms <= now_ms)
+    })
+}
+
+/// Preemptible at all: not leaving already, and unallocated or past its contract.
+fn preemptible(h: &Hold, now_ms: u64) -> bool {
+    h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
 }
 
 /// The reservation of the head of the queue while it is not worked out yet: without
@@ -701,6 +827,7 @@ impl Deferred<'_> {
         let mut may_take = may_take_from(state, rank, self.policy, cfg, w.allocation);
         // Whether only the GPUs of workloads already leaving have a known return: no running
         // work has an estimate, and the holder may preempt none of the work running.
+        // (Borrowed placements count as leaving: the holder may take them back.)
         let only_leaving = state.running_with_estimate == 0
             && (state.unallocated_held_gpus == 0 || !may_take(None))
             && state
@@ -710,11 +837,22 @@ impl Deferred<'_> {
                 .enumerate()
                 .all(|(a, node)| node.held_gpus == 0 || !may_take(Some(a as u32)));
         let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, only_leaving, |hold| {
-            release_ms(cfg, may_take(hold.allocation), hold, now_ms)
+            let lent = hold
+                .borrowed_until_ms
+                .map_or(u64::MAX, |u| u.max(now_ms) + cfg.grace_ms);
+            release_ms(cfg, may_take(hold.allocation), hold, now_ms).min(lent)
         });
-        scratch.withhold_nodes(&nodes);
+        scratch.lend_nodes(&nodes, holder);
         plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
     }
+}
+
+/// GPUs of a reservation lent to a borrowed placement.
+struct Lent {
+    /// The workload they are reserved for.
+    to: WorkloadId,
+    /// When the borrowing's term ends: a grace period before the workload is due to start.
+    due_ms: u64,
 }
 
 fn start(
@@ -724,6 +862,18 @@ fn start(
     now_ms: u64,
     cfg: &PolicyConfig,
     cap_ms: u64,
+) -> Decision {
+    start_lent(state, w, parts, now_ms, cfg, cap_ms, None)
+}
+
+fn start_lent(
+    state: &State,
+    w: &Workload,
+    parts: Vec<crate::state::Part>,
+    now_ms: u64,
+    cfg: &PolicyConfig,
+    cap_ms: u64,
+    lent: Option<Lent>,
 ) -> Decision {
     let protection = if w.allocation.is_none() {
         0
@@ -740,6 +890,10 @@ fn start(
             })
             .collect(),
         protected_until_ms: now_ms + protection,
+        borrowed: lent.map(|l| Borrowed {
+            reserved_for: l.to,
+            until_ms: l.due_ms,
+        }),
     }
 }
 

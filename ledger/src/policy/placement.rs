@@ -47,6 +47,10 @@ pub struct Scratch<'s> {
     withheld: Vec<bool>,
     /// The withheld nodes, in the order they were withheld.
     withheld_list: Vec<NodeIdx>,
+    /// For whom each of `withheld_list` is withheld.
+    withheld_for: Vec<WorkloadId>,
+    /// Withheld nodes whose free GPUs may be lent (see [`Self::lend_nodes`]).
+    lendable: Vec<bool>,
     /// Position of each indexed node in its bucket.
     pos: Vec<u32>,
     model: Vec<u32>,
@@ -69,6 +73,8 @@ impl<'s> Scratch<'s> {
             healthy: c.healthy_masks.clone(),
             withheld: vec![false; n],
             withheld_list: Vec::new(),
+            withheld_for: Vec::new(),
+            lendable: vec![false; n],
             pos: vec![0; n],
             model: c.model_of.clone(),
             // Sized from the cluster's own count of nodes by free GPUs.
@@ -175,14 +181,48 @@ impl<'s> Scratch<'s> {
     }
 
     /// Takes nodes out of the index, holding their free GPUs for someone.
-    pub fn withhold_nodes(&mut self, nodes: &[NodeIdx]) {
+    pub fn withhold_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
         for &n in nodes {
             if !self.withheld[n as usize] {
                 self.unindex(n);
                 self.withheld[n as usize] = true;
                 self.withheld_list.push(n);
+                self.withheld_for.push(holder);
             }
         }
+    }
+
+    /// Withholds the nodes of a reservation: their free GPUs wait for its workload, and may be
+    /// lent meanwhile ([`Self::place_borrowed`]).
+    pub fn lend_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
+        self.withhold_nodes(nodes, holder);
+        for &n in nodes {
+            self.lendable[n as usize] = true;
+        }
+    }
+
+    /// Places single-node `w` on the free GPUs of a reservation's node, best fit, or returns
+    /// `None`: a borrowed placement, which gives them back when the reservation is due.
+    pub fn place_borrowed(&mut self, w: &Workload) -> Option<Vec<Part>> {
+        if w.nodes != 1 {
+            return None;
+        }
+        let node = self
+            .withheld_list
+            .iter()
+            .filter(|&&i| {
+                self.lendable[i as usize] && w.model.is_none_or(|m| m == self.model[i as usize])
+            })
+            .map(|&i| (self.free[i as usize].count_ones(), i))
+            .filter(|&(k, _)| k >= w.gpus_per_node)
+            .min()?
+            .1;
+        let part = Part {
+            node,
+            gpus: self.pick_gpus(node, w.gpus_per_node),
+        };
+        self.take(part.node, part.gpus);
+        Some(vec![part])
     }
 
     fn take(&mut self, node: NodeIdx, mask: u64) {
@@ -352,19 +392,23 @@ impl<'s> Scratch<'s> {
             .any(|g| self.count_fitting(g, w.gpus_per_node as usize) >= w.nodes as usize)
     }
 
-    /// Whether `w` would fit if withheld nodes were open to it.
-    pub fn fits_withheld(&self, w: &Workload) -> bool {
-        self.groups_for(w).any(|g| {
-            let withheld = self
+    /// If `w` would fit were withheld nodes open to it: for whom the first of them with room
+    /// for it is withheld.
+    pub fn withheld_holder(&self, w: &Workload) -> Option<WorkloadId> {
+        self.groups_for(w).find_map(|g| {
+            let mut withheld = self
                 .withheld_list
                 .iter()
-                .filter(|&&i| {
+                .zip(&self.withheld_for)
+                .filter(|(&i, _)| {
                     self.model[i as usize] as usize == g
                         && self.free[i as usize].count_ones() >= w.gpus_per_node
                 })
-                .count();
-            withheld > 0
-                && withheld + self.count_fitting(g, w.gpus_per_node as usize) >= w.nodes as usize
+                .map(|(_, &holder)| holder);
+            let holder = withheld.next()?;
+            let count = 1 + withheld.count();
+            (count + self.count_fitting(g, w.gpus_per_node as usize) >= w.nodes as usize)
+                .then_some(holder)
         })
     }
 
@@ -388,9 +432,9 @@ impl<'s> Scratch<'s> {
     /// known. Reads the nodes only: what is known of each holder is kept beside its GPUs.
     ///
     /// With `only_leaving`, the caller knows that no held GPU has a known return unless its
-    /// holder is leaving already (no running work has an estimate, and `w` may preempt none).
-    /// Then every other full node is ready "never", and only the nodes with free GPUs or with a
-    /// workload leaving are timed; the rest rank by index. On a busy cluster the head of the
+    /// holder is leaving already or borrowed it (no running work has an estimate, and `w` may
+    /// preempt none). Then every other full node is ready "never", and only the nodes with free
+    /// GPUs, a workload leaving or a borrowed placement are timed; the rest rank by index. On a busy cluster the head of the
     /// queue holds the reservation because it may preempt nothing, so that is most reservations.
     pub fn reserve(
         &self,
@@ -464,11 +508,12 @@ impl<'s> Scratch<'s> {
             }
             count
         };
-        // Nodes with a workload leaving, whatever their group.
+        // Nodes with a workload leaving or on borrowed GPUs, whatever their group.
         let leaving: Vec<NodeIdx> = if only_leaving {
             let mut nodes: Vec<NodeIdx> = state
                 .preempting
                 .iter()
+                .chain(&state.borrowed)
                 .flat_map(|id| state.workloads[id].placement.iter().map(|p| p.node))
                 .collect();
             nodes.sort_unstable();

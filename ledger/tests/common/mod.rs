@@ -128,6 +128,7 @@ impl Ledger {
                 workload: id,
                 placement,
                 protected_until_ms,
+                borrowed: None,
             }),
         )
     }

@@ -209,6 +209,7 @@ mod tests {
             workload: id,
             placement: vec![],
             protected_until_ms: 0,
+            borrowed: None,
         });
         for path in [None, Some("ai2"), Some("ai2/olmo/pretrain")] {
             assert!(crate::subject_matches(STARTS, &for_event(&started, path)));

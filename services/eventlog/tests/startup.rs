@@ -367,6 +367,7 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
                 workload: uuid::Uuid::from_u128(1),
                 placement: vec![],
                 protected_until_ms: 0,
+                borrowed: None,
             },
         ))
     };

@@ -44,10 +44,10 @@ pub fn run(
     policy: PolicyConfig,
     hours: u64,
     seed: u64,
-    mut on_event: impl FnMut(&Envelope, &ledger::Outcome),
+    mut on_event: impl FnMut(&State, &Envelope, &ledger::Outcome),
 ) -> State {
     let mut engine = Engine::new(State::new(StateConfig::default()), policy);
-    let mut observe = |_: &State, _: u64, env: &Envelope, o: &ledger::Outcome| on_event(env, o);
+    let mut observe = |s: &State, _: u64, env: &Envelope, o: &ledger::Outcome| on_event(s, env, o);
     for e in cluster() {
         engine.write(0, e, &mut observe);
     }

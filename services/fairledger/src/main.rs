@@ -335,8 +335,8 @@ fn run(cli: Cli) -> Result<(), String> {
             };
             let mut write_error = None;
             let mut collector = sim::report::Collector::default();
-            let state = demo::run(cfg, hours, seed, |env, outcome| {
-                collector.observe(env, outcome);
+            let state = demo::run(cfg, hours, seed, |state, env, outcome| {
+                collector.observe(state, env, outcome);
                 if let Some(w) = writer.as_mut() {
                     let line = serde_json::to_string(env).expect("events serialise");
                     if let Err(e) = writeln!(w, "{line}") {

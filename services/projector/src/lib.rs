@@ -55,9 +55,9 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (12: idempotency keys have rows; 11: version-1 events are folded by the names rules of
-/// their day again).
-const FORMAT: u32 = 12;
+/// (13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
+/// rows; 11: version-1 events are folded by the names rules of their day again).
+const FORMAT: u32 = 13;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -118,6 +118,9 @@ pub struct WorkloadRow {
     pub started_at_ms: Option<u64>,
     /// End of the current run's protection.
     pub protected_until_ms: Option<u64>,
+    /// While the current run is on GPUs borrowed from a reservation: for which workload, and
+    /// from when the reservation may take them back.
+    pub borrowed: Option<ledger::event::Borrowed>,
     /// GPUs held while running.
     pub placement: Vec<PlacedRow>,
     /// A preemption was requested and is in its grace period.
@@ -1070,6 +1073,7 @@ impl Projector {
             submitted_at_ms: w.submitted_at_ms,
             started_at_ms: (w.starts > 0).then_some(w.started_at_ms),
             protected_until_ms: running.then_some(w.protected_until_ms),
+            borrowed: w.borrowed,
             placement: w
                 .placement
                 .iter()

@@ -353,6 +353,7 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
                 gpus: vec![0, 1],
             }],
             protected_until_ms: 10_000,
+            borrowed: None,
         }),
         Event::PreemptionRequested(PreemptionRequested {
             workload: id,
@@ -425,6 +426,7 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
                 gpus: vec![0],
             }],
             protected_until_ms: 10_000,
+            borrowed: None,
         }),
         finished(id),
         // 7 and 8: refused, it has ended.
@@ -475,6 +477,7 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
                 gpus: vec![0],
             }],
             protected_until_ms: 10_000,
+            borrowed: None,
         }),
         finished(a),
         // 6: a duplicate of the first; 7: the ended id again; 8 and 9: late endings.

@@ -174,7 +174,7 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
     let mut io_error: Option<std::io::Error> = None;
     {
         let mut observe = |state: &State, _: u64, env: &Envelope, outcome: &Outcome| {
-            collector.observe(env, outcome);
+            collector.observe(state, env, outcome);
             timeline.observe(state, env, outcome);
             if io_error.is_none() {
                 let written = serde_json::to_writer(&mut writer, env)
@@ -242,7 +242,7 @@ pub fn replay(
             ))
         })?;
         let outcome = state.apply(i as u64 + 1, &env);
-        collector.observe(&env, &outcome);
+        collector.observe(&state, &env, &outcome);
     }
     if let Some(t) = until_ms {
         state.advance_to(t);

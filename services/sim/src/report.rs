@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use ledger::event::Event;
+use ledger::event::{Event, PreemptionReason};
 use ledger::metrics::{Counters, Metrics};
 use ledger::{Envelope, Outcome, State, WorkloadId};
 use serde::{Deserialize, Serialize};
@@ -26,6 +26,11 @@ pub struct WorkloadCounts {
     pub finished: u64,
     /// Preemptions requested.
     pub preemptions: u64,
+    /// Of the preemptions, those that took back GPUs lent to a borrowed placement for the
+    /// reservation they were lent from, once the borrower's shorter contract was over.
+    pub reclaimed: u64,
+    /// Runs started on borrowed GPUs (see [`ledger::event::WorkloadStarted::borrowed`]).
+    pub borrowed_starts: u64,
     /// Stops before the contract ended, other than hardware failures.
     pub contract_violations: u64,
 }
@@ -69,6 +74,23 @@ pub struct AllocationReport {
     pub started: u64,
     /// Preemptions of its workloads.
     pub preemptions: u64,
+    /// Waits by the GPUs a workload asks for (all of its nodes), smallest first.
+    pub waits_by_size: Vec<SizeWaits>,
+}
+
+/// Waits of an allocation's workloads of one size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SizeWaits {
+    /// GPUs asked for.
+    pub gpus: u64,
+    /// Workloads of this size that started.
+    pub started: u64,
+    /// Median wait from submission to first start.
+    pub wait_p50_s: f64,
+    /// 90th percentile wait.
+    pub wait_p90_s: f64,
+    /// 99th percentile wait.
+    pub wait_p99_s: f64,
 }
 
 /// Fragmentation of the period.
@@ -78,6 +100,10 @@ pub struct Fragmentation {
     pub stranded_gpu_hours: f64,
     /// Time-weighted median of the largest gang that could have started.
     pub largest_startable_gang_p50: u64,
+    /// Free healthy GPU-hours on which a pending workload would have fit
+    /// ([`State::idle_gpus_fitting_pending`]): left idle for a reservation, a preemption under
+    /// way or an allocation's cap.
+    pub idle_while_fitting_gpu_hours: f64,
 }
 
 /// About the run itself.
@@ -124,17 +150,25 @@ pub struct Collector {
     rejected_submissions: u64,
     rejections: BTreeMap<String, u64>,
     finished: u64,
-    /// Submission time and allocation of workloads not yet started.
-    waiting: BTreeMap<WorkloadId, (u64, Option<String>)>,
-    /// Waits in milliseconds by allocation path.
-    waits: BTreeMap<String, Vec<u64>>,
+    /// Submission time, allocation and GPUs of workloads not yet started.
+    waiting: BTreeMap<WorkloadId, (u64, Option<String>, u64)>,
+    /// Waits in milliseconds and GPUs asked for, by allocation path.
+    waits: BTreeMap<String, Vec<(u64, u64)>>,
     started: u64,
+    reclaimed: u64,
+    borrowed_starts: u64,
     last_event_ms: u64,
+    /// Idle GPUs pending work would fit on, since `idle_since_ms`, and the integral before.
+    idle_fitting: u64,
+    idle_since_ms: u64,
+    idle_fitting_gpu_ms: u128,
 }
 
 impl Collector {
-    /// Sees one folded event.
-    pub fn observe(&mut self, env: &Envelope, outcome: &Outcome) {
+    /// Sees one folded event, and the state it left.
+    pub fn observe(&mut self, state: &State, env: &Envelope, outcome: &Outcome) {
+        self.idle_until(state.now_ms());
+        self.idle_fitting = state.idle_gpus_fitting_pending();
         self.events += 1;
         self.last_event_ms = self.last_event_ms.max(env.occurred_at_ms);
         if let Outcome::Rejected(r) = outcome {
@@ -147,22 +181,36 @@ impl Collector {
         match &env.event {
             Event::WorkloadSubmitted(s) if *outcome == Outcome::Applied => {
                 self.submitted += 1;
+                let gpus = u64::from(s.gpus_per_node) * u64::from(s.nodes);
                 self.waiting
-                    .insert(s.workload, (env.occurred_at_ms, s.allocation.clone()));
+                    .insert(s.workload, (env.occurred_at_ms, s.allocation.clone(), gpus));
             }
             Event::WorkloadStarted(s) => {
-                if let Some((at, alloc)) = self.waiting.remove(&s.workload) {
+                self.borrowed_starts += u64::from(s.borrowed.is_some());
+                if let Some((at, alloc, gpus)) = self.waiting.remove(&s.workload) {
                     self.started += 1;
                     if let Some(path) = alloc {
                         self.waits
                             .entry(path)
                             .or_default()
-                            .push(env.occurred_at_ms - at);
+                            .push((env.occurred_at_ms - at, gpus));
                     }
                 }
             }
+            Event::PreemptionRequested(p) if p.reason == PreemptionReason::Reclaimed => {
+                self.reclaimed += 1;
+            }
             Event::WorkloadFinished(_) => self.finished += 1,
             _ => {}
+        }
+    }
+
+    /// Integrates the idle GPUs that fitting work waited beside up to `t_ms`.
+    fn idle_until(&mut self, t_ms: u64) {
+        if t_ms > self.idle_since_ms {
+            self.idle_fitting_gpu_ms +=
+                u128::from(self.idle_fitting) * u128::from(t_ms - self.idle_since_ms);
+            self.idle_since_ms = t_ms;
         }
     }
 
@@ -173,6 +221,7 @@ impl Collector {
 
     /// The report over `[0, state.now_ms()]`.
     pub fn finish(mut self, state: &State, policy: &str, seed: u64, wall_s: f64) -> Report {
+        self.idle_until(state.now_ms());
         let m = Metrics::between(&Counters::default(), state.counters());
         let mut allocations: Vec<AllocationReport> = state
             .allocations()
@@ -180,7 +229,12 @@ impl Collector {
             .iter()
             .filter(|a| !a.removed && a.is_leaf())
             .map(|a| {
-                let mut waits = self.waits.remove(&a.path).unwrap_or_default();
+                let both = self.waits.remove(&a.path).unwrap_or_default();
+                let mut by_size: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+                for &(ms, gpus) in &both {
+                    by_size.entry(gpus).or_default().push(ms);
+                }
+                let mut waits: Vec<u64> = both.into_iter().map(|(ms, _)| ms).collect();
                 waits.sort_unstable();
                 let pct = |p: f64| percentile(&waits, p).map(|ms| ms as f64 / 1000.0);
                 AllocationReport {
@@ -193,6 +247,21 @@ impl Collector {
                     wait_p99_s: pct(0.99),
                     started: waits.len() as u64,
                     preemptions: a.preemptions,
+                    waits_by_size: by_size
+                        .into_iter()
+                        .map(|(gpus, mut w)| {
+                            w.sort_unstable();
+                            let pct =
+                                |p: f64| percentile(&w, p).map_or(0.0, |ms| ms as f64 / 1000.0);
+                            SizeWaits {
+                                gpus,
+                                started: w.len() as u64,
+                                wait_p50_s: pct(0.5),
+                                wait_p90_s: pct(0.9),
+                                wait_p99_s: pct(0.99),
+                            }
+                        })
+                        .collect(),
                 }
             })
             .collect();
@@ -210,6 +279,8 @@ impl Collector {
                 started: self.started,
                 finished: self.finished,
                 preemptions: state.counters().preemptions,
+                reclaimed: self.reclaimed,
+                borrowed_starts: self.borrowed_starts,
                 contract_violations: state.counters().contract_violations,
             },
             metrics: MetricsReport {
@@ -226,6 +297,7 @@ impl Collector {
             fragmentation: Fragmentation {
                 stranded_gpu_hours: m.stranded_gpu_hours,
                 largest_startable_gang_p50: m.largest_startable_gang_p50,
+                idle_while_fitting_gpu_hours: self.idle_fitting_gpu_ms as f64 / MS_PER_HOUR,
             },
             sim: SimInfo {
                 events: self.events,

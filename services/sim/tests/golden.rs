@@ -59,6 +59,8 @@ struct Expect {
     #[serde(default)]
     metrics: std::collections::BTreeMap<String, Bound>,
     #[serde(default)]
+    fragmentation: std::collections::BTreeMap<String, Bound>,
+    #[serde(default)]
     allocations: Vec<AllocationExpect>,
 }
 
@@ -73,8 +75,8 @@ struct AllocationExpect {
 fn render(r: &Report) -> String {
     let w = &r.workloads;
     let mut out = format!(
-        "policy {}\nworkloads submitted {} rejected {} started {} finished {} preemptions {} contract_violations {}\n",
-        r.policy, w.submitted, w.rejected, w.started, w.finished, w.preemptions, w.contract_violations
+        "policy {}\nworkloads submitted {} rejected {} started {} finished {} preemptions {} reclaimed {} borrowed_starts {} contract_violations {}\n",
+        r.policy, w.submitted, w.rejected, w.started, w.finished, w.preemptions, w.reclaimed, w.borrowed_starts, w.contract_violations
     );
     out += &format!(
         "availability {:.4} occupancy {:.4} impact {:.4} delivered_over_owed {:.4}\n",
@@ -84,8 +86,8 @@ fn render(r: &Report) -> String {
         r.fairness.delivered_over_owed
     );
     out += &format!(
-        "stranded_gpu_hours {:.1} largest_startable_gang_p50 {} unallocated_gpu_hours {:.1} horizon_s {}\n\n",
-        r.fragmentation.stranded_gpu_hours, r.fragmentation.largest_startable_gang_p50, r.unallocated_delivered_gpu_hours, r.sim.horizon_s
+        "stranded_gpu_hours {:.1} idle_while_fitting_gpu_hours {:.1} largest_startable_gang_p50 {} unallocated_gpu_hours {:.1} horizon_s {}\n\n",
+        r.fragmentation.stranded_gpu_hours, r.fragmentation.idle_while_fitting_gpu_hours, r.fragmentation.largest_startable_gang_p50, r.unallocated_delivered_gpu_hours, r.sim.horizon_s
     );
     out += &format!(
         "{:<10} {:>6} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9} {:>7}\n",
@@ -155,6 +157,13 @@ fn run_golden(dir: &Path) -> Vec<String> {
         bound.check(
             &format!("{name}: metrics.{field}"),
             json["metrics"].get(field).and_then(num),
+            &mut failures,
+        );
+    }
+    for (field, bound) in &expect.fragmentation {
+        bound.check(
+            &format!("{name}: fragmentation.{field}"),
+            json["fragmentation"].get(field).and_then(num),
             &mut failures,
         );
     }

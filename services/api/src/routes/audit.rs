@@ -353,6 +353,7 @@ pub(crate) async fn cluster_metrics(
             "fair_share": preemptions.fair_share,
             "opportunistic": preemptions.opportunistic,
             "hardware_failure": preemptions.hardware_failure,
+            "reclaimed": preemptions.reclaimed,
         },
         "cancels": m.cancels,
         "contract_violations": m.contract_violations,

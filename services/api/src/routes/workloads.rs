@@ -344,7 +344,7 @@ fn reason(b: &Blocked) -> serde_json::Value {
     match b {
         Blocked::HoldsReservation { nodes, start_at_ms } => json!({
             "code": "holds_reservation", "nodes": nodes, "start_at_ms": start_at_ms,
-            "detail": "heads the queue; the reserved nodes are held for it as they free up"}),
+            "detail": "heads the queue: its reserved nodes are drained for it, their GPUs held for it as they free up (and lent meanwhile to work that gives them back in time)"}),
         Blocked::WaitingForPreemption { victims, until_ms } => json!({
             "code": "waiting_for_preemption", "victims": victims, "until_ms": until_ms,
             "detail": "workloads are leaving to make room for it"}),

@@ -5,7 +5,8 @@
 //! | `id` | the workload's name in the trace |
 //! | `allocation` | leaf allocation path; empty means unallocated (opportunistic) work |
 //! | `submit_s` | submission time, seconds from the start (rows in this order) |
-//! | `duration_s` | work, in seconds, if never preempted |
+//! | `duration_s` | work, in seconds, if never preempted (the truth the simulation runs by) |
+//! | `duration_estimate_s` | optional: the run time the submitter expects, which the scheduler sees (backfill, start estimates) |
 //! | `gpus` | GPUs per node |
 //! | `nodes` | nodes in the gang (default 1) |
 //! | `priority` | optional, higher first within the allocation |
@@ -35,6 +36,8 @@ struct Row {
     allocation: Option<String>,
     submit_s: f64,
     duration_s: f64,
+    #[serde(default)]
+    duration_estimate_s: Option<f64>,
     gpus: u32,
     #[serde(default)]
     nodes: Option<u32>,
@@ -73,6 +76,15 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
         if !(row.duration_s > 0.0 && row.duration_s.is_finite()) {
             return Err(err("duration_s", "must be a positive number of seconds"));
         }
+        if row
+            .duration_estimate_s
+            .is_some_and(|e| !(e > 0.0 && e.is_finite()))
+        {
+            return Err(err(
+                "duration_estimate_s",
+                "must be a positive number of seconds (or empty for none)",
+            ));
+        }
         if row.gpus == 0 {
             return Err(err("gpus", "must be at least 1"));
         }
@@ -95,6 +107,7 @@ pub fn open(path: &Path) -> Result<Rows, SimError> {
                 priority: row.priority.unwrap_or(0),
                 min_runtime_s: row.min_runtime_s,
                 checkpoint_s: row.checkpoint_s,
+                duration_estimate_s: row.duration_estimate_s.map(|e| (e.round() as u64).max(1)),
                 name: Some(row.id),
                 ..WorkloadSubmitted::new(
                     workload_id(submit_ms, line),
