@@ -196,10 +196,9 @@ fn contracts(plan: &ledger::policy::Plan) -> Vec<Contract> {
 #[test]
 fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
     // Two 8-GPU nodes each run a 1-GPU job of team a until t=1h (estimates known). Team b wants a
-    // 2-node gang: it holds the reservation on both nodes from 1h. A later 1-GPU job of a with no
-    // estimate may take reserved GPUs only as a borrowed placement, to give them back a grace
-    // period before the gang is due; one estimated to end by 1h backfills.
-    // A 2-node job behind the gang may not borrow (a borrowed placement is one node).
+    // 2-node gang: it holds the reservation on both nodes from 1h. A gang's reservation lends
+    // nothing (all its nodes must be free at once): a later 1-GPU job of a with no estimate may
+    // not take the reserved GPUs; one estimated to end by 1h backfills.
     let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
     l.alloc(0, "a", 1);
     l.alloc(0, "b", 1);
@@ -210,11 +209,47 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
         l.start(0, wid(i), &[(node, &[0])], 2 * H);
     }
     l.submit(0, wid(3), Some("b"), 8, 2);
+    l.submit(0, wid(4), Some("a"), 1, 1);
+    let mut short = submission(wid(5), Some("a"), 1, 1);
+    short.duration_estimate_s = Some(1800);
+    l.ok(0, Event::WorkloadSubmitted(short));
+
+    let cfg = PolicyConfig {
+        min_runtime_ms: 4 * H,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, 0, &cfg);
+    assert_eq!(
+        plan.reservation
+            .as_ref()
+            .map(|r| (r.workload, r.start_at_ms)),
+        Some((wid(3), Some(H)))
+    );
+    assert_eq!(contracts(&plan), vec![(wid(5), 4 * H, None)]);
+    assert_eq!(
+        reason(&plan, wid(4)),
+        &Blocked::BehindReservation { holder: wid(3) }
+    );
+}
+
+#[test]
+fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
+    // n1 runs a 1-GPU job of a until t=1h (estimated). b's 8-GPU job holds the reservation of n1
+    // from 1h. a's next 1-GPU job, with no estimate, borrows a reserved GPU: its contract is the
+    // ordinary one, its term a grace period before b is due. One estimated to end by 1h
+    // backfills as before; a 2-node job may not borrow (a borrowed placement is one node).
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    let mut s = submission(wid(1), Some("a"), 1, 1);
+    s.duration_estimate_s = Some(3600);
+    l.ok(0, Event::WorkloadSubmitted(s));
+    l.start(0, wid(1), &[("n1", &[0])], 2 * H);
+    l.submit(0, wid(3), Some("b"), 8, 1);
     let mut short = submission(wid(5), Some("a"), 1, 1);
     short.duration_estimate_s = Some(1800);
     l.ok(0, Event::WorkloadSubmitted(short));
     l.submit(0, wid(4), Some("a"), 1, 1);
-    l.submit(0, wid(6), Some("a"), 2, 2);
 
     let cfg = PolicyConfig {
         min_runtime_ms: 4 * H,
@@ -233,10 +268,6 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
             (wid(5), 4 * H, None),
             (wid(4), 4 * H, Some((wid(3), H - cfg.grace_ms)))
         ]
-    );
-    assert_eq!(
-        reason(&plan, wid(6)),
-        &Blocked::BehindReservation { holder: wid(3) }
     );
 }
 

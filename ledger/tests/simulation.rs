@@ -348,12 +348,14 @@ fn run_seed(seed: u64) {
             }
             // No GPU idles while work that fits it waits: single-node work that would fit on
             // reserved GPUs borrows them, so it waits behind a reservation only where the GPUs
-            // are gathered from workloads leaving for it (they are not lent).
+            // are gathered from workloads leaving for it or for a gang (they are not lent).
             for p in &explained.pending {
                 let Blocked::BehindReservation { holder } = p.reason else {
                     continue;
                 };
-                if state.workloads()[&p.workload].nodes == 1 {
+                if state.workloads()[&p.workload].nodes == 1
+                    && state.workloads()[&holder].nodes == 1
+                {
                     let theirs = explained.pending.iter().find(|q| q.workload == holder);
                     assert!(
                         matches!(
