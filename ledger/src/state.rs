@@ -406,23 +406,26 @@ impl State {
         if self.pending_shapes.is_empty() {
             return 0;
         }
-        self.cluster
-            .models
-            .iter()
-            .map(|g| {
-                let hist = &g.free_hist;
-                let nodes_with = |k: usize| hist.iter().skip(k).map(|&n| u64::from(n)).sum::<u64>();
-                self.pending_shapes
-                    .keys()
-                    .map(|&(gpus, nodes)| (gpus as usize, u64::from(nodes)))
-                    .filter(|&(gpus, nodes)| gpus < hist.len() && nodes_with(gpus) >= nodes)
-                    .map(|(gpus, _)| gpus)
-                    .min()
-                    .map_or(0, |k| {
-                        (k..hist.len()).map(|j| j as u64 * u64::from(hist[j])).sum()
-                    })
-            })
-            .sum()
+        let mut idle = 0;
+        for g in &self.cluster.models {
+            // From the most free GPUs down: nodes with at least `k` free, and their free GPUs.
+            let (mut nodes, mut gpus) = (0u64, 0u64);
+            let mut fits_from = None;
+            for (k, &n) in g.free_hist.iter().enumerate().skip(1).rev() {
+                nodes += u64::from(n);
+                gpus += k as u64 * u64::from(n);
+                let k = k as u32;
+                let shape_fits = self
+                    .pending_shapes
+                    .range((k, 0)..=(k, u32::MAX))
+                    .any(|(&(_, count), _)| u64::from(count) <= nodes);
+                if shape_fits {
+                    fits_from = Some(gpus);
+                }
+            }
+            idle += fits_from.unwrap_or(0);
+        }
+        idle
     }
 
     /// The allocation tree as it stands, removed allocations kept for their history.

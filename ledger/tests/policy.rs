@@ -193,27 +193,34 @@ fn contracts(plan: &ledger::policy::Plan) -> Vec<Contract> {
         .collect()
 }
 
-#[test]
-fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
-    // Two 8-GPU nodes each run a 1-GPU job of team a until t=1h (estimates known). Team b wants a
-    // 2-node gang: it holds the reservation on both nodes from 1h. A gang's reservation lends
-    // nothing (all its nodes must be free at once): a later 1-GPU job of a with no estimate may
-    // not take the reserved GPUs; one estimated to end by 1h backfills.
-    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+/// Each of `nodes` (8 GPUs) runs a 1-GPU job of team a until t=1h (estimated); team b waits
+/// for 8 GPUs on each of `b_nodes` nodes (wid 3); then a submits a 1-GPU job with no estimate
+/// (wid 4) and one estimated to end by 1h (wid 5).
+fn a_runs_and_b_waits(nodes: &[&str], b_nodes: u32) -> Ledger {
+    let spec: Vec<(&str, u32, Option<&str>)> = nodes.iter().map(|&n| (n, 8, None)).collect();
+    let mut l = cluster(&spec);
     l.alloc(0, "a", 1);
     l.alloc(0, "b", 1);
-    for (i, node) in [(1, "n1"), (2, "n2")] {
+    for (i, &node) in (1..).zip(nodes) {
         let mut s = submission(wid(i), Some("a"), 1, 1);
         s.duration_estimate_s = Some(3600);
         l.ok(0, Event::WorkloadSubmitted(s));
         l.start(0, wid(i), &[(node, &[0])], 2 * H);
     }
-    l.submit(0, wid(3), Some("b"), 8, 2);
+    l.submit(0, wid(3), Some("b"), 8, b_nodes);
     l.submit(0, wid(4), Some("a"), 1, 1);
     let mut short = submission(wid(5), Some("a"), 1, 1);
     short.duration_estimate_s = Some(1800);
     l.ok(0, Event::WorkloadSubmitted(short));
+    l
+}
 
+#[test]
+fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
+    // Team b's 2-node gang holds the reservation on both nodes from 1h. A gang's reservation
+    // lends nothing (all its nodes must be free at once): a's job with no estimate may not take
+    // the reserved GPUs; the one estimated to end by 1h backfills.
+    let l = a_runs_and_b_waits(&["n1", "n2"], 2);
     let cfg = PolicyConfig {
         min_runtime_ms: 4 * H,
         ..PolicyConfig::default()
@@ -234,23 +241,10 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
 
 #[test]
 fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
-    // n1 runs a 1-GPU job of a until t=1h (estimated). b's 8-GPU job holds the reservation of n1
-    // from 1h. a's next 1-GPU job, with no estimate, borrows a reserved GPU: its contract is the
-    // ordinary one, its term a grace period before b is due. One estimated to end by 1h
-    // backfills as before; a 2-node job may not borrow (a borrowed placement is one node).
-    let mut l = cluster(&[("n1", 8, None)]);
-    l.alloc(0, "a", 1);
-    l.alloc(0, "b", 1);
-    let mut s = submission(wid(1), Some("a"), 1, 1);
-    s.duration_estimate_s = Some(3600);
-    l.ok(0, Event::WorkloadSubmitted(s));
-    l.start(0, wid(1), &[("n1", &[0])], 2 * H);
-    l.submit(0, wid(3), Some("b"), 8, 1);
-    let mut short = submission(wid(5), Some("a"), 1, 1);
-    short.duration_estimate_s = Some(1800);
-    l.ok(0, Event::WorkloadSubmitted(short));
-    l.submit(0, wid(4), Some("a"), 1, 1);
-
+    // Team b's 8-GPU job holds the reservation of n1 from 1h. a's job with no estimate borrows
+    // a reserved GPU: its contract is the ordinary one, its term a grace period before b is
+    // due. The one estimated to end by 1h backfills as before.
+    let l = a_runs_and_b_waits(&["n1"], 1);
     let cfg = PolicyConfig {
         min_runtime_ms: 4 * H,
         ..PolicyConfig::default()
@@ -265,8 +259,8 @@ fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
     assert_eq!(
         contracts(&plan),
         vec![
-            (wid(5), 4 * H, None),
-            (wid(4), 4 * H, Some((wid(3), H - cfg.grace_ms)))
+            (wid(4), 4 * H, Some((wid(3), H - cfg.grace_ms))),
+            (wid(5), 4 * H, None)
         ]
     );
 }
@@ -296,8 +290,7 @@ fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_con
     l.ok(H, plan.decisions[0].to_event());
     assert!(
         preempted(&decide(&l.state, 2 * H, &cfg)).is_empty(),
-        "the long job still holds half the node: {:?}",
-        decide(&l.state, 2 * H, &cfg).decisions
+        "the long job still holds half the node"
     );
     l.finish(3 * H, wid(1));
     let plan = decide(&l.state, 3 * H, &cfg);

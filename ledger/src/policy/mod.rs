@@ -357,7 +357,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             }
             if let Some(parts) = scratch.place(w, false) {
                 plan.decisions
-                    .push(start(state, w, parts, now_ms, cfg, cap_ms));
+                    .push(start(state, w, parts, now_ms, cfg, cap_ms, None));
                 rank.placed(w);
                 continue;
             }
@@ -366,7 +366,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 if r.start_at_ms.is_none_or(|s| now_ms + end <= s) {
                     if let Some(parts) = scratch.place(w, true) {
                         plan.decisions
-                            .push(start(state, w, parts, now_ms, cfg, cap_ms));
+                            .push(start(state, w, parts, now_ms, cfg, cap_ms, None));
                         rank.placed(w);
                         continue;
                     }
@@ -383,21 +383,21 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         // Taken back a grace period before the reservation is due, it has
                         // left by then (and, its GPUs timed from the end of its term plus
                         // grace, it does not push the reservation later).
-                        let lent = Lent {
-                            to: r.workload,
-                            due_ms: r
+                        let borrowed = Borrowed {
+                            reserved_for: r.workload,
+                            until_ms: r
                                 .start_at_ms
                                 .map_or(now_ms, |s| s.saturating_sub(cfg.grace_ms))
                                 .max(now_ms),
                         };
-                        plan.decisions.push(start_lent(
+                        plan.decisions.push(start(
                             state,
                             w,
                             parts,
                             now_ms,
                             cfg,
                             cap_ms,
-                            Some(lent),
+                            Some(borrowed),
                         ));
                         rank.placed(w);
                         continue;
@@ -699,8 +699,16 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        self.gather_victim_nodes(state, now_ms);
-        let nodes = self.nodes.as_deref().unwrap_or_default();
+        let nodes = self.nodes.get_or_insert_with(|| {
+            (0..state.cluster.nodes.len() as u32)
+                .filter(|&i| {
+                    state.cluster.nodes[i as usize]
+                        .tenants
+                        .iter()
+                        .any(|t| preemptible(&t.hold, now_ms))
+                })
+                .collect()
+        });
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
             // Borrowed GPUs go back to the reservation that lent them, not to fair share (see
             // `reclaim`): work filling a reservation's gaps is not churned.
@@ -722,22 +730,6 @@ impl VictimSearch {
                 None
             }
         }
-    }
-}
-
-impl VictimSearch {
-    /// The nodes holding work that may be preempted at all, gathered once a search needs them.
-    fn gather_victim_nodes(&mut self, state: &State, now_ms: u64) {
-        self.nodes.get_or_insert_with(|| {
-            (0..state.cluster.nodes.len() as u32)
-                .filter(|&i| {
-                    state.cluster.nodes[i as usize]
-                        .tenants
-                        .iter()
-                        .any(|t| preemptible(&t.hold, now_ms))
-                })
-                .collect()
-        });
     }
 
     /// For blocked `w` at the head of the queue: victims that make room for it now on the nodes
@@ -846,14 +838,7 @@ impl Deferred<'_> {
     }
 }
 
-/// GPUs of a reservation lent to a borrowed placement.
-struct Lent {
-    /// The workload they are reserved for.
-    to: WorkloadId,
-    /// When the borrowing's term ends: a grace period before the workload is due to start.
-    due_ms: u64,
-}
-
+/// The decision to start `w` on `parts`, on GPUs lent by a reservation if `borrowed`.
 fn start(
     state: &State,
     w: &Workload,
@@ -861,18 +846,7 @@ fn start(
     now_ms: u64,
     cfg: &PolicyConfig,
     cap_ms: u64,
-) -> Decision {
-    start_lent(state, w, parts, now_ms, cfg, cap_ms, None)
-}
-
-fn start_lent(
-    state: &State,
-    w: &Workload,
-    parts: Vec<crate::state::Part>,
-    now_ms: u64,
-    cfg: &PolicyConfig,
-    cap_ms: u64,
-    lent: Option<Lent>,
+    borrowed: Option<Borrowed>,
 ) -> Decision {
     let protection = if w.allocation.is_none() {
         0
@@ -889,10 +863,7 @@ fn start_lent(
             })
             .collect(),
         protected_until_ms: now_ms + protection,
-        borrowed: lent.map(|l| Borrowed {
-            reserved_for: l.to,
-            until_ms: l.due_ms,
-        }),
+        borrowed,
     }
 }
 

@@ -229,12 +229,12 @@ impl Collector {
             .iter()
             .filter(|a| !a.removed && a.is_leaf())
             .map(|a| {
-                let both = self.waits.remove(&a.path).unwrap_or_default();
+                let runs = self.waits.remove(&a.path).unwrap_or_default();
                 let mut by_size: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
-                for &(ms, gpus) in &both {
+                for &(ms, gpus) in &runs {
                     by_size.entry(gpus).or_default().push(ms);
                 }
-                let mut waits: Vec<u64> = both.into_iter().map(|(ms, _)| ms).collect();
+                let mut waits: Vec<u64> = runs.into_iter().map(|(ms, _)| ms).collect();
                 waits.sort_unstable();
                 let pct = |p: f64| percentile(&waits, p).map(|ms| ms as f64 / 1000.0);
                 AllocationReport {
