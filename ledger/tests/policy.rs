@@ -227,8 +227,8 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
     };
     let plan = decide(&l.state, 0, &cfg);
     assert_eq!(
-        plan.reservation
-            .as_ref()
+        plan.reservations
+            .first()
             .map(|r| (r.workload, r.start_at_ms)),
         Some((wid(3), Some(H)))
     );
@@ -251,8 +251,8 @@ fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
     };
     let plan = decide(&l.state, 0, &cfg);
     assert_eq!(
-        plan.reservation
-            .as_ref()
+        plan.reservations
+            .first()
             .map(|r| (r.workload, r.start_at_ms)),
         Some((wid(3), Some(H)))
     );
@@ -262,6 +262,79 @@ fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
             (wid(4), 4 * H, Some((wid(3), H - cfg.grace_ms))),
             (wid(5), 4 * H, None)
         ]
+    );
+}
+
+#[test]
+fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
+    // Three nodes, a's small jobs on each (n3 holds two GPUs of them). b's and c's 8-GPU jobs fit
+    // nowhere. With two reservations per pass, b (the head) holds n1 and c the node next nearest
+    // to free, n2: a's 6-GPU job goes where it fits, n3, and its 7-GPU jobs borrow n1 from b and
+    // n2 from c. With one, c's job waits for capacity, and n2 goes to a's first 7-GPU job.
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None), ("n3", 8, None)]);
+    for a in ["a", "b", "c"] {
+        l.alloc(0, a, 1);
+    }
+    l.submit(0, wid(1), Some("a"), 1, 1);
+    l.start(0, wid(1), &[("n1", &[0])], H);
+    l.submit(0, wid(2), Some("a"), 1, 1);
+    l.start(0, wid(2), &[("n2", &[0])], H);
+    l.submit(0, wid(3), Some("a"), 2, 1);
+    l.start(0, wid(3), &[("n3", &[0, 1])], H);
+    l.submit(H, wid(10), Some("b"), 8, 1);
+    l.submit(H, wid(11), Some("c"), 8, 1);
+    l.submit(H, wid(12), Some("a"), 6, 1);
+    l.submit(H, wid(13), Some("a"), 7, 1);
+    l.submit(H, wid(14), Some("a"), 7, 1);
+    let two = PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        reservations_max: 2,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, H, &two);
+    let held: Vec<(Uuid, Vec<String>)> = plan
+        .reservations
+        .iter()
+        .map(|r| (r.workload, r.nodes.clone()))
+        .collect();
+    assert_eq!(
+        held,
+        vec![(wid(10), vec!["n1".into()]), (wid(11), vec!["n2".into()])]
+    );
+    assert_eq!(
+        contracts(&plan),
+        vec![
+            (wid(12), 5 * H, None),
+            (wid(13), 5 * H, Some((wid(10), H))),
+            (wid(14), 5 * H, Some((wid(11), H))),
+        ]
+    );
+    assert!(matches!(
+        reason(&plan, wid(11)),
+        Blocked::HoldsReservation { nodes: 1, .. }
+    ));
+    let terse = decide(
+        &l.state,
+        H,
+        &PolicyConfig {
+            explain: false,
+            ..two.clone()
+        },
+    );
+    assert_eq!(terse.decisions, plan.decisions);
+
+    let one = PolicyConfig {
+        reservations_max: 1,
+        ..two
+    };
+    let plan = decide(&l.state, H, &one);
+    assert_eq!(plan.reservations.len(), 1);
+    assert!(matches!(reason(&plan, wid(11)), Blocked::NoCapacity { .. }));
+    assert_eq!(
+        contracts(&plan)[1..],
+        [(wid(13), 5 * H, None), (wid(14), 5 * H, Some((wid(10), H)))],
+        "n2 is held for no one: the first 7-GPU job takes it outright"
     );
 }
 

@@ -86,6 +86,11 @@ pub struct PolicyConfig {
     /// The most blocked workloads per pass that may look for victims, bounding the work of a
     /// pass (each look costs a scan of the cluster).
     pub preemptors_per_pass_max: u32,
+    /// The most reservations per pass: the head of the queue's, then one for the first blocked
+    /// single-node workload of each further allocation. Several nodes drain at once for
+    /// whole-node work instead of one, lending their free GPUs meanwhile, so work of an
+    /// allocation whose small jobs fill every gap does not keep them fragmented.
+    pub reservations_max: u32,
     /// Node label whose equal values mean "close" (same rack) for gang placement.
     pub topology_label: String,
     /// Explain every pending workload. Without explanations a pass may stop early, once nothing
@@ -101,6 +106,7 @@ impl Default for PolicyConfig {
             grace_ms: 300_000,
             margin: 0.05,
             preemptors_per_pass_max: 16,
+            reservations_max: 1,
             topology_label: "rack".to_string(),
             explain: true,
         }
@@ -167,7 +173,8 @@ impl Decision {
 /// Why a workload is still pending.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Blocked {
-    /// It heads the queue and holds the reservation; it starts when those nodes free up.
+    /// It holds a reservation (the head of the queue, or the first single-node workload of a
+    /// further allocation): nodes are drained for it, and it starts when they free up.
     HoldsReservation {
         /// Nodes reserved.
         nodes: u32,
@@ -248,12 +255,17 @@ pub struct Plan {
     pub decisions: Vec<Decision>,
     /// Pending workloads in order, with reasons (empty unless `explain`).
     pub pending: Vec<Pending>,
-    /// The reservation for the head of the queue. Without `explain`, only if a decision of the
-    /// pass depended on it.
-    pub reservation: Option<Reservation>,
+    /// The reservations, the head of the queue's first. Without `explain`, only those a
+    /// decision of the pass depended on (the first of the explained pass's).
+    pub reservations: Vec<Reservation>,
 }
 
 impl Plan {
+    /// The reservation held for `holder`, if any.
+    pub fn reservation_of(&self, holder: WorkloadId) -> Option<&Reservation> {
+        self.reservations.iter().find(|r| r.workload == holder)
+    }
+
     /// The start decisions.
     pub fn starts(&self) -> impl Iterator<Item = &Decision> {
         self.decisions
@@ -312,6 +324,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed_shapes: FxHashSet::default(),
         failed: Vec::new(),
         takes: FxHashMap::default(),
+        due_nodes: None,
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -328,11 +341,14 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut asks = state.pending_shapes.clone();
     let mut position = 0u32;
     let mut deferred = Deferred {
-        holder: None,
+        holders: Vec::new(),
         policy,
         cfg,
         now_ms,
     };
+    // The allocations a reservation or preemptions of this pass are for: a further reservation
+    // goes to an allocation not among them.
+    let mut served: FxHashSet<Option<u32>> = FxHashSet::default();
 
     while let Some(id) = rank.next_candidate() {
         position += 1;
@@ -350,7 +366,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         if blocked.is_none() {
             // A reservation not worked out yet is needed once this workload could use its
             // nodes: if it fits anywhere, or might backfill.
-            if deferred.holder.is_some()
+            if !deferred.holders.is_empty()
                 && (scratch.fits(w) || w.remaining_estimate_ms(now_ms).is_some())
             {
                 deferred.settle(&mut plan, &mut scratch, &rank);
@@ -361,9 +377,16 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 rank.placed(w);
                 continue;
             }
-            if let (Some(r), Some(end)) = (&plan.reservation, w.remaining_estimate_ms(now_ms)) {
+            if let (false, Some(end)) = (
+                plan.reservations.is_empty(),
+                w.remaining_estimate_ms(now_ms),
+            ) {
                 // Backfill: reserved GPUs may be lent to work that gives them back in time.
-                if r.start_at_ms.is_none_or(|s| now_ms + end <= s) {
+                if plan
+                    .reservations
+                    .iter()
+                    .all(|r| r.start_at_ms.is_none_or(|s| now_ms + end <= s))
+                {
                     if let Some(parts) = scratch.place(w, true) {
                         plan.decisions
                             .push(start(state, w, parts, now_ms, cfg, cap_ms, None));
@@ -378,8 +401,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // then, if it needs them.
             if w.nodes == 1 && scratch.free_total() >= u64::from(w.gpus_per_node) {
                 deferred.settle(&mut plan, &mut scratch, &rank);
-                if let Some(r) = &plan.reservation {
-                    if let Some(parts) = scratch.place_borrowed(w) {
+                if let Some((parts, lender)) = scratch.place_borrowed(w) {
+                    if let Some(r) = plan.reservation_of(lender) {
                         // Taken back a grace period before the reservation is due, it has
                         // left by then (and, its GPUs timed from the end of its term plus
                         // grace, it does not push the reservation later).
@@ -406,8 +429,17 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             }
         }
 
-        // The first workload left waiting for capacity holds the reservation.
-        let head = plan.reservation.is_none() && deferred.holder.is_none();
+        // The first workload left waiting for capacity holds the reservation; the first blocked
+        // single-node workload of each further allocation one as well, while there are fewer
+        // than the most a pass may have.
+        let head = plan.reservations.is_empty() && deferred.holders.is_empty();
+        let reservations = plan.reservations.len() + deferred.holders.len();
+        let further = !head
+            && w.nodes == 1
+            && w.gpus_per_node > 1
+            && w.allocation.is_some()
+            && reservations < cfg.reservations_max as usize
+            && !served.contains(&w.allocation);
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
@@ -445,16 +477,24 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     scratch.withhold_nodes(&more, id);
                     held.extend(more);
                 }
-                if plan.reservation.is_none() {
-                    plan.reservation = Some(Reservation::new(state, id, &held, Some(until_ms)));
+                if plan.reservations.is_empty() {
+                    plan.reservations
+                        .push(Reservation::new(state, id, &held, Some(until_ms)));
                 }
+                served.insert(w.allocation);
                 Blocked::WaitingForPreemption { victims, until_ms }
             }
             // The head of the queue, about to hold the reservation, first takes back lent GPUs
             // whose term is over, where that (with the work it may take anyway) makes room;
             // then, as any other blocked workload, looks among the work it may take.
             (None, None) => match head
-                .then(|| search.reclaim(state, &scratch, &rank, policy, cfg, w, now_ms))
+                .then(|| {
+                    if !search.may_reclaim(state, w, now_ms) {
+                        return None;
+                    }
+                    deferred.settle(&mut plan, &mut scratch, &rank);
+                    search.reclaim(state, &scratch, &rank, policy, cfg, w, now_ms)
+                })
                 .flatten()
                 .or_else(|| {
                     search
@@ -484,28 +524,28 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         });
                     }
                     scratch.withhold_nodes(&nodes, id);
-                    if plan.reservation.is_none() {
-                        plan.reservation =
-                            Some(Reservation::new(state, id, &nodes, Some(until_ms)));
+                    if plan.reservations.is_empty() {
+                        plan.reservations
+                            .push(Reservation::new(state, id, &nodes, Some(until_ms)));
                     }
+                    served.insert(w.allocation);
                     Blocked::WaitingForPreemption {
                         victims: victims.len() as u32,
                         until_ms,
                     }
                 }
-                None if head => {
-                    // The head of the queue gets the reservation. Without explanations it is
-                    // worked out only once a decision depends on it (often none does).
-                    deferred.holder = Some(id);
+                None if head || further => {
+                    // Without explanations, reservations are worked out only once a decision
+                    // depends on them (often none does).
+                    deferred.holders.push(id);
+                    served.insert(w.allocation);
                     if cfg.explain {
                         deferred.settle(&mut plan, &mut scratch, &rank);
                     }
+                    let mine = plan.reservation_of(id);
                     Blocked::HoldsReservation {
-                        nodes: plan
-                            .reservation
-                            .as_ref()
-                            .map_or(0, |r| r.nodes.len() as u32),
-                        start_at_ms: plan.reservation.as_ref().and_then(|r| r.start_at_ms),
+                        nodes: mine.map_or(0, |r| r.nodes.len() as u32),
+                        start_at_ms: mine.and_then(|r| r.start_at_ms),
                     }
                 }
                 // Without explanations the reason is thrown away: skip working it out.
@@ -532,22 +572,23 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             });
             continue;
         }
-        if plan.reservation.is_none() && deferred.holder.is_none() || !search.exhausted() {
+        if plan.reservations.is_empty() && deferred.holders.is_empty() || !search.exhausted() {
             continue;
         }
+        // While a further reservation may be taken, a workload not visited yet might hold it,
+        // and withholding nodes changes where later work goes.
+        let further_open =
+            plan.reservations.len() + deferred.holders.len() < cfg.reservations_max as usize;
         // The head of the queue holds the reservation and no more preemptions may be looked for:
         // from here on a workload visited either starts or waits, with no effect on the pass
         // unless preemptions are under way for it. Whether a shape (GPUs per node, nodes) fits
-        // anywhere, whatever the model (reserved nodes count for single-node work, which may
-        // borrow them, and for any if some pending work has an estimate and so might backfill;
-        // a reservation not worked out yet withholds nothing, so this errs on going on):
+        // anywhere, whatever the model (the nodes a reservation lends count for single-node
+        // work, which may borrow them, and withheld nodes for any if some pending work has an
+        // estimate and so might backfill; a reservation not worked out yet withholds nothing,
+        // so this errs on going on):
         let fits = |&(gpus_per_node, nodes): &(u32, u32)| {
             scratch.free_total() > 0
-                && scratch.could_fit(
-                    gpus_per_node,
-                    nodes,
-                    state.pending_with_estimate > 0 || nodes == 1,
-                )
+                && scratch.could_fit(gpus_per_node, nodes, state.pending_with_estimate > 0)
         };
         if !asks.keys().any(fits) {
             // No workload not visited yet can start. Without explanations to give, the pass is
@@ -556,14 +597,16 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         }
         if let Some(leaf) = w.allocation {
             // Nor can the workloads of this one's leaf whose shape fits nowhere: go on at the
-            // next that might fit, if any. Not in a leaf with preemptions under way for one of
-            // its workloads, which withholds its victims' nodes when visited.
+            // next that might fit, if any (or might hold a further reservation). Not in a leaf
+            // with preemptions under way for one of its workloads, which withholds its victims'
+            // nodes when visited.
             if !leaves_waiting.contains(&leaf) {
                 let here = State::queue_key(w);
+                let may_hold = further_open && !served.contains(&Some(leaf));
                 let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
                     shapes
                         .iter()
-                        .filter(|(shape, _)| fits(shape))
+                        .filter(|(shape, _)| fits(shape) || may_hold && shape.1 == 1 && shape.0 > 1)
                         .filter_map(|(_, keys)| {
                             keys.range((Bound::Excluded(here), Bound::Unbounded)).next()
                         })
@@ -613,6 +656,8 @@ struct VictimSearch {
     /// was worked out at.
     takes: FxHashMap<Option<u32>, (u64, Vec<u64>)>,
     claimed: FxHashSet<WorkloadId>,
+    /// The nodes of borrowed placements whose term is over, once a reclaim asked.
+    due_nodes: Option<Vec<u32>>,
 }
 
 impl VictimSearch {
@@ -732,10 +777,33 @@ impl VictimSearch {
         }
     }
 
-    /// For blocked `w` at the head of the queue: victims that make room for it now on the nodes
-    /// of borrowed placements whose term is over (those, and the work it may take anyway), and
-    /// the nodes it would use (a gang's others with room already). Outside the budget of
-    /// searches: one per pass at most, on few nodes.
+    /// Whether [`Self::reclaim`] might find room for `w`: some borrowed placement's term is
+    /// over (the reservation is worked out only then).
+    fn may_reclaim(&mut self, state: &State, w: &Workload, now_ms: u64) -> bool {
+        let due = self.due_nodes.get_or_insert_with(|| {
+            let mut nodes: Vec<u32> = state
+                .borrowed
+                .iter()
+                .flat_map(|id| &state.workloads[id].placement)
+                .filter(|p| {
+                    state.cluster.nodes[p.node as usize]
+                        .tenants
+                        .iter()
+                        .any(|t| lent_due(&t.hold, now_ms))
+                })
+                .map(|p| p.node)
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            nodes
+        });
+        !due.is_empty() && w.allocation.is_some()
+    }
+
+    /// For blocked `w` at the head of the queue, once [`Self::may_reclaim`] said to look:
+    /// victims that make room for it now on the nodes of borrowed placements whose term is over
+    /// (those, and the work it may take anyway), and the nodes it would use (a gang's others
+    /// with room already). Outside the budget of searches: one per pass at most, on few nodes.
     #[allow(clippy::too_many_arguments)]
     fn reclaim(
         &mut self,
@@ -747,38 +815,25 @@ impl VictimSearch {
         w: &Workload,
         now_ms: u64,
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
-        let due = |h: &Hold| {
-            h.grace_until_ms.is_none() && h.borrowed_until_ms.is_some_and(|u| u <= now_ms)
-        };
-        let mut nodes: Vec<u32> = state
-            .borrowed
-            .iter()
-            .flat_map(|id| &state.workloads[id].placement)
-            .filter(|p| {
-                state.cluster.nodes[p.node as usize]
-                    .tenants
-                    .iter()
-                    .any(|t| due(&t.hold))
-            })
-            .map(|p| p.node)
-            .collect();
-        if nodes.is_empty() || w.allocation.is_none() {
-            return None;
-        }
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
-        nodes.sort_unstable();
-        nodes.dedup();
-        let (nodes, victims) = scratch
-            .plan_preemption(state, w, now_ms, &self.claimed, &nodes, |t| {
-                due(&t.hold)
+        let nodes = self.due_nodes.as_deref().unwrap_or_default();
+        let found = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+                lent_due(&t.hold, now_ms)
                     || preemptible(&t.hold, now_ms)
                         && has(&mine, t.hold.allocation)
                         && t.hold.borrowed_until_ms.is_none()
             })
-            .ok()?;
+            .ok();
+        let (nodes, victims) = found?;
         self.claimed.extend(victims.iter().copied());
         Some((nodes, victims))
     }
+}
+
+/// On borrowed GPUs whose term is over, and not leaving already.
+fn lent_due(h: &Hold, now_ms: u64) -> bool {
+    h.grace_until_ms.is_none() && h.borrowed_until_ms.is_some_and(|u| u <= now_ms)
 }
 
 /// Preemptible at all: not leaving already, and unallocated or past its contract.
@@ -786,24 +841,34 @@ fn preemptible(h: &Hold, now_ms: u64) -> bool {
     h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
 }
 
-/// The reservation of the head of the queue while it is not worked out yet: without
-/// explanations it is worked out only once something depends on it.
+/// The reservations not worked out yet: without explanations, a reservation is worked out only
+/// once something depends on it.
 struct Deferred<'a> {
-    holder: Option<WorkloadId>,
+    /// Their holders, in the order visited.
+    holders: Vec<WorkloadId>,
     policy: &'a dyn Policy,
     cfg: &'a PolicyConfig,
     now_ms: u64,
 }
 
 impl Deferred<'_> {
-    /// Works out the reservation of the holder, if any, and withholds its nodes. Called before
-    /// anything that depends on the reservation (a placement that could use its nodes, a
+    /// Works out the reservations not worked out yet, in order, and withholds their nodes.
+    /// Called before anything that depends on them (a placement that could use their nodes, a
     /// backfill, a victim search, a withholding), so the scratch is still as it was when the
-    /// holder was visited.
+    /// holders were visited.
     fn settle(&mut self, plan: &mut Plan, scratch: &mut Scratch, rank: &rank::Rank) {
-        let Some(holder) = self.holder.take() else {
-            return;
-        };
+        for holder in std::mem::take(&mut self.holders) {
+            self.reserve(plan, scratch, rank, holder);
+        }
+    }
+
+    fn reserve(
+        &self,
+        plan: &mut Plan,
+        scratch: &mut Scratch,
+        rank: &rank::Rank,
+        holder: WorkloadId,
+    ) {
         let state = rank.state();
         let (cfg, now_ms) = (self.cfg, self.now_ms);
         let w = &state.workloads[&holder];
@@ -820,12 +885,16 @@ impl Deferred<'_> {
                 .iter()
                 .enumerate()
                 .all(|(a, node)| node.held_gpus == 0 || !may_take(Some(a as u32)));
-        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, only_leaving, |hold| {
-            let lent = hold
-                .borrowed_until_ms
-                .map_or(u64::MAX, |u| u.max(now_ms) + cfg.grace_ms);
-            release_ms(cfg, may_take(hold.allocation), hold, now_ms).min(lent)
-        });
+        // A further reservation (not the first) takes the nodes nearest to free now: it drains
+        // them for whole-node work, and looking at them alone keeps a pass with several cheap.
+        let further = !plan.reservations.is_empty();
+        let (nodes, start_at_ms) =
+            scratch.reserve(state, w, now_ms, only_leaving, further, |hold| {
+                let lent = hold
+                    .borrowed_until_ms
+                    .map_or(u64::MAX, |u| u.max(now_ms) + cfg.grace_ms);
+                release_ms(cfg, may_take(hold.allocation), hold, now_ms).min(lent)
+            });
         // A gang's reservation lends nothing: its nodes must all be free at once, and taking
         // borrowers back from several nodes cost more work than the idle GPUs they filled (on
         // the year's trace, a fifth of all workloads restarted, for no more GPU-hours delivered).
@@ -834,7 +903,8 @@ impl Deferred<'_> {
         } else {
             scratch.withhold_nodes(&nodes, holder);
         }
-        plan.reservation = Some(Reservation::new(state, holder, &nodes, start_at_ms));
+        plan.reservations
+            .push(Reservation::new(state, holder, &nodes, start_at_ms));
     }
 }
 
@@ -848,11 +918,7 @@ fn start(
     cap_ms: u64,
     borrowed: Option<Borrowed>,
 ) -> Decision {
-    let protection = if w.allocation.is_none() {
-        0
-    } else {
-        w.min_runtime_ms.unwrap_or(cfg.min_runtime_ms).min(cap_ms)
-    };
+    let protection = protection_ms(w, cfg, cap_ms);
     Decision::Start {
         workload: w.id,
         placement: parts
@@ -864,6 +930,15 @@ fn start(
             .collect(),
         protected_until_ms: now_ms + protection,
         borrowed,
+    }
+}
+
+/// The contract `w` gets when it starts: none for unallocated work.
+fn protection_ms(w: &Workload, cfg: &PolicyConfig, cap_ms: u64) -> u64 {
+    if w.allocation.is_none() {
+        0
+    } else {
+        w.min_runtime_ms.unwrap_or(cfg.min_runtime_ms).min(cap_ms)
     }
 }
 

@@ -151,15 +151,16 @@ impl<'s> Scratch<'s> {
         }
     }
 
-    /// Whether `nodes` nodes of some one model have `gpus_per_node` free GPUs each, withheld
-    /// nodes included if `include_withheld`.
-    pub fn could_fit(&self, gpus_per_node: u32, nodes: u32, include_withheld: bool) -> bool {
+    /// Whether `nodes` nodes of some one model have `gpus_per_node` free GPUs each: withheld
+    /// nodes included if `backfill`, and the nodes a reservation lends for single-node work.
+    pub fn could_fit(&self, gpus_per_node: u32, nodes: u32, backfill: bool) -> bool {
         (0..self.groups.len()).any(|g| {
-            let withheld = if include_withheld {
+            let withheld = if backfill || nodes == 1 {
                 self.withheld_list
                     .iter()
                     .filter(|&&i| {
-                        self.model[i as usize] as usize == g
+                        (backfill || self.lendable[i as usize])
+                            && self.model[i as usize] as usize == g
                             && self.free[i as usize].count_ones() >= gpus_per_node
                     })
                     .count()
@@ -202,27 +203,28 @@ impl<'s> Scratch<'s> {
     }
 
     /// Places single-node `w` on the free GPUs of a reservation's node, best fit, or returns
-    /// `None`: a borrowed placement, which gives them back when the reservation is due.
-    pub fn place_borrowed(&mut self, w: &Workload) -> Option<Vec<Part>> {
+    /// `None`: a borrowed placement, which gives them back when the reservation is due. Returns
+    /// the placement and the workload the reservation lending it is for.
+    pub fn place_borrowed(&mut self, w: &Workload) -> Option<(Vec<Part>, WorkloadId)> {
         if w.nodes != 1 {
             return None;
         }
-        let node = self
+        let (_, node, holder) = self
             .withheld_list
             .iter()
-            .filter(|&&i| {
+            .zip(&self.withheld_for)
+            .filter(|&(&i, _)| {
                 self.lendable[i as usize] && w.model.is_none_or(|m| m == self.model[i as usize])
             })
-            .map(|&i| (self.free[i as usize].count_ones(), i))
-            .filter(|&(k, _)| k >= w.gpus_per_node)
-            .min()?
-            .1;
+            .map(|(&i, &holder)| (self.free[i as usize].count_ones(), i, holder))
+            .filter(|&(k, _, _)| k >= w.gpus_per_node)
+            .min()?;
         let part = Part {
             node,
             gpus: self.pick_gpus(node, w.gpus_per_node),
         };
         self.take(part.node, part.gpus);
-        Some(vec![part])
+        Some((vec![part], holder))
     }
 
     fn take(&mut self, node: NodeIdx, mask: u64) {
@@ -436,12 +438,16 @@ impl<'s> Scratch<'s> {
     /// preempt none). Then every other full node is ready "never", and only the nodes with free
     /// GPUs, a workload leaving or a borrowed placement are timed; the rest rank by index. On a busy cluster the head of the
     /// queue holds the reservation because it may preempt nothing, so that is most reservations.
+    /// With `nearest` the caller asks for those nodes whatever the other returns: a further
+    /// reservation drains the nodes nearest to free now, at the cost of one look at each.
+    #[allow(clippy::too_many_arguments)]
     pub fn reserve(
         &self,
         state: &State,
         w: &Workload,
         now_ms: u64,
         only_leaving: bool,
+        nearest: bool,
         mut release: impl FnMut(&Hold) -> u64,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node;
@@ -509,7 +515,7 @@ impl<'s> Scratch<'s> {
             count
         };
         // Nodes with a workload leaving or on borrowed GPUs, whatever their group.
-        let leaving: Vec<NodeIdx> = if only_leaving {
+        let leaving: Vec<NodeIdx> = if only_leaving || nearest {
             let mut nodes: Vec<NodeIdx> = state
                 .preempting
                 .iter()
@@ -527,7 +533,7 @@ impl<'s> Scratch<'s> {
         for group in self.groups_for(w) {
             soonest.clear();
             let all = 0..self.free.len() as NodeIdx;
-            let count = if only_leaving {
+            let count = if only_leaving || nearest {
                 // The nodes that may be ready at all: with free GPUs, or a workload leaving.
                 let mut timed: Vec<NodeIdx> = self.groups[group]
                     .buckets
@@ -552,7 +558,7 @@ impl<'s> Scratch<'s> {
                     }
                 }
                 #[cfg(debug_assertions)]
-                {
+                if only_leaving {
                     let mut swept = Vec::new();
                     let swept_count = sweep(group, &mut all.clone(), &mut swept);
                     assert_eq!(

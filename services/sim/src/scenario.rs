@@ -8,6 +8,7 @@
 //! max_min_runtime_s = 28800 # cap on what a workload may ask for
 //! grace_s = 300             # time to checkpoint after a preemption request
 //! margin = 0.05             # hysteresis on the ranking key
+//! reservations = 4          # most nodes-drained-for-it reservations per pass (1 to 64)
 //! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
@@ -99,6 +100,8 @@ pub struct PolicySection {
     pub margin: f64,
     /// Silence after which a node's GPUs go unhealthy.
     pub heartbeat_timeout_s: u64,
+    /// The most reservations per pass (see `PolicyConfig::reservations_max`).
+    pub reservations: u32,
 }
 
 impl Default for PolicySection {
@@ -112,6 +115,7 @@ impl Default for PolicySection {
             grace_s: 300,
             margin: 0.05,
             heartbeat_timeout_s: ledger::health::DEFAULT_TIMEOUT_MS / 1000,
+            reservations: PolicyConfig::default().reservations_max,
         }
     }
 }
@@ -263,6 +267,12 @@ impl Scenario {
                 p.margin
             )));
         }
+        if !(1..=64).contains(&p.reservations) {
+            return Err(bad(format!(
+                "[policy] reservations {} must lie in 1 to 64",
+                p.reservations
+            )));
+        }
         let mut setup = Vec::new();
         let mut nodes = Vec::new();
         for (g, group) in self.nodes.iter().enumerate() {
@@ -394,6 +404,7 @@ impl Scenario {
                 min_runtime_ms: p.min_runtime_s * 1000,
                 grace_ms: p.grace_s * 1000,
                 margin: p.margin,
+                reservations_max: p.reservations,
                 // Reports need decisions, not the reasons of every waiting workload.
                 explain: false,
                 ..PolicyConfig::default()

@@ -344,7 +344,7 @@ fn reason(b: &Blocked) -> serde_json::Value {
     match b {
         Blocked::HoldsReservation { nodes, start_at_ms } => json!({
             "code": "holds_reservation", "nodes": nodes, "start_at_ms": start_at_ms,
-            "detail": "heads the queue: its reserved nodes are drained for it, their GPUs held for it as they free up (and lent meanwhile to work that gives them back in time)"}),
+            "detail": "waits for nodes being drained for it: their GPUs are held for it as they free up (and lent meanwhile to work that gives them back in time)"}),
         Blocked::WaitingForPreemption { victims, until_ms } => json!({
             "code": "waiting_for_preemption", "victims": victims, "until_ms": until_ms,
             "detail": "workloads are leaving to make room for it"}),
@@ -437,9 +437,16 @@ pub(crate) async fn explain(
             "start_at_ms": until_ms,
             "how": "the workloads preempted for it leave when their grace periods end",
         })),
+        Blocked::BehindReservation { holder } => plan
+            .reservation_of(*holder)
+            .and_then(|r| r.start_at_ms)
+            .map(|t| json!({
+                "not_before_ms": t,
+                "how": "the nodes it would fit on are drained for a workload ranked above it, which starts then",
+            })),
         _ => plan
-            .reservation
-            .as_ref()
+            .reservations
+            .first()
             .and_then(|r| r.start_at_ms)
             .map(|t| json!({
                 "not_before_ms": t,
