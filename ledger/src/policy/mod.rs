@@ -9,7 +9,10 @@
 //! when that is not known), so no GPU idles while work that fits waits, with or without
 //! estimates. From the end of that term the head of the queue may take borrowed GPUs back
 //! ([`PreemptionReason::Reclaimed`], no contract violation); nothing else preempts a borrowed
-//! run before its own contract ends, and fair share does not preempt it at all. A blocked
+//! run before its own contract ends, and fair share does not preempt it at all. With
+//! [`PolicyConfig::reservations_max`] above one, the first blocked single-node workload asking
+//! more than one GPU of each further allocation holds a reservation too, on the node nearest to
+//! free, so several nodes drain for whole-node work at once. A blocked
 //! workload of an under-served allocation may preempt post-contract work of allocations ranked
 //! above it by more than the hysteresis margin, choosing victims that lose the fewest
 //! GPU-hours. Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
@@ -400,7 +403,15 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // not known), so no GPU idles while work that fits waits. The holder takes them back
             // then, if it needs them.
             if w.nodes == 1 && scratch.free_total() >= u64::from(w.gpus_per_node) {
-                deferred.settle(&mut plan, &mut scratch, &rank);
+                // Only a single-node holder's reservation lends: a gang's not worked out yet
+                // (the head's, most often) may stay so.
+                if deferred
+                    .holders
+                    .iter()
+                    .any(|h| state.workloads[h].nodes == 1)
+                {
+                    deferred.settle(&mut plan, &mut scratch, &rank);
+                }
                 if let Some((parts, lender)) = scratch.place_borrowed(w) {
                     if let Some(r) = plan.reservation_of(lender) {
                         // Taken back a grace period before the reservation is due, it has

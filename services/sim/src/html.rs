@@ -16,6 +16,8 @@ use std::sync::Once;
 
 use ledger::event::Event;
 use ledger::{Envelope, Outcome, State, WorkloadId};
+use plotters::coord::ranged1d::{Ranged, ValueFormatter};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::report::Report;
@@ -97,14 +99,15 @@ pub struct Timeline {
     k: usize,
     busy: Vec<f64>,
     total_gpus: usize,
-    waits_h: BTreeMap<String, Vec<f64>>,
+    /// Waits in hours by allocation, and by GPUs asked.
+    waits_h: BTreeMap<String, BTreeMap<u64, Vec<f64>>>,
     until_ms: Option<f64>,
     first_gpu: BTreeMap<String, usize>,
     /// Colour of each leaf allocation, in the report's order (by path), read from the ledger
     /// at the first start.
     colour_of: Option<BTreeMap<String, usize>>,
     running: BTreeMap<WorkloadId, (usize, Vec<usize>, u64)>,
-    submitted: BTreeMap<WorkloadId, (u64, Option<String>)>,
+    submitted: BTreeMap<WorkloadId, (u64, Option<String>, u64)>,
 }
 
 impl Timeline {
@@ -149,8 +152,9 @@ impl Timeline {
         let at = env.occurred_at_ms;
         match &env.event {
             Event::WorkloadSubmitted(s) => {
+                let gpus = u64::from(s.gpus_per_node) * u64::from(s.nodes);
                 self.submitted
-                    .insert(s.workload, (at, s.allocation.clone()));
+                    .insert(s.workload, (at, s.allocation.clone(), gpus));
             }
             Event::WorkloadStarted(s) => {
                 let colour_of = self.colour_of.get_or_insert_with(|| {
@@ -185,9 +189,11 @@ impl Timeline {
                     })
                     .collect();
                 self.running.insert(s.workload, (colour, gpus, at));
-                if let Some((submit, Some(path))) = self.submitted.remove(&s.workload) {
+                if let Some((submit, Some(path), gpus)) = self.submitted.remove(&s.workload) {
                     self.waits_h
                         .entry(path)
+                        .or_default()
+                        .entry(gpus)
                         .or_default()
                         .push((at - submit) as f64 / 3_600_000.0);
                 }
@@ -404,12 +410,19 @@ fn bars_svg(report: &Report, colours: &[(String, RGBColor)]) -> Result<String, S
     Ok(svg)
 }
 
-fn lines_svg(
-    series: &[Series],
-    x_desc: &str,
-    y_desc: &str,
-    y_max: f64,
-) -> Result<String, SimError> {
+/// Where a wait CDF's log axis starts: a minute.
+const WAIT_FLOOR_H: f64 = 1.0 / 60.0;
+
+/// The x axis of a line chart.
+#[derive(Clone, Copy)]
+enum Axis {
+    /// Simulated hours, linear.
+    Hours,
+    /// Waits in hours on a log scale, from [`WAIT_FLOOR_H`].
+    LogHours,
+}
+
+fn lines_svg(series: &[Series], x: Axis, y_desc: &str, y_max: f64) -> Result<String, SimError> {
     let mut svg = String::new();
     {
         let x_max = series
@@ -418,26 +431,54 @@ fn lines_svg(
             .fold(1e-9, f64::max);
         let root = SVGBackend::with_string(&mut svg, (960, 300)).into_drawing_area();
         root.fill(&WHITE).map_err(svg_err)?;
-        let mut chart = ChartBuilder::on(&root)
+        let mut builder = ChartBuilder::on(&root);
+        builder
             .margin(10)
             .x_label_area_size(36)
-            .y_label_area_size(56)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-            .map_err(svg_err)?;
-        chart
-            .configure_mesh()
-            .x_desc(x_desc)
-            .y_desc(y_desc)
-            .draw()
-            .map_err(svg_err)?;
-        for (_, c, points) in series {
-            chart
-                .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
-                .map_err(svg_err)?;
+            .y_label_area_size(56);
+        match x {
+            Axis::Hours => {
+                let chart = builder
+                    .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+                    .map_err(svg_err)?;
+                draw_lines(chart, series, "hours", y_desc)?;
+            }
+            Axis::LogHours => {
+                let chart = builder
+                    .build_cartesian_2d(
+                        (WAIT_FLOOR_H..x_max.max(WAIT_FLOOR_H * 10.0)).log_scale(),
+                        0.0..y_max,
+                    )
+                    .map_err(svg_err)?;
+                draw_lines(chart, series, "wait (hours, log scale)", y_desc)?;
+            }
         }
         root.present().map_err(svg_err)?;
     }
     Ok(svg)
+}
+
+fn draw_lines<X>(
+    mut chart: ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, RangedCoordf64>>,
+    series: &[Series],
+    x_desc: &str,
+    y_desc: &str,
+) -> Result<(), SimError>
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(svg_err)?;
+    for (_, c, points) in series {
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
+            .map_err(svg_err)?;
+    }
+    Ok(())
 }
 
 fn legend(colours: &[(String, RGBColor)]) -> String {
@@ -478,26 +519,46 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
     let horizon_h = report.sim.horizon_s / 3600.0;
     let timeline = timeline_svg(&t, &colours, horizon_h)?;
     let bars = bars_svg(report, &colours)?;
-    let mut cdfs = Vec::new();
-    for (i, a) in report.allocations.iter().enumerate() {
-        let mut w = t.waits_h.get(&a.path).cloned().unwrap_or_default();
-        if w.is_empty() {
-            continue;
-        }
+    // Waits on a log axis: from a minute (shorter waits are drawn there) to the longest.
+    let cdf = |mut w: Vec<f64>| -> Vec<(f64, f64)> {
         w.sort_by(f64::total_cmp);
         let n = w.len() as f64;
-        let points: Vec<(f64, f64)> = w
-            .iter()
+        w.iter()
             .enumerate()
-            .map(|(j, &x)| (x, (j + 1) as f64 / n))
-            .collect();
+            .map(|(j, &x)| (x.max(WAIT_FLOOR_H), (j + 1) as f64 / n))
+            .collect()
+    };
+    let mut cdfs = Vec::new();
+    let mut by_size = String::new();
+    for (i, a) in report.allocations.iter().enumerate() {
+        let Some(sizes) = t.waits_h.get(&a.path) else {
+            continue;
+        };
         cdfs.push((
             a.path.clone(),
             colours.get(i).map_or(OTHER, |c| c.1),
-            points,
+            cdf(sizes.values().flatten().copied().collect()),
         ));
+        let series: Vec<Series> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, (gpus, w))| {
+                let c = PALETTE[k % PALETTE.len()];
+                (
+                    format!("{gpus} GPU(s)"),
+                    RGBColor(c.0, c.1, c.2),
+                    cdf(w.clone()),
+                )
+            })
+            .collect();
+        by_size += &format!(
+            "<h3>{}</h3>{}{}",
+            escape(&a.path),
+            legend_of(&series),
+            lines_svg(&series, Axis::LogHours, "fraction started", 1.0)?
+        );
     }
-    let waits = lines_svg(&cdfs, "wait (hours)", "fraction started", 1.0)?;
+    let waits = lines_svg(&cdfs, Axis::LogHours, "fraction started", 1.0)?;
     let occupancy: Vec<(f64, f64)> = t.busy[..t.bins]
         .iter()
         .enumerate()
@@ -515,7 +576,7 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
             RGBColor(PALETTE[0].0, PALETTE[0].1, PALETTE[0].2),
             occupancy,
         )],
-        "hours",
+        Axis::Hours,
         "GPUs busy (fraction)",
         1.05,
     )?;
@@ -543,7 +604,7 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
 <p class=note>{gpr} GPU(s) per row, {bin:.2} h per column; each cell shows the allocation that held most of it, idle when under half used.</p>\
 <h2>Owed versus delivered</h2><p class=note>Pale: owed; solid: delivered.</p>{bars}\
 <table><tr><th>allocation</th><th>weight</th><th>owed GPU-h</th><th>delivered GPU-h</th><th>delivered/owed</th><th>wait p50 h</th><th>p90 h</th><th>p99 h</th><th>preemptions</th></tr>{rows}</table>\
-<h2>Queue waits</h2>{legend}{waits}<h2>Occupancy</h2>{occ}</body></html>\n",
+<h2>Queue waits</h2>{legend}{waits}<h2>Queue waits by GPUs asked</h2><p class=note>Per allocation; waits under a minute are drawn at a minute.</p>{by_size}<h2>Occupancy</h2>{occ}</body></html>\n",
         policy = escape(&r.policy),
         h = horizon_h,
         sub = r.workloads.submitted,

@@ -98,10 +98,19 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
             .unwrap();
     assert_eq!(&written, r);
 
-    // report.html: self-contained, with its four charts and every allocation named.
+    // report.html: self-contained, with its four charts, every allocation named, and one more
+    // chart per allocation of its waits by GPUs asked (a line for each size it started), on a
+    // log axis.
     let html = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
-    assert_eq!(html.matches("<svg").count(), 4);
+    assert_eq!(html.matches("<svg").count(), 4 + r.allocations.len());
     assert!(html.contains("lab/a") && html.contains("lab/b"));
+    assert!(html.contains("wait (hours, log scale)"));
+    for a in &r.allocations {
+        for size in &a.waits_by_size {
+            let label = format!("{} GPU(s)", size.gpus);
+            assert!(html.contains(&label), "{}: {label}", a.path);
+        }
+    }
     assert_self_contained(&html);
 }
 

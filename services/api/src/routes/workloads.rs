@@ -350,7 +350,7 @@ fn reason(b: &Blocked) -> serde_json::Value {
             "detail": "workloads are leaving to make room for it"}),
         Blocked::BehindReservation { holder } => json!({
             "code": "behind_reservation", "holder": holder,
-            "detail": "would fit, but on GPUs reserved for a workload ranked above it"}),
+            "detail": "would fit, but only on nodes being drained for a workload ranked above it (see holder)"}),
         Blocked::NoCapacity {
             gpus_per_node,
             nodes,
