@@ -193,6 +193,13 @@ fn contracts(plan: &ledger::policy::Plan) -> Vec<Contract> {
         .collect()
 }
 
+/// The head of the queue's reservation: its holder and start.
+fn head_reservation(plan: &ledger::policy::Plan) -> Option<(Uuid, Option<u64>)> {
+    plan.reservations
+        .first()
+        .map(|r| (r.workload, r.start_at_ms))
+}
+
 /// Each of `nodes` (8 GPUs) runs a 1-GPU job of team a until t=1h (estimated); team b waits
 /// for 8 GPUs on each of `b_nodes` nodes (wid 3); then a submits a 1-GPU job with no estimate
 /// (wid 4) and one estimated to end by 1h (wid 5).
@@ -226,12 +233,7 @@ fn reservation_stops_small_jobs_starving_a_gang_and_backfill_fits_before_it() {
         ..PolicyConfig::default()
     };
     let plan = decide(&l.state, 0, &cfg);
-    assert_eq!(
-        plan.reservations
-            .first()
-            .map(|r| (r.workload, r.start_at_ms)),
-        Some((wid(3), Some(H)))
-    );
+    assert_eq!(head_reservation(&plan), Some((wid(3), Some(H))));
     assert_eq!(contracts(&plan), vec![(wid(5), 4 * H, None)]);
     assert_eq!(
         reason(&plan, wid(4)),
@@ -250,12 +252,7 @@ fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
         ..PolicyConfig::default()
     };
     let plan = decide(&l.state, 0, &cfg);
-    assert_eq!(
-        plan.reservations
-            .first()
-            .map(|r| (r.workload, r.start_at_ms)),
-        Some((wid(3), Some(H)))
-    );
+    assert_eq!(head_reservation(&plan), Some((wid(3), Some(H))));
     assert_eq!(
         contracts(&plan),
         vec![
