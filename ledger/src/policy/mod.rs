@@ -327,7 +327,6 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed_shapes: FxHashSet::default(),
         failed: Vec::new(),
         takes: FxHashMap::default(),
-        due_nodes: None,
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -380,22 +379,20 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 rank.placed(w);
                 continue;
             }
-            if let (false, Some(end)) = (
-                plan.reservations.is_empty(),
-                w.remaining_estimate_ms(now_ms),
-            ) {
-                // Backfill: reserved GPUs may be lent to work that gives them back in time.
-                if plan
-                    .reservations
-                    .iter()
-                    .all(|r| r.start_at_ms.is_none_or(|s| now_ms + end <= s))
-                {
-                    if let Some(parts) = scratch.place(w, true) {
-                        plan.decisions
-                            .push(start(state, w, parts, now_ms, cfg, cap_ms, None));
-                        rank.placed(w);
-                        continue;
-                    }
+            // Backfill: reserved GPUs may be lent to work that gives them back in time.
+            let backfills = w.remaining_estimate_ms(now_ms).is_some_and(|end| {
+                !plan.reservations.is_empty()
+                    && plan
+                        .reservations
+                        .iter()
+                        .all(|r| r.start_at_ms.is_none_or(|s| now_ms + end <= s))
+            });
+            if backfills {
+                if let Some(parts) = scratch.place(w, true) {
+                    plan.decisions
+                        .push(start(state, w, parts, now_ms, cfg, cap_ms, None));
+                    rank.placed(w);
+                    continue;
                 }
             }
             // A borrowed placement: the reservation's free GPUs are lent to work that accepts to
@@ -413,29 +410,30 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     deferred.settle(&mut plan, &mut scratch, &rank);
                 }
                 if let Some((parts, lender)) = scratch.place_borrowed(w) {
-                    if let Some(r) = plan.reservation_of(lender) {
-                        // Taken back a grace period before the reservation is due, it has
-                        // left by then (and, its GPUs timed from the end of its term plus
-                        // grace, it does not push the reservation later).
-                        let borrowed = Borrowed {
-                            reserved_for: r.workload,
-                            until_ms: r
-                                .start_at_ms
-                                .map_or(now_ms, |s| s.saturating_sub(cfg.grace_ms))
-                                .max(now_ms),
-                        };
-                        plan.decisions.push(start(
-                            state,
-                            w,
-                            parts,
-                            now_ms,
-                            cfg,
-                            cap_ms,
-                            Some(borrowed),
-                        ));
-                        rank.placed(w);
-                        continue;
-                    }
+                    let r = plan
+                        .reservation_of(lender)
+                        .expect("only a worked-out reservation lends");
+                    // Taken back a grace period before the reservation is due, it has left by
+                    // then (and, its GPUs timed from the end of its term plus grace, it does
+                    // not push the reservation later).
+                    let borrowed = Borrowed {
+                        reserved_for: r.workload,
+                        until_ms: r
+                            .start_at_ms
+                            .map_or(now_ms, |s| s.saturating_sub(cfg.grace_ms))
+                            .max(now_ms),
+                    };
+                    plan.decisions.push(start(
+                        state,
+                        w,
+                        parts,
+                        now_ms,
+                        cfg,
+                        cap_ms,
+                        Some(borrowed),
+                    ));
+                    rank.placed(w);
+                    continue;
                 }
             }
         }
@@ -444,12 +442,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         // single-node workload of each further allocation one as well, while there are fewer
         // than the most a pass may have.
         let head = plan.reservations.is_empty() && deferred.holders.is_empty();
-        let reservations = plan.reservations.len() + deferred.holders.len();
         let further = !head
-            && w.nodes == 1
-            && w.gpus_per_node > 1
+            && drains_for((w.gpus_per_node, w.nodes))
             && w.allocation.is_some()
-            && reservations < cfg.reservations_max as usize
+            && reservations_open(&plan, &deferred, cfg)
             && !served.contains(&w.allocation);
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
@@ -500,11 +496,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // then, as any other blocked workload, looks among the work it may take.
             (None, None) => match head
                 .then(|| {
-                    if !search.may_reclaim(state, w, now_ms) {
+                    let due = lent_due_nodes(state, now_ms);
+                    if due.is_empty() || w.allocation.is_none() {
                         return None;
                     }
                     deferred.settle(&mut plan, &mut scratch, &rank);
-                    search.reclaim(state, &scratch, &rank, policy, cfg, w, now_ms)
+                    search.reclaim(state, &scratch, &rank, policy, cfg, w, now_ms, &due)
                 })
                 .flatten()
                 .or_else(|| {
@@ -588,8 +585,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         }
         // While a further reservation may be taken, a workload not visited yet might hold it,
         // and withholding nodes changes where later work goes.
-        let further_open =
-            plan.reservations.len() + deferred.holders.len() < cfg.reservations_max as usize;
+        let further_open = reservations_open(&plan, &deferred, cfg);
         // The head of the queue holds the reservation and no more preemptions may be looked for:
         // from here on a workload visited either starts or waits, with no effect on the pass
         // unless preemptions are under way for it. Whether a shape (GPUs per node, nodes) fits
@@ -617,7 +613,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
                     shapes
                         .iter()
-                        .filter(|(shape, _)| fits(shape) || may_hold && shape.1 == 1 && shape.0 > 1)
+                        .filter(|&(&shape, _)| fits(&shape) || may_hold && drains_for(shape))
                         .filter_map(|(_, keys)| {
                             keys.range((Bound::Excluded(here), Bound::Unbounded)).next()
                         })
@@ -631,6 +627,17 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         }
     }
     plan
+}
+
+/// Whether work of this shape (GPUs per node, nodes) may hold a further reservation: single-node
+/// work asking more than one GPU, which fragmentation keeps waiting (one GPU fits in any gap).
+fn drains_for((gpus_per_node, nodes): (u32, u32)) -> bool {
+    nodes == 1 && gpus_per_node > 1
+}
+
+/// Whether the pass may take one more reservation, counting those not worked out yet.
+fn reservations_open(plan: &Plan, deferred: &Deferred, cfg: &PolicyConfig) -> bool {
+    plan.reservations.len() + deferred.holders.len() < cfg.reservations_max as usize
 }
 
 /// Running work on failed GPUs that is not already leaving, in order.
@@ -667,8 +674,6 @@ struct VictimSearch {
     /// was worked out at.
     takes: FxHashMap<Option<u32>, (u64, Vec<u64>)>,
     claimed: FxHashSet<WorkloadId>,
-    /// The nodes of borrowed placements whose term is over, once a reclaim asked.
-    due_nodes: Option<Vec<u32>>,
 }
 
 impl VictimSearch {
@@ -788,32 +793,8 @@ impl VictimSearch {
         }
     }
 
-    /// Whether [`Self::reclaim`] might find room for `w`: some borrowed placement's term is
-    /// over (the reservation is worked out only then).
-    fn may_reclaim(&mut self, state: &State, w: &Workload, now_ms: u64) -> bool {
-        let due = self.due_nodes.get_or_insert_with(|| {
-            let mut nodes: Vec<u32> = state
-                .borrowed
-                .iter()
-                .flat_map(|id| &state.workloads[id].placement)
-                .filter(|p| {
-                    state.cluster.nodes[p.node as usize]
-                        .tenants
-                        .iter()
-                        .any(|t| lent_due(&t.hold, now_ms))
-                })
-                .map(|p| p.node)
-                .collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            nodes
-        });
-        !due.is_empty() && w.allocation.is_some()
-    }
-
-    /// For blocked `w` at the head of the queue, once [`Self::may_reclaim`] said to look:
-    /// victims that make room for it now on the nodes of borrowed placements whose term is over
-    /// (those, and the work it may take anyway), and the nodes it would use (a gang's others
+    /// For blocked `w` at the head of the queue: victims that make room for it now on `due`, the
+    /// nodes of borrowed placements whose term is over (those, and the work it may take anyway), and the nodes it would use (a gang's others
     /// with room already). Outside the budget of searches: one per pass at most, on few nodes.
     #[allow(clippy::too_many_arguments)]
     fn reclaim(
@@ -825,21 +806,34 @@ impl VictimSearch {
         cfg: &PolicyConfig,
         w: &Workload,
         now_ms: u64,
+        due: &[u32],
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
-        let nodes = self.due_nodes.as_deref().unwrap_or_default();
-        let found = scratch
-            .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+        let (nodes, victims) = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, due, |t| {
                 lent_due(&t.hold, now_ms)
                     || preemptible(&t.hold, now_ms)
                         && has(&mine, t.hold.allocation)
                         && t.hold.borrowed_until_ms.is_none()
             })
-            .ok();
-        let (nodes, victims) = found?;
+            .ok()?;
         self.claimed.extend(victims.iter().copied());
         Some((nodes, victims))
     }
+}
+
+/// The nodes of borrowed placements whose term is over and that are not leaving already.
+fn lent_due_nodes(state: &State, now_ms: u64) -> Vec<u32> {
+    let mut nodes: Vec<u32> = state
+        .borrowed
+        .iter()
+        .map(|id| &state.workloads[id])
+        .filter(|w| w.preempting.is_none() && w.borrowed.is_some_and(|b| b.until_ms <= now_ms))
+        .flat_map(|w| w.placement.iter().map(|p| p.node))
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
 }
 
 /// On borrowed GPUs whose term is over, and not leaving already.
@@ -929,7 +923,11 @@ fn start(
     cap_ms: u64,
     borrowed: Option<Borrowed>,
 ) -> Decision {
-    let protection = protection_ms(w, cfg, cap_ms);
+    let protection = if w.allocation.is_none() {
+        0
+    } else {
+        w.min_runtime_ms.unwrap_or(cfg.min_runtime_ms).min(cap_ms)
+    };
     Decision::Start {
         workload: w.id,
         placement: parts
@@ -941,15 +939,6 @@ fn start(
             .collect(),
         protected_until_ms: now_ms + protection,
         borrowed,
-    }
-}
-
-/// The contract `w` gets when it starts: none for unallocated work.
-fn protection_ms(w: &Workload, cfg: &PolicyConfig, cap_ms: u64) -> u64 {
-    if w.allocation.is_none() {
-        0
-    } else {
-        w.min_runtime_ms.unwrap_or(cfg.min_runtime_ms).min(cap_ms)
     }
 }
 
