@@ -407,23 +407,21 @@ impl State {
             return 0;
         }
         let mut idle = 0;
+        // Per model, nodes and free GPUs on nodes with at least `k` free; the smallest fitting
+        // shape (shapes come in order of GPUs per node) tells from which `k` they count.
+        // (A node has at most 64 GPUs, so `free_hist` at most 65 entries.)
         for g in &self.cluster.models {
-            // From the most free GPUs down: nodes with at least `k` free, and their free GPUs.
-            let (mut nodes, mut gpus) = (0u64, 0u64);
-            let mut fits_from = None;
+            let (mut nodes_from, mut gpus_from) = ([0u64; 66], [0u64; 66]);
             for (k, &n) in g.free_hist.iter().enumerate().skip(1).rev() {
-                nodes += u64::from(n);
-                gpus += k as u64 * u64::from(n);
-                let k = k as u32;
-                let shape_fits = self
-                    .pending_shapes
-                    .range((k, 0)..=(k, u32::MAX))
-                    .any(|(&(_, count), _)| u64::from(count) <= nodes);
-                if shape_fits {
-                    fits_from = Some(gpus);
-                }
+                nodes_from[k] = nodes_from[k + 1] + u64::from(n);
+                gpus_from[k] = gpus_from[k + 1] + k as u64 * u64::from(n);
             }
-            idle += fits_from.unwrap_or(0);
+            idle += self
+                .pending_shapes
+                .keys()
+                .take_while(|&&(k, _)| (k as usize) < g.free_hist.len())
+                .find(|&&(k, count)| k > 0 && u64::from(count) <= nodes_from[k as usize])
+                .map_or(0, |&(k, _)| gpus_from[k as usize]);
         }
         idle
     }

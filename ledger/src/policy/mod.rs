@@ -29,7 +29,7 @@ use std::ops::Bound;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::cluster::Hold;
+use crate::cluster::{Hold, Tenant};
 use crate::event::{
     Borrowed, Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
 };
@@ -809,13 +809,25 @@ impl VictimSearch {
         due: &[u32],
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        let may_free = |t: &Tenant| {
+            lent_due(&t.hold, now_ms)
+                || preemptible(&t.hold, now_ms)
+                    && has(&mine, t.hold.allocation)
+                    && t.hold.borrowed_until_ms.is_none()
+        };
+        // Most often nothing can come of it (a gang at the head, borrowers beside protected
+        // work): a look at the due nodes' tenants says so before victims are priced.
+        if !scratch.may_make_room(state, w, due, may_free) {
+            debug_assert!(
+                scratch
+                    .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
+                    .is_err(),
+                "the bound said no room where victims would make some"
+            );
+            return None;
+        }
         let (nodes, victims) = scratch
-            .plan_preemption(state, w, now_ms, &self.claimed, due, |t| {
-                lent_due(&t.hold, now_ms)
-                    || preemptible(&t.hold, now_ms)
-                        && has(&mine, t.hold.allocation)
-                        && t.hold.borrowed_until_ms.is_none()
-            })
+            .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
             .ok()?;
         self.claimed.extend(victims.iter().copied());
         Some((nodes, victims))

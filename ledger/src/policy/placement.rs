@@ -586,6 +586,39 @@ impl<'s> Scratch<'s> {
         }
     }
 
+    /// Whether preempting the tenants `may_free` accepts on `victim_nodes` could make room for
+    /// `w` at all: a cheap bound on [`Self::plan_preemption`] with the same `eligible` or a
+    /// looser one (a gang counts the nodes with room already too).
+    pub fn may_make_room(
+        &self,
+        state: &State,
+        w: &Workload,
+        victim_nodes: &[NodeIdx],
+        mut may_free: impl FnMut(&Tenant) -> bool,
+    ) -> bool {
+        let need = w.gpus_per_node;
+        self.groups_for(w).any(|group| {
+            let mut count = victim_nodes
+                .iter()
+                .filter(|&&i| self.eligible(w, group, i))
+                .filter(|&&i| {
+                    let node = state.cluster.node(i);
+                    let freed: u32 = node
+                        .tenants
+                        .iter()
+                        .filter(|t| may_free(t))
+                        .map(|t| (t.gpus & node.healthy).count_ones())
+                        .sum();
+                    self.free[i as usize].count_ones() + freed >= need
+                })
+                .count();
+            if w.nodes > 1 {
+                count += self.count_fitting(group, need as usize);
+            }
+            count >= w.nodes as usize
+        })
+    }
+
     /// Victims whose preemption makes room for `w` at least cost, and the nodes it would use.
     /// Only `victim_nodes` (nodes holding work that may be preemptible at all) and nodes with
     /// room to spare are looked at. `eligible` says whether a running workload, seen as a tenant
