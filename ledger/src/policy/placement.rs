@@ -503,14 +503,25 @@ impl<'s> Scratch<'s> {
             soonest.truncate(n);
             true
         };
-        // Times those of `nodes` that could host a member into `soonest`; how many could.
+        // Times those of `nodes` that could host a member into `soonest`; how many could. With
+        // `only_leaving`, the nodes where no workload is leaving (sorted) are ready now or never:
+        // their tenants need no look.
         let mut sweep = |group: usize,
                          nodes: &mut dyn Iterator<Item = NodeIdx>,
-                         soonest: &mut Vec<(u64, Reverse<u32>, NodeIdx)>| {
+                         soonest: &mut Vec<(u64, Reverse<u32>, NodeIdx)>,
+                         only_leaving: Option<&[NodeIdx]>| {
             let mut count = 0usize;
             for i in nodes.filter(|&i| self.eligible(w, group, i)) {
                 count += 1;
-                keep(soonest, key_of(i));
+                let key = match only_leaving {
+                    Some(leaving) if leaving.binary_search(&i).is_err() => {
+                        let free = self.free[i as usize].count_ones();
+                        let at = if free >= need { now_ms } else { u64::MAX };
+                        (at, Reverse(free), i)
+                    }
+                    _ => key_of(i),
+                };
+                keep(soonest, key);
             }
             count
         };
@@ -545,7 +556,12 @@ impl<'s> Scratch<'s> {
                     .collect();
                 timed.sort_unstable();
                 timed.dedup();
-                let mut count = sweep(group, &mut timed.iter().copied(), &mut soonest);
+                let mut count = sweep(
+                    group,
+                    &mut timed.iter().copied(),
+                    &mut soonest,
+                    only_leaving.then_some(&leaving[..]),
+                );
                 // Every other node is full and ready never: (never, no free GPU, index), in
                 // index order, so the first that does not make the cut ends the search.
                 for i in all.clone() {
@@ -560,7 +576,7 @@ impl<'s> Scratch<'s> {
                 #[cfg(debug_assertions)]
                 if only_leaving {
                     let mut swept = Vec::new();
-                    let swept_count = sweep(group, &mut all.clone(), &mut swept);
+                    let swept_count = sweep(group, &mut all.clone(), &mut swept, None);
                     assert_eq!(
                         (&swept, swept_count.min(n)),
                         (&soonest, count.min(n)),
@@ -569,7 +585,7 @@ impl<'s> Scratch<'s> {
                 }
                 count
             } else {
-                sweep(group, &mut all.clone(), &mut soonest)
+                sweep(group, &mut all.clone(), &mut soonest, None)
             };
             if count < n {
                 continue;
