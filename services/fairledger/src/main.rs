@@ -288,7 +288,17 @@ struct SimArgs {
 
 fn main() -> ExitCode {
     init_logging();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    // Commands that print for a person or a pipe end quietly when the reader goes away
+    // (`fairledger events --json | head`), as other command-line tools do. The long-running
+    // services keep Rust's default (a closed pipe is an error to handle, never a death).
+    if !matches!(
+        cli.command,
+        Command::Serve(_) | Command::Agent(_) | Command::AgentShim { .. } | Command::Project { .. }
+    ) {
+        die_quietly_on_closed_pipe();
+    }
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             // A message may quote a name from someone else: shown escaped, line by line.
@@ -296,6 +306,17 @@ fn main() -> ExitCode {
             eprintln!("fairledger: {}", safe.join("\n"));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Restores the default action of SIGPIPE (Rust ignores it, so printing to a closed pipe
+/// panics instead).
+fn die_quietly_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default touches no Rust state; done before
+    // any other thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

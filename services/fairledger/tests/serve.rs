@@ -911,6 +911,32 @@ fn run(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// A command that prints, piped into a reader that goes away (`fairledger events --json | head`),
+/// ends quietly as other command-line tools do: killed by SIGPIPE, not a panic.
+#[cfg(unix)]
+#[test]
+fn a_printing_command_ends_quietly_when_its_reader_goes_away() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut child = Command::new(BIN)
+        .args(["demo", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the demo has run, so its first write finds the pipe closed.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(13),
+        "killed by SIGPIPE; status {:?}, stderr {stderr}",
+        out.status
+    );
+}
+
 /// audit verify: the kept figures of a projection built from a simulated day of a two-team
 /// cluster agree with a refold of its log; one tampered row is named with both values, and the
 /// command fails.
