@@ -216,7 +216,7 @@ pub struct SubmitArgs {
     /// Checkpoint interval in seconds.
     #[arg(long)]
     pub checkpoint: Option<u64>,
-    /// Wait until it is placed (up to this many seconds).
+    /// Wait until it is placed, up to this many seconds; fails (exit status 1) if it is not.
     #[arg(long)]
     pub wait: Option<u64>,
     /// The command the node agent runs.
@@ -312,14 +312,23 @@ pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
         None => "/v1/workloads".into(),
     };
     let v = api.call("POST", &path, Some(&body))?;
+    let phase = v["workload"]["phase"]
+        .as_str()
+        .or(v["phase"].as_str())
+        .unwrap_or("pending");
     print(args, &v, |v| {
-        let phase = v["workload"]["phase"]
-            .as_str()
-            .or(v["phase"].as_str())
-            .unwrap_or("pending");
         format!("submitted {} ({phase})\n", text(&v["id"]))
     });
-    Ok(())
+    match s.wait {
+        // Submitted, but not what the caller waited for: a script must be able to tell.
+        Some(t) if phase == "pending" => {
+            let id = text(&v["id"]);
+            Err(format!(
+                "workload {id} was not placed within {t} s; it stays queued (`fairledger explain {id}` says why)"
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {

@@ -166,12 +166,21 @@ fn the_command_line_client_speaks_to_the_server() {
         first.starts_with("submitted ") && first.contains("(running)"),
         "{first}"
     );
+    // Waiting for a placement that does not come within the time fails, and says so; the
+    // workload stays queued.
     let second = cli(
         &server,
-        &["submit", "-a", "ai2/tulu", "-g", "8", "--name", "sft"],
+        &[
+            "submit", "-a", "ai2/tulu", "-g", "8", "--name", "sft", "--wait", "1",
+        ],
     )
-    .unwrap();
-    let id = second.split_whitespace().nth(1).unwrap().to_owned();
+    .unwrap_err();
+    assert!(
+        second.starts_with("fairledger: workload ")
+            && second.contains("not placed within 1 s; it stays queued"),
+        "{second}"
+    );
+    let id = second.split_whitespace().nth(2).unwrap().to_owned();
     let queue = cli(&server, &["queue"]).unwrap();
     let lines: Vec<&str> = queue.lines().collect();
     assert!(
