@@ -156,12 +156,7 @@ impl Api {
             ("POST" | "PUT", Some(b)) => self.request_with_body(method, &url).send(b.to_string()),
             _ => unreachable!("{method} with {body:?}"),
         };
-        let mut response = sent.map_err(|e| {
-            format!(
-                "cannot reach the API at {} ({e}); start it with `fairledger serve` or pass --api",
-                self.base
-            )
-        })?;
+        let mut response = sent.map_err(|e| unreachable(&self.base, &e))?;
         let status = response.status().as_u16();
         let text = response
             .body_mut()
@@ -298,6 +293,48 @@ fn columns(header: &[&str], rows: Vec<Vec<String>>) -> String {
         out += &line(row);
     }
     out
+}
+
+/// Why the API at `base` could not be asked, and what to do about it: the cause named, not a
+/// guess (advice to start a server that is running and answering something else misleads).
+fn unreachable(base: &str, e: &ureq::Error) -> String {
+    use ureq::Error as E;
+    let why = match e {
+        E::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            "nothing listens there (connection refused); start it with `fairledger serve`, or \
+             pass --api with its address"
+                .to_owned()
+        }
+        E::ConnectionFailed => "the connection failed; start it with `fairledger serve`, or \
+             pass --api with its address"
+            .to_owned(),
+        E::HostNotFound => "its host name is not known; check the host in --api".to_owned(),
+        // rustls reports a failed handshake as invalid data.
+        E::Io(io)
+            if base.starts_with("https://") && io.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            tls_failed(e)
+        }
+        E::Io(io) => format!("{io}; check the host and port in --api"),
+        E::BadUri(_) | E::Http(_) => {
+            format!("it is not a usable URL ({e}); pass --api like http://127.0.0.1:8080")
+        }
+        E::Timeout(_) => format!("it did not answer in time ({e}); check the address in --api"),
+        E::Tls(_) | E::Rustls(_) | E::Pem(_) | E::TlsRequired => tls_failed(e),
+        E::Protocol(_) => format!(
+            "what answers there does not speak HTTP as expected ({e}); use https:// only for a \
+             server with TLS, and check the port"
+        ),
+        _ => e.to_string(),
+    };
+    format!("cannot reach the API at {base}: {why}")
+}
+
+fn tls_failed(e: &ureq::Error) -> String {
+    format!(
+        "TLS failed ({e}); use http:// for a server without TLS, and pass --ca-file for one \
+         whose certificate a private CA signed"
+    )
 }
 
 pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
@@ -730,12 +767,10 @@ pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Resu
         return Ok(());
     }
     let url = format!("{}/v1/events/stream?after={after}", api.base);
-    let mut response = api.request("GET", &url).call().map_err(|e| {
-        format!(
-            "cannot reach the API at {} ({e}); start it with `fairledger serve` or pass --api",
-            api.base
-        )
-    })?;
+    let mut response = api
+        .request("GET", &url)
+        .call()
+        .map_err(|e| unreachable(&api.base, &e))?;
     if response.status().as_u16() >= 400 {
         let text = response.body_mut().read_to_string().unwrap_or_default();
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);

@@ -254,6 +254,16 @@ fn the_command_line_client_speaks_to_the_server() {
     cli(&server, &["nodes", "resume", "demo-3"]).unwrap();
     let table = cli(&server, &["nodes"]).unwrap();
     assert_eq!(state_of(&table).as_deref(), Some("up"), "{table}");
+    // A connection error names its cause: https:// to a server without TLS.
+    let tls = Command::new(BIN)
+        .args(["queue", "--api", &format!("https://{}", server.addr)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8(tls.stderr).unwrap();
+    assert!(
+        err.contains("TLS failed") && err.contains("http://"),
+        "{err}"
+    );
     assert!(server.stop().success());
     let unreachable = Command::new(BIN)
         .args(["queue", "--api", "http://127.0.0.1:1"])
@@ -828,7 +838,12 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
         !ok,
         "a certificate no public root signed is refused: {said}"
     );
-    assert!(said.contains("cannot reach the API"), "{said}");
+    assert!(
+        said.contains("cannot reach the API")
+            && said.contains("TLS failed")
+            && said.contains("--ca-file"),
+        "{said}"
+    );
     // Plain HTTP gets no HTTP answer.
     let mut plain = TcpStream::connect(&server.addr).unwrap();
     write!(
