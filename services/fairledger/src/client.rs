@@ -386,7 +386,7 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
             text(&w["nodes"]),
             text(&w["gpus_per_node"]),
             if placement.is_empty() { "-".into() } else { placement.join(" ") },
-            text(&w["protected_until_ms"]),
+            when(&w["protected_until_ms"]),
             text(&w["starts"]),
         )
     });
@@ -570,13 +570,13 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
             text(&v["reason"]["detail"])
         );
         if let Some(e) = v["estimate"].as_object() {
-            let at = e
-                .get("start_at_ms")
-                .or(e.get("not_before_ms"))
-                .map(text)
-                .unwrap_or_default();
+            let at = when(
+                e.get("start_at_ms")
+                    .or(e.get("not_before_ms"))
+                    .unwrap_or(&Value::Null),
+            );
             out += &format!(
-                "estimated start (ms since the epoch): {at}; {}\n",
+                "estimated start: {at}; {}\n",
                 e.get("how").map(text).unwrap_or_default()
             );
         }
@@ -729,6 +729,36 @@ fn granularity_heading(granularity: &str) -> &'static str {
 
 /// A period's start as people read it: `2026-11-01 08:00` for an hour, `2026-11` for a month,
 /// the date otherwise.
+/// A time as people read it: the UTC date-time to the second, and how far it is from now
+/// ("2026-12-05 19:20:07 UTC (in 42m)"); "-" when there is none.
+fn when(ms: &Value) -> String {
+    let Some(ms) = ms.as_u64() else {
+        return "-".into();
+    };
+    let t = api::period::format_instant(ms);
+    let day_and_time = t.get(..19).unwrap_or(&t).replace('T', " ");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let relative = if ms >= now {
+        format!("in {}", span((ms - now) / 1000))
+    } else {
+        format!("{} ago", span((now - ms) / 1000))
+    };
+    format!("{day_and_time} UTC ({relative})")
+}
+
+/// A span of seconds in its two largest units: "45s", "42m", "3h 5m", "2d 4h".
+fn span(s: u64) -> String {
+    let (d, h, m) = (s / 86_400, s / 3_600 % 24, s / 60 % 60);
+    match () {
+        _ if d > 0 => format!("{d}d {h}h"),
+        _ if h > 0 => format!("{h}h {m}m"),
+        _ if m > 0 => format!("{m}m"),
+        _ => format!("{s}s"),
+    }
+}
+
 fn period_start(ms: &serde_json::Value, granularity: &str) -> String {
     let Some(ms) = ms.as_u64() else {
         return "-".into();
@@ -938,4 +968,17 @@ pub fn whoami(args: &ClientArgs) -> Result<(), String> {
         )
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::span;
+
+    #[test]
+    fn spans_read_in_their_two_largest_units() {
+        assert_eq!(span(45), "45s");
+        assert_eq!(span(42 * 60 + 59), "42m");
+        assert_eq!(span(3 * 3_600 + 5 * 60 + 7), "3h 5m");
+        assert_eq!(span(2 * 86_400 + 4 * 3_600 + 59), "2d 4h");
+    }
 }

@@ -166,6 +166,18 @@ fn the_command_line_client_speaks_to_the_server() {
         first.starts_with("submitted ") && first.contains("(running)"),
         "{first}"
     );
+    // Times read as dates and durations: the running gang is protected until an hour on.
+    let first_id = first.split_whitespace().nth(1).unwrap();
+    let status = cli(&server, &["status", first_id]).unwrap();
+    let protected = status
+        .lines()
+        .find(|l| l.starts_with("protected"))
+        .unwrap_or_else(|| panic!("{status}"));
+    let date = protected.split_whitespace().nth(1).unwrap_or_default();
+    assert!(
+        date.len() == 10 && date.as_bytes()[4] == b'-' && protected.contains(" UTC (in "),
+        "{status}"
+    );
     // Waiting for a placement that does not come within the time fails, and says so; the
     // workload stays queued.
     let second = cli(
