@@ -2,7 +2,7 @@
 //! finds it again:
 //!
 //! ```text
-//! RUNS/<workload>-<started_at_ms>/
+//! RUNS/<workload>-<run>/          (<run>: 1 for its first start, 2 for the next…)
 //!   spec.json    what was launched (command, environment)
 //!   shim.pid     the shim (the workload's parent, which outlives the agent): its process id,
 //!                start time and the machine's boot id, so a reused process id is not taken
@@ -60,9 +60,9 @@ pub enum Status {
     Lost,
 }
 
-/// The directory of a run.
-pub fn dir(runs: &Path, workload: uuid::Uuid, started_at_ms: u64) -> PathBuf {
-    runs.join(format!("{workload}-{started_at_ms}"))
+/// The directory of a workload's `run`-th start (from 1).
+pub fn dir(runs: &Path, workload: uuid::Uuid, run: u64) -> PathBuf {
+    runs.join(format!("{workload}-{run}"))
 }
 
 /// Claims `dir` for a new run: false if it already exists (launched before).

@@ -1,12 +1,14 @@
 //! The projector: folds the ledger log into a sled projection, exactly once.
 //!
-//! The projection is one sled tree of rows in five key spaces:
+//! The projection is one sled tree of rows in six key spaces:
 //!
 //! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
 //!   malformed events;
 //! - `w/<id>` one row per workload (phase, allocation, placement, protection), in postcard;
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
+//! - `s/<seq>` the workload the submission at that sequence made: workloads in submission
+//!   order, for listings;
 //! - `i/<key>` the workload the first submission with an idempotency key created, and that
 //!   submission's sequence;
 //! - `k/<granularity><period start><allocation>` the kept figures of every closed hour, day,
@@ -55,9 +57,10 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
+/// (14: workload rows carry their name, run time and last nodes, and submissions are indexed;
+/// 13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
 /// rows; 11: version-1 events are folded by the names rules of their day again).
-const FORMAT: u32 = 13;
+const FORMAT: u32 = 14;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -147,14 +150,90 @@ pub struct WorkloadRow {
     /// Why it failed without running its command (its node could not launch it), if so.
     #[serde(default)]
     pub error: Option<String>,
+    /// The name it was submitted with.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Time on GPUs in its completed runs (the current run's is `now - started_at_ms`).
+    #[serde(default)]
+    pub run_ms: u64,
+    /// The nodes of its current or last run, first the one whose agent keeps the first part.
+    #[serde(default)]
+    pub ran_on: Vec<String>,
 }
 
-/// The sequences of the events about a live workload, kept in memory so that its row need not
-/// be read back from sled on every event.
+impl WorkloadRow {
+    /// GPUs it holds while running.
+    pub fn gpus(&self) -> u64 {
+        u64::from(self.gpus_per_node) * u64::from(self.nodes)
+    }
+
+    /// Time on GPUs over all its runs as of `now_ms`, the current one included.
+    pub fn run_ms_at(&self, now_ms: u64) -> u64 {
+        self.run_ms
+            + match (self.phase.as_str(), self.started_at_ms) {
+                ("running", Some(at)) => now_ms.saturating_sub(at),
+                _ => 0,
+            }
+    }
+
+    /// Its state as `sacct` and `squeue` users read it: `PD` pending, `R` running, `CG` asked
+    /// to stop (a preemption or cancel in its grace period), `RQ` stopped and about to be
+    /// requeued, `CD` finished with exit code 0, `F` finished otherwise (an exit code, a signal,
+    /// or a node that could not launch it), `CA` cancelled.
+    pub fn state_code(&self) -> &'static str {
+        match self.phase.as_str() {
+            "pending" => "PD",
+            "running" if self.preempting => "CG",
+            "running" => "R",
+            "stopped" => "RQ",
+            "finished"
+                if self.exit_code == Some(0) && self.signal.is_none() && self.error.is_none() =>
+            {
+                "CD"
+            }
+            "finished" => "F",
+            "cancelled" => "CA",
+            _ => "?",
+        }
+    }
+
+    /// Where its current or last run's output is, under the node agent's `--work-dir` on the
+    /// first node of [`WorkloadRow::ran_on`] (the agent's layout: `runs/<id>-<run>/`).
+    pub fn output_log(&self) -> Option<String> {
+        (self.starts > 0).then(|| format!("runs/{}-{}/output.log", self.id, self.starts))
+    }
+}
+
+/// What a live workload's row carries from event to event that the folded state does not
+/// keep (the sequences of the events about it, its name, its past runs), kept in memory so that
+/// its row need not be read back from sled on every event.
 #[derive(Clone, Debug, Default)]
 struct Trail {
     history: Vec<u64>,
     rejected: Vec<u64>,
+    name: Option<String>,
+    run_ms: u64,
+    ran_on: Vec<String>,
+}
+
+impl Trail {
+    fn of_row(row: &WorkloadRow) -> Trail {
+        Trail {
+            history: row.history.clone(),
+            rejected: row.rejected.clone(),
+            name: row.name.clone(),
+            run_ms: row.run_ms,
+            ran_on: row.ran_on.clone(),
+        }
+    }
+
+    fn onto(&self, row: &mut WorkloadRow) {
+        row.history.clone_from(&self.history);
+        row.rejected.clone_from(&self.rejected);
+        row.name.clone_from(&self.name);
+        row.run_ms = self.run_ms;
+        row.ran_on.clone_from(&self.ran_on);
+    }
 }
 
 /// What the projection knows of one allocation.
@@ -741,6 +820,11 @@ impl Projector {
                     let before = about
                         .filter(|_| ending)
                         .and_then(|id| self.row_of(id, e.seq));
+                    // The start of the run this event may end.
+                    let running_since = about
+                        .and_then(|id| self.state.workloads().get(&id))
+                        .filter(|w| w.phase == Phase::Running)
+                        .map(|w| w.started_at_ms);
                     match self.book.apply(&mut self.state, e.seq, env) {
                         Outcome::Applied => {
                             self.stats.applied += 1;
@@ -752,12 +836,18 @@ impl Projector {
                             {
                                 batch.insert(idempotency_key(key), key_row(*workload, e.seq));
                             }
+                            if let Event::WorkloadSubmitted(s) = &env.event {
+                                batch.insert(submission_key(e.seq).to_vec(), s.workload.as_bytes());
+                            }
                             if let Some(id) = about {
                                 // Its trail so far: kept in memory while it lives, else the
                                 // stored row's.
                                 let new = matches!(env.event, Event::WorkloadSubmitted(_));
                                 let mut trail = self.trail(id, new)?;
                                 trail.history.push(e.seq);
+                                if let Event::WorkloadSubmitted(s) = &env.event {
+                                    trail.name.clone_from(&s.name);
+                                }
                                 let mut row = match self.row_of(id, e.seq) {
                                     Some(row) => row,
                                     None => {
@@ -778,8 +868,16 @@ impl Projector {
                                         row
                                     }
                                 };
-                                row.history = trail.history.clone();
-                                row.rejected = trail.rejected.clone();
+                                if let Some(since) = running_since {
+                                    if row.phase != Phase::Running.name() {
+                                        trail.run_ms += self.state.now_ms().saturating_sub(since);
+                                    }
+                                }
+                                if !row.placement.is_empty() {
+                                    trail.ran_on =
+                                        row.placement.iter().map(|p| p.node.clone()).collect();
+                                }
+                                trail.onto(&mut row);
                                 if row.ended_at_ms.is_none() {
                                     self.trails.insert(id, trail);
                                 }
@@ -822,10 +920,7 @@ impl Projector {
         }
         Ok(self
             .workload(id)?
-            .map(|r| Trail {
-                history: r.history,
-                rejected: r.rejected,
-            })
+            .map(|r| Trail::of_row(&r))
             .unwrap_or_default())
     }
 
@@ -847,10 +942,10 @@ impl Projector {
         let live = self.state.workloads().contains_key(&id);
         // Its trail: in memory while it lives, else the row's own (which may be newer than
         // the stored one, from this very batch).
-        let mut trail = self.trails.remove(&id).unwrap_or_else(|| Trail {
-            history: row.history.clone(),
-            rejected: row.rejected.clone(),
-        });
+        let mut trail = self
+            .trails
+            .remove(&id)
+            .unwrap_or_else(|| Trail::of_row(&row));
         trail.rejected.push(seq);
         row.rejected = trail.rejected.clone();
         if live {
@@ -1092,6 +1187,9 @@ impl Projector {
             exit_code: None,
             signal: None,
             error: None,
+            name: None,
+            run_ms: 0,
+            ran_on: Vec::new(),
         })
     }
 
@@ -1336,6 +1434,55 @@ fn postcard_row(row: &Row) -> Vec<u8> {
     postcard::to_stdvec(row).expect("rows always serialize")
 }
 
+/// Which workloads a listing wants; every condition given must hold.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkloadFilter {
+    /// In any of these phases ([`Phase::name`]); all phases when empty.
+    pub phases: Vec<String>,
+    /// Charged to this allocation or one under it.
+    pub allocation: Option<String>,
+    /// Submitted by this principal: its name (`alice`) or actor (`user:alice`).
+    pub user: Option<String>,
+    /// Still live at this time, or ended at or after it.
+    pub since_ms: Option<u64>,
+    /// Submitted before this time.
+    pub until_ms: Option<u64>,
+}
+
+impl WorkloadFilter {
+    /// Whether `row` is wanted.
+    pub fn admits(&self, row: &WorkloadRow) -> bool {
+        (self.phases.is_empty() || self.phases.contains(&row.phase))
+            && self.allocation.as_deref().is_none_or(|a| {
+                row.allocation.as_deref().is_some_and(|path| {
+                    path == a
+                        || (path.starts_with(a) && path.as_bytes().get(a.len()) == Some(&b'/'))
+                })
+            })
+            && self.user.as_deref().is_none_or(|u| is_user(&row.user, u))
+            && self
+                .since_ms
+                .is_none_or(|t| row.ended_at_ms.is_none_or(|end| end >= t))
+            && self.until_ms.is_none_or(|t| row.submitted_at_ms < t)
+    }
+}
+
+/// Whether `actor` (`user:alice`) is the principal `user` names (`alice` or `user:alice`).
+pub fn is_user(actor: &str, user: &str) -> bool {
+    actor == user || actor.split_once(':').is_some_and(|(_, name)| name == user)
+}
+
+/// One page of a listing of workloads.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkloadPage {
+    /// The workloads, newest submission first.
+    pub rows: Vec<WorkloadRow>,
+    /// The submission sequence to ask the next page before, while older ones are left.
+    pub next: Option<u64>,
+    /// Rows read to make the page.
+    pub scanned: usize,
+}
+
 /// Reads the kept rows of closed periods straight from sled: sled shows every batch whole or
 /// not at all, so a reader needs no lock and never holds up the fold.
 #[derive(Clone)]
@@ -1374,6 +1521,61 @@ impl Kept {
         Ok(out)
     }
 
+    /// Workloads that `filter` admits, newest submission first, from the submission before
+    /// sequence `before` (from the newest when `None`): at most `limit` of them, and no more
+    /// than `budget` rows read, so a selective filter over a long history answers in pages of
+    /// bounded work. [`WorkloadPage::next`] is where the next page starts, while any are left.
+    pub fn workloads(
+        &self,
+        filter: &WorkloadFilter,
+        before: Option<u64>,
+        limit: usize,
+        budget: usize,
+    ) -> Result<WorkloadPage, ProjectionError> {
+        let storage = |e: sled::Error| ProjectionError::Storage {
+            dir: self.dir.clone(),
+            reason: e.to_string(),
+        };
+        let corrupt = |reason: String| ProjectionError::Corrupt {
+            dir: self.dir.clone(),
+            reason,
+        };
+        let end = submission_key(before.unwrap_or(u64::MAX));
+        let mut page = WorkloadPage::default();
+        for entry in self.tree.range(submission_key(0)..end).rev() {
+            if page.rows.len() >= limit || page.scanned >= budget {
+                break;
+            }
+            let (k, v) = entry.map_err(storage)?;
+            let seq = u64_of(&k[2..]).ok_or_else(|| corrupt("bad submission key".into()))?;
+            let id = WorkloadId::from_slice(&v)
+                .map_err(|e| corrupt(format!("submission {seq}: {e}")))?;
+            page.scanned += 1;
+            page.next = Some(seq);
+            let row: WorkloadRow = match self.tree.get(workload_key(id)).map_err(storage)? {
+                Some(v) => postcard::from_bytes(&v)
+                    .map_err(|e| corrupt(format!("workload row {id}: {e}")))?,
+                // Written in the same batch as its index entry: never missing.
+                None => return Err(corrupt(format!("submission {seq} of {id} has no row"))),
+            };
+            if filter.admits(&row) {
+                page.rows.push(row);
+            }
+        }
+        // Nothing left before the last row read: no next page.
+        if let Some(next) = page.next {
+            let more = self
+                .tree
+                .range(submission_key(0)..submission_key(next))
+                .next_back()
+                .is_some();
+            if !more {
+                page.next = None;
+            }
+        }
+        Ok(page)
+    }
+
     /// Every kept row, in key order.
     pub fn all(&self) -> Result<Vec<Row>, ProjectionError> {
         let mut out = Vec::new();
@@ -1407,6 +1609,15 @@ fn idempotency_key(key: &str) -> Vec<u8> {
 /// An `i/` row: the workload the key's first submission created, and its sequence.
 fn key_row(id: WorkloadId, seq: u64) -> Vec<u8> {
     postcard::to_stdvec(&(id, seq)).expect("key rows always serialize")
+}
+
+/// The key of the index of submissions: `s/<sequence>` holds the id of the workload the
+/// submission at that sequence made, so workloads are listed in submission order.
+fn submission_key(seq: u64) -> [u8; 10] {
+    let mut k = [0u8; 10];
+    k[..2].copy_from_slice(b"s/");
+    k[2..].copy_from_slice(&seq.to_be_bytes());
+    k
 }
 
 fn rejection_key(seq: u64) -> [u8; 10] {

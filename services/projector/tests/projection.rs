@@ -555,3 +555,132 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
     assert_eq!(p.checkpoint_seq().unwrap(), None);
     same_verdicts(&p, "refolded from the start");
 }
+
+#[tokio::test]
+async fn workloads_are_listed_newest_first_in_pages_with_their_runs() {
+    use ledger::event::*;
+    use ledger::Event;
+    use projector::WorkloadFilter;
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let (a, b, c) = (
+        uuid::Uuid::from_u128(1),
+        uuid::Uuid::from_u128(2),
+        uuid::Uuid::from_u128(3),
+    );
+    let start = |id| {
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: id,
+            placement: vec![PlacedNode {
+                node: "n".into(),
+                gpus: vec![0, 1],
+            }],
+            protected_until_ms: 100_000,
+            borrowed: None,
+        })
+    };
+    let first_run = lab_and_node().into_iter().chain([
+        Event::WorkloadSubmitted(WorkloadSubmitted {
+            name: Some("train".into()),
+            ..WorkloadSubmitted::new(a, Some("lab".into()), 2, 1)
+        }),
+        start(a),
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: a,
+            reason: StopReason::Lost,
+        }),
+    ]);
+    // Its second run: 4 s, ending with exit code 2.
+    let second_run = [
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: a,
+            work_lost_s: 0,
+        }),
+        start(a),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(b, Some("lab".into()), 2, 1)),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(c, None, 1, 1)),
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: c,
+            reason: None,
+        }),
+        Event::WorkloadFinished(WorkloadFinished {
+            workload: a,
+            exit_code: Some(2),
+            signal: None,
+            error: None,
+        }),
+    ];
+    let events = one_a_second(first_run.chain(second_run));
+    write_all(&log, &events[..5]).await;
+    let path = dir.path().join("p");
+    {
+        let mut p = Projector::open(&path, config(), &log).await.unwrap();
+        p.catch_up(&log).await.unwrap();
+        assert_eq!(p.stats().rejected, 0, "{:?}", p.rejected().unwrap());
+        let row = p.workload(a).unwrap().unwrap();
+        assert_eq!((row.phase.as_str(), row.run_ms), ("stopped", 1_000));
+        assert_eq!(row.state_code(), "RQ");
+    }
+    // Reopened, the rest folds onto what the stored row carries.
+    write_all(&log, &events[5..]).await;
+    let mut p = Projector::open(&path, config(), &log).await.unwrap();
+    p.catch_up(&log).await.unwrap();
+    assert_eq!(p.stats().rejected, 0, "{:?}", p.rejected().unwrap());
+    let row = p.workload(a).unwrap().unwrap();
+    assert_eq!(row.name.as_deref(), Some("train"));
+    assert_eq!(
+        row.run_ms,
+        1_000 + 4_000,
+        "two runs: 3 s to 4 s and 6 s to 10 s"
+    );
+    assert_eq!(row.run_ms_at(1_000_000), row.run_ms, "it is not running");
+    assert_eq!(row.ran_on, ["n"]);
+    assert_eq!(row.state_code(), "F");
+    assert_eq!(
+        row.output_log().unwrap(),
+        format!("runs/{a}-2/output.log"),
+        "its second run's"
+    );
+    assert_eq!(p.workload(c).unwrap().unwrap().state_code(), "CA");
+
+    let kept = p.kept();
+    let ids = |page: &projector::WorkloadPage| page.rows.iter().map(|r| r.id).collect::<Vec<_>>();
+    let all = WorkloadFilter::default();
+    let first = kept.workloads(&all, None, 2, 100).unwrap();
+    assert_eq!(ids(&first), [c, b]);
+    let second = kept.workloads(&all, first.next, 2, 100).unwrap();
+    assert_eq!((ids(&second), second.next), (vec![a], None));
+    let finished = WorkloadFilter {
+        phases: vec!["finished".into()],
+        ..Default::default()
+    };
+    // A budget of one row read answers an empty page that says where to go on.
+    let short = kept.workloads(&finished, None, 10, 1).unwrap();
+    assert_eq!((short.rows.len(), short.scanned), (0, 1));
+    let rest = kept.workloads(&finished, short.next, 10, 100).unwrap();
+    assert_eq!(ids(&rest), [a]);
+    let in_lab = WorkloadFilter {
+        allocation: Some("lab".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        ids(&kept.workloads(&in_lab, None, 10, 100).unwrap()),
+        [b, a]
+    );
+    let not_lab_prefix = WorkloadFilter {
+        allocation: Some("la".into()),
+        ..Default::default()
+    };
+    assert!(kept
+        .workloads(&not_lab_prefix, None, 10, 100)
+        .unwrap()
+        .rows
+        .is_empty());
+    // Live at 9 s or ended since: the cancel at 8 s is out; submitted before 7 s: only a.
+    let window = WorkloadFilter {
+        since_ms: Some(9_000),
+        until_ms: Some(7_000),
+        ..Default::default()
+    };
+    assert_eq!(ids(&kept.workloads(&window, None, 10, 100).unwrap()), [a]);
+}
