@@ -5,7 +5,8 @@
 //! | route | what |
 //! | --- | --- |
 //! | `POST /v1/workloads` | submit (`Idempotency-Key` header; `?wait=placed&timeout_s=N`) |
-//! | `GET /v1/workloads/{id}` | status, placement, `protected_until_ms` |
+//! | `GET /v1/workloads?phase=&allocation=&user=&since=&until=&limit=&before=` | workloads in any phase, newest first, paged: state, exit code or signal, times, time on GPUs, output log |
+//! | `GET /v1/workloads/{id}` | the same for one, with placement, `protected_until_ms` and its events |
 //! | `DELETE /v1/workloads/{id}` | cancel a waiting workload, or ask a running one to stop |
 //! | `GET /v1/workloads/{id}/explain` | queue position, why it waits, who is ahead, estimated start |
 //! | `GET /v1/queue?allocation=` | pending workloads in policy order, each with why it waits |
@@ -60,6 +61,7 @@ pub use routes::{health_router, router};
     ),
     paths(
         routes::workloads::submit,
+        routes::workloads::list,
         routes::workloads::workload,
         routes::workloads::cancel,
         routes::workloads::explain,

@@ -57,6 +57,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
             routing::post(workloads::submit),
         ),
         (
+            r("GET", "/v1/workloads", Needs(Read)),
+            routing::get(workloads::list),
+        ),
+        (
             r("GET", "/v1/workloads/{id}", Needs(Read)),
             routing::get(workloads::workload),
         ),

@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use super::{bad_body, bad_query, live, parse_id};
 use crate::auth::Caller;
+use crate::period::instant_param;
 use crate::{problem, App, Problem};
 
 /// A submission.
@@ -202,7 +203,7 @@ pub(crate) async fn submit(
 #[utoipa::path(get, path = "/v1/workloads/{id}", tag = "workloads",
     params(("id" = String, Path, description = "workload id (UUID)")),
     responses(
-        (status = 200, description = "phase, placement, protected_until_ms", body = serde_json::Value),
+        (status = 200, description = "phase and state code, placement, protected_until_ms, exit code or signal, times, time on GPUs, output log, and the events about it", body = serde_json::Value),
         (status = 404, description = "no such workload", body = problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "not a UUID", body = problem::Problem, content_type = "application/problem+json"),
     ))]
@@ -227,8 +228,9 @@ pub(crate) async fn workload(
             })
         })
         .collect();
-    let mut body = serde_json::to_value(&row).expect("rows serialize");
+    let mut body = listed(&row, scheduler::wall_clock_ms());
     body["history"] = json!(history);
+    body["rejected"] = json!(row.rejected);
     Ok(Json(body).into_response())
 }
 
@@ -335,10 +337,7 @@ pub(crate) struct QueueQuery {
     user: Option<String>,
 }
 
-/// Whether `actor` (`user:alice`) is the principal `user` names (`alice` or `user:alice`).
-fn is_user(actor: &str, user: &str) -> bool {
-    actor == user || actor.split_once(':').is_some_and(|(_, name)| name == user)
-}
+use projector::is_user;
 
 fn reason(b: &Blocked) -> serde_json::Value {
     match b {
@@ -463,6 +462,98 @@ pub(crate) async fn explain(
         "estimate": estimate,
     }))
     .into_response())
+}
+
+/// Rows a listing reads at most to answer one page.
+const LISTING_BUDGET: usize = 20_000;
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListQuery {
+    /// Only workloads in these phases, comma-separated: pending, running, stopped, finished,
+    /// cancelled.
+    phase: Option<String>,
+    /// Only workloads of this allocation and below.
+    allocation: Option<String>,
+    /// Only workloads this principal submitted: its name (`alice`) or actor (`user:alice`).
+    user: Option<String>,
+    /// Only workloads live at this time or ended since: a date, an RFC 3339 date-time or
+    /// milliseconds since the epoch.
+    since: Option<String>,
+    /// Only workloads submitted before this time.
+    until: Option<String>,
+    /// At most this many (default 100, at most 1,000).
+    limit: Option<usize>,
+    /// The page after another: its `next_before`.
+    before: Option<u64>,
+}
+
+#[utoipa::path(get, path = "/v1/workloads", tag = "workloads", params(ListQuery),
+    responses(
+        (status = 200, description = "workloads in any phase, newest submission first, with their state code, exit code or signal, times, time on GPUs and output log; `next_before` pages on", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn list(
+    State(app): State<App>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(query) = query.map_err(bad_query)?;
+    let mut phases = Vec::new();
+    for name in query.phase.iter().flat_map(|p| p.split(',')) {
+        let phase = Phase::of_name(name.trim()).ok_or_else(|| {
+            Problem::invalid(
+                "phase",
+                format!("{name:?} is not a phase; use pending, running, stopped, finished or cancelled, comma-separated"),
+            )
+        })?;
+        phases.push(phase.name().to_owned());
+    }
+    let limit = query.limit.unwrap_or(100);
+    if !(1..=1_000).contains(&limit) {
+        return Err(Problem::invalid("limit", "limit must be 1 to 1000"));
+    }
+    let filter = projector::WorkloadFilter {
+        phases,
+        allocation: query.allocation.clone(),
+        user: query.user.clone(),
+        since_ms: instant_param("since", query.since.as_deref())?,
+        until_ms: instant_param("until", query.until.as_deref())?,
+    };
+    let kept = app.inner.projection.read().await.kept();
+    let page = tokio::task::spawn_blocking(move || {
+        kept.workloads(&filter, query.before, limit, LISTING_BUDGET)
+    })
+    .await
+    .map_err(|e| Problem::unavailable(e.to_string()))?
+    .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let now = scheduler::wall_clock_ms();
+    let rows: Vec<serde_json::Value> = page.rows.iter().map(|r| listed(r, now)).collect();
+    Ok(Json(json!({
+        "workloads": rows,
+        "next_before": page.next,
+        "scanned": page.scanned,
+        "now_ms": now,
+    }))
+    .into_response())
+}
+
+/// A workload as a listing shows it: its row without its event trail, with its state code,
+/// time on GPUs (`elapsed_ms`, over all its runs), GPU-hours and output log.
+pub(crate) fn listed(row: &projector::WorkloadRow, now_ms: u64) -> serde_json::Value {
+    let mut v = serde_json::to_value(row).expect("rows serialize");
+    let o = v.as_object_mut().expect("a row is an object");
+    o.remove("history");
+    o.remove("rejected");
+    let elapsed = row.run_ms_at(now_ms);
+    o.insert("state".into(), json!(row.state_code()));
+    o.insert("elapsed_ms".into(), json!(elapsed));
+    o.insert(
+        "gpu_hours".into(),
+        json!(elapsed as f64 * row.gpus() as f64 / 3_600_000.0),
+    );
+    o.insert("output_log".into(), json!(row.output_log()));
+    v
 }
 
 #[utoipa::path(get, path = "/v1/queue", tag = "workloads", params(QueueQuery),

@@ -27,6 +27,7 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
     let admin: &[&str] = &["admin"];
     BTreeMap::from([
         (("POST", "/v1/workloads"), Some(&["admin", "submitter"][..])),
+        (("GET", "/v1/workloads"), Some(READERS)),
         (("GET", "/v1/workloads/{id}"), Some(READERS)),
         (
             ("DELETE", "/v1/workloads/{id}"),

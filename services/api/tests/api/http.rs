@@ -92,6 +92,59 @@ async fn submit_then_placed_then_cancel() {
     );
     let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
     assert_eq!(row["preempting"], true);
+    assert_eq!(
+        (row["state"].as_str(), row["name"].as_str()),
+        (Some("CG"), Some("big"))
+    );
+    assert_eq!(row["ran_on"].as_array().unwrap().len(), 2, "{row}");
+    assert!(row["output_log"].as_str().unwrap().ends_with("/output.log"));
+    assert!(row["gpu_hours"].as_f64().unwrap() >= 0.0);
+
+    // The listing: every phase, newest first, paged; filters by phase.
+    let (status, _, all) = call(&f, "GET", "/v1/workloads", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{all}");
+    let listed: Vec<(&str, &str)> = all["workloads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["id"].as_str().unwrap(), w["state"].as_str().unwrap()))
+        .collect();
+    assert_eq!(listed, [(queued_id, "CA"), (id.as_str(), "CG")], "{all}");
+    assert!(
+        all["workloads"][0].get("history").is_none(),
+        "listings leave out the trail"
+    );
+    assert_eq!(all["next_before"], serde_json::Value::Null);
+    let (_, _, first) = call(&f, "GET", "/v1/workloads?limit=1", None, &[]).await;
+    assert_eq!(first["workloads"].as_array().unwrap().len(), 1);
+    let next = first["next_before"].as_u64().expect("a second page");
+    let (_, _, second) = call(
+        &f,
+        "GET",
+        &format!("/v1/workloads?limit=1&before={next}"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(
+        second["workloads"][0]["id"].as_str(),
+        Some(id.as_str()),
+        "{second}"
+    );
+    let (_, _, cancelled) = call(
+        &f,
+        "GET",
+        "/v1/workloads?phase=cancelled,pending&since=2026-01-01&until=2999-01-01T00:00:00%2B01:00",
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(
+        cancelled["workloads"].as_array().unwrap().len(),
+        1,
+        "{cancelled}"
+    );
+    assert_eq!(cancelled["workloads"][0]["id"].as_str(), Some(queued_id));
     let (status, _, _) = call(
         &f,
         "GET",
@@ -305,6 +358,27 @@ async fn bad_input_names_the_field_and_changes_nothing() {
             None,
         ),
         ("GET", "/v1/nothing", None, StatusCode::NOT_FOUND, None),
+        (
+            "GET",
+            "/v1/workloads?phase=running,done",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("phase"),
+        ),
+        (
+            "GET",
+            "/v1/workloads?limit=0",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("limit"),
+        ),
+        (
+            "GET",
+            "/v1/workloads?since=yesterday",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("since"),
+        ),
         (
             "GET",
             "/v1/audit/ledger?granularity=minute",
