@@ -1,5 +1,5 @@
-//! The command-line client: `submit`, `status`, `cancel`, `queue`, `explain`, `alloc`, `audit`,
-//! `events` against a running `fairledger serve` (`--api`, default the local one). Tables for
+//! The command-line client: `submit`, `status`, `cancel`, `queue`, `jobs`, `explain`, `alloc`,
+//! `audit`, `events` against a running `fairledger serve` (`--api`, default the local one). Tables for
 //! people by default, in the shape squeue, sshare and sreport users know; `--json` for scripts.
 
 use std::io::{BufRead, BufReader};
@@ -377,18 +377,59 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
             .flatten()
             .map(|p| format!("{}:{}", text(&p["node"]), text(&p["gpus"])))
             .collect();
-        format!(
-            "id          {}\nphase       {}\nallocation  {}\nuser        {}\ngpus        {} x {}\nplacement   {}\nprotected   {}\nstarts      {}\n",
-            text(&w["id"]),
-            text(&w["phase"]),
-            text(&w["allocation"]),
-            text(&w["user"]),
-            text(&w["nodes"]),
-            text(&w["gpus_per_node"]),
-            if placement.is_empty() { "-".into() } else { placement.join(" ") },
-            when(&w["protected_until_ms"]),
-            text(&w["starts"]),
-        )
+        let lines = [
+            ("id", text(&w["id"])),
+            ("name", text(&w["name"])),
+            (
+                "state",
+                format!("{} ({})", text(&w["state"]), text(&w["phase"])),
+            ),
+            ("allocation", text(&w["allocation"])),
+            ("user", text(&w["user"])),
+            (
+                "gpus",
+                format!("{} x {}", text(&w["nodes"]), text(&w["gpus_per_node"])),
+            ),
+            (
+                "placement",
+                if placement.is_empty() {
+                    "-".into()
+                } else {
+                    placement.join(" ")
+                },
+            ),
+            ("submitted", when(&w["submitted_at_ms"])),
+            ("started", when(&w["started_at_ms"])),
+            ("protected", when(&w["protected_until_ms"])),
+            ("ended", when(&w["ended_at_ms"])),
+            (
+                "elapsed",
+                format!(
+                    "{} in {} run(s)",
+                    clock(w["elapsed_ms"].as_u64().unwrap_or(0)),
+                    text(&w["starts"])
+                ),
+            ),
+            ("gpu-hours", hours(&w["gpu_hours"])),
+            (
+                "exit",
+                match w["error"].as_str() {
+                    Some(e) => format!("error: {}", ledger::names::terminal_safe(e)),
+                    None => exit(w),
+                },
+            ),
+            (
+                "output",
+                match output(w).as_str() {
+                    "-" => "-".to_owned(),
+                    o => format!("{o} (under its agent's work directory)"),
+                },
+            ),
+        ];
+        lines
+            .iter()
+            .map(|(k, v)| format!("{k:<11} {v}\n"))
+            .collect()
     });
     Ok(())
 }
@@ -405,21 +446,29 @@ pub fn cancel(args: &ClientArgs, id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `path` with the query `pairs`, encoded (a `+` in a time's offset stays a `+`).
+fn with_query(path: &str, pairs: &[(&str, String)]) -> String {
+    if pairs.is_empty() {
+        return path.to_owned();
+    }
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    for (k, v) in pairs {
+        query.append_pair(k, v);
+    }
+    format!("{path}?{}", query.finish())
+}
+
 pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<(), String> {
     let api = Api::new(args)?;
     let mut filters = Vec::new();
     if let Some(a) = allocation {
-        filters.push(format!("allocation={a}"));
+        filters.push(("allocation", a.to_owned()));
     }
     if me {
         let who = api.call("GET", "/v1/whoami", None)?;
-        filters.push(format!("user={}", text(&who["actor"])));
+        filters.push(("user", text(&who["actor"])));
     }
-    let path = match filters.is_empty() {
-        true => "/v1/queue".to_owned(),
-        false => format!("/v1/queue?{}", filters.join("&")),
-    };
-    let v = api.call("GET", &path, None)?;
+    let v = api.call("GET", &with_query("/v1/queue", &filters), None)?;
     print(args, &v, |v| {
         let rows = v["pending"]
             .as_array()
@@ -439,6 +488,196 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<()
         columns(&["POS", "ID", "ALLOCATION", "USER", "GPUS", "REASON"], rows)
     });
     Ok(())
+}
+
+/// What `fairledger jobs` lists.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct JobsArgs {
+    /// Only these states, comma-separated: pending, running, stopped, finished, cancelled.
+    #[arg(long, short)]
+    pub state: Option<String>,
+    /// Only this allocation and below.
+    #[arg(long, short)]
+    pub allocation: Option<String>,
+    /// Only what this principal submitted (`alice` or `user:alice`).
+    #[arg(long, short, conflicts_with = "me")]
+    pub user: Option<String>,
+    /// Only what I submitted.
+    #[arg(long)]
+    pub me: bool,
+    /// Only workloads live at this time or ended since: a date, a date-time, or how long ago
+    /// (`2h`, `1d 12h`).
+    #[arg(long, short = 'S')]
+    pub since: Option<String>,
+    /// Only workloads submitted before this time (same forms).
+    #[arg(long, short = 'E')]
+    pub until: Option<String>,
+    /// At most this many.
+    #[arg(long, short = 'n', default_value_t = 50)]
+    pub limit: usize,
+}
+
+/// A time flag as the API reads it: a span (`2h`, `90m`, `1d 12h`) is that long ago; anything
+/// else (a date, a date-time, milliseconds) goes as it is and the API says what is wrong with it.
+fn time_flag(text: &str) -> String {
+    match humantime::parse_duration(text.trim()) {
+        Ok(d) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |n| n.as_millis() as u64);
+            now.saturating_sub(d.as_millis() as u64).to_string()
+        }
+        Err(_) => text.to_owned(),
+    }
+}
+
+pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
+    let api = Api::new(args)?;
+    let mut query = Vec::new();
+    if let Some(s) = &filter.state {
+        query.push(("phase", s.clone()));
+    }
+    if let Some(a) = &filter.allocation {
+        query.push(("allocation", a.clone()));
+    }
+    if let Some(u) = &filter.user {
+        query.push(("user", u.clone()));
+    }
+    if filter.me {
+        let who = api.call("GET", "/v1/whoami", None)?;
+        query.push(("user", text(&who["actor"])));
+    }
+    if let Some(t) = &filter.since {
+        query.push(("since", time_flag(t)));
+    }
+    if let Some(t) = &filter.until {
+        query.push(("until", time_flag(t)));
+    }
+    if filter.limit == 0 {
+        return Err("--limit must be at least 1".into());
+    }
+    // Pages of at most 1,000 until the limit or the history runs out.
+    let mut rows: Vec<Value> = Vec::new();
+    let mut before: Option<u64> = None;
+    let mut now;
+    loop {
+        let mut q = query.clone();
+        q.push(("limit", (filter.limit - rows.len()).min(1_000).to_string()));
+        if let Some(b) = before {
+            q.push(("before", b.to_string()));
+        }
+        let page = api.call("GET", &with_query("/v1/workloads", &q), None)?;
+        rows.extend(page["workloads"].as_array().into_iter().flatten().cloned());
+        now = page["now_ms"].clone();
+        before = page["next_before"].as_u64();
+        if before.is_none() || rows.len() >= filter.limit {
+            break;
+        }
+    }
+    let v = json!({"workloads": rows, "next_before": before, "now_ms": now});
+    print(args, &v, |v| {
+        let rows = v["workloads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| {
+                vec![
+                    text(&w["id"]),
+                    text(&w["name"]),
+                    text(&w["allocation"]),
+                    text(&w["user"]),
+                    text(&w["state"]),
+                    format!("{}x{}", text(&w["nodes"]), text(&w["gpus_per_node"])),
+                    date_time(&w["submitted_at_ms"]),
+                    date_time(&w["started_at_ms"]),
+                    date_time(&w["ended_at_ms"]),
+                    clock(w["elapsed_ms"].as_u64().unwrap_or(0)),
+                    hours(&w["gpu_hours"]),
+                    exit(w),
+                    output(w),
+                ]
+            })
+            .collect();
+        let mut out = columns(
+            &[
+                "ID",
+                "NAME",
+                "ALLOCATION",
+                "USER",
+                "ST",
+                "GPUS",
+                "SUBMITTED (UTC)",
+                "STARTED",
+                "ENDED",
+                "ELAPSED",
+                "GPU-H",
+                "EXIT",
+                "OUTPUT",
+            ],
+            rows,
+        );
+        if v["next_before"].is_u64() {
+            out += "(more: raise --limit, or narrow with --since, --state, --allocation)\n";
+        }
+        out
+    });
+    Ok(())
+}
+
+/// How a workload ended: its exit code, the signal that ended it, or `error` when its node
+/// could not launch it; "-" while it has not.
+fn exit(w: &Value) -> String {
+    if let Some(sig) = w["signal"].as_i64() {
+        return signal_name(sig);
+    }
+    if let Some(code) = w["exit_code"].as_i64() {
+        return code.to_string();
+    }
+    if w["error"].is_string() {
+        return "error".into();
+    }
+    "-".into()
+}
+
+/// A signal by its name (`SIGKILL`), or its number where this system has no name for it.
+fn signal_name(sig: i64) -> String {
+    #[cfg(unix)]
+    if let Some(s) = i32::try_from(sig)
+        .ok()
+        .and_then(|n| nix::sys::signal::Signal::try_from(n).ok())
+    {
+        return s.as_str().to_owned();
+    }
+    format!("signal {sig}")
+}
+
+/// Where the output of a workload's current or last run is: `node:path` under that node
+/// agent's `--work-dir`.
+fn output(w: &Value) -> String {
+    match (w["ran_on"][0].as_str(), w["output_log"].as_str()) {
+        (Some(node), Some(log)) => format!("{}:{}", ledger::names::terminal_safe(node), log),
+        _ => "-".into(),
+    }
+}
+
+/// A time as a table shows it: the UTC date-time to the second; "-" when there is none.
+fn date_time(ms: &Value) -> String {
+    let Some(ms) = ms.as_u64() else {
+        return "-".into();
+    };
+    let t = api::period::format_instant(ms);
+    t.get(..19).unwrap_or(&t).replace('T', " ")
+}
+
+/// A duration as Slurm prints it: `HH:MM:SS`, with `D-` in front from a day on.
+fn clock(ms: u64) -> String {
+    let s = ms / 1000;
+    let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
+    if d > 0 {
+        format!("{d}-{h:02}:{m:02}:{s:02}")
+    } else {
+        format!("{h:02}:{m:02}:{s:02}")
+    }
 }
 
 /// `fairledger nodes …`.
@@ -727,16 +966,13 @@ fn granularity_heading(granularity: &str) -> &'static str {
     }
 }
 
-/// A period's start as people read it: `2026-11-01 08:00` for an hour, `2026-11` for a month,
-/// the date otherwise.
 /// A time as people read it: the UTC date-time to the second, and how far it is from now
 /// ("2026-12-05 19:20:07 UTC (in 42m)"); "-" when there is none.
 fn when(ms: &Value) -> String {
     let Some(ms) = ms.as_u64() else {
         return "-".into();
     };
-    let t = api::period::format_instant(ms);
-    let day_and_time = t.get(..19).unwrap_or(&t).replace('T', " ");
+    let day_and_time = date_time(&Value::from(ms));
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -759,6 +995,8 @@ fn span(s: u64) -> String {
     }
 }
 
+/// A period's start as people read it: `2026-11-01 08:00` for an hour, `2026-11` for a month,
+/// the date otherwise.
 fn period_start(ms: &serde_json::Value, granularity: &str) -> String {
     let Some(ms) = ms.as_u64() else {
         return "-".into();

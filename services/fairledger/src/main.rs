@@ -173,6 +173,14 @@ enum Command {
         #[command(subcommand)]
         command: Option<client::NodesCommand>,
     },
+    /// Workloads in any state, newest first, like sacct: state, exit code, times, elapsed,
+    /// GPU-hours and where the output is.
+    Jobs {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        filter: client::JobsArgs,
+    },
     /// Why a workload waits, who is ahead, and when it may start.
     Explain {
         #[command(flatten)]
@@ -392,6 +400,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Token { client, command } => client::token_command(&client, command),
         Command::Whoami { client } => client::whoami(&client),
         Command::Explain { client, id } => client::explain(&client, &id),
+        Command::Jobs { client, filter } => client::jobs(&client, &filter),
         Command::Nodes { client, command } => client::nodes(&client, command),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))

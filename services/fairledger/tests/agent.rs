@@ -481,6 +481,18 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     let row = wait_for(&server, &id, "finished");
     let h = history(&server, &id);
     assert_eq!(h.last().unwrap()["payload"]["exit_code"], 0, "{row}");
+    // Its row says how it ended and where its output is, as the agent laid it out.
+    assert_eq!(
+        (row["state"].as_str(), row["ran_on"][0].as_str()),
+        (Some("CD"), Some("gpu-h")),
+        "{row}"
+    );
+    assert!(row["elapsed_ms"].as_u64().unwrap() >= 1_000, "{row}");
+    let output = tmp
+        .path()
+        .join("agent")
+        .join(row["output_log"].as_str().unwrap());
+    assert!(output.is_file(), "no {}: {row}", output.display());
     let seen = tmp.path().join("env.txt");
     let dump = submit(
         &server,

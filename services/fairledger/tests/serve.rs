@@ -206,7 +206,7 @@ fn the_command_line_client_speaks_to_the_server() {
     let why = cli(&server, &["explain", &id]).unwrap();
     assert!(why.contains("is 1 of 1 in the queue"), "{why}");
     let status = cli(&server, &["status", &id]).unwrap();
-    assert!(status.contains("phase       pending"), "{status}");
+    assert!(status.contains("state       PD (pending)"), "{status}");
     // sshare-like: the split owes ai2 its demand of 8 and uw the rest.
     let alloc = cli(&server, &["alloc"]).unwrap();
     let row = |path: &str| {
@@ -232,6 +232,39 @@ fn the_command_line_client_speaks_to_the_server() {
     assert_eq!(err.lines().count(), 1, "{err}");
     let cancelled = cli(&server, &["cancel", &id]).unwrap();
     assert!(cancelled.contains("cancelled"), "{cancelled}");
+    // sacct-like: every workload, newest first, with its state code and name; filters by
+    // state and by how long ago.
+    let jobs = cli(&server, &["jobs"]).unwrap();
+    let lines: Vec<&str> = jobs.lines().collect();
+    assert!(
+        lines[0].starts_with("ID") && lines[0].contains("ELAPSED"),
+        "{jobs}"
+    );
+    let cells = |line: &str| {
+        line.split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(&cells(lines[1])[..2], [id.as_str(), "sft"], "{jobs}");
+    assert!(cells(lines[1]).contains(&"CA".to_owned()), "{jobs}");
+    assert!(
+        lines[2].starts_with(first_id) && cells(lines[2]).contains(&"R".to_owned()),
+        "{jobs}"
+    );
+    assert!(
+        lines[2].contains(":runs/") && lines[2].ends_with("/output.log"),
+        "{jobs}"
+    );
+    let cancelled_only = cli(&server, &["jobs", "--state", "cancelled", "--since", "1h"]).unwrap();
+    assert_eq!(cancelled_only.lines().count(), 2, "{cancelled_only}");
+    let none_yet = cli(&server, &["jobs", "--until", "2h"]).unwrap();
+    assert_eq!(
+        none_yet.lines().count(),
+        1,
+        "nothing was submitted 2 h ago: {none_yet}"
+    );
+    let err = cli(&server, &["jobs", "--since", "last tuesday"]).unwrap_err();
+    assert!(err.contains("(field since)"), "{err}");
     let events = cli(&server, &["events", "--after", "8"]).unwrap();
     assert!(
         events
