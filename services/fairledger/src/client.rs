@@ -202,17 +202,19 @@ pub struct SubmitArgs {
     /// Priority within the allocation (higher first).
     #[arg(long, default_value_t = 0)]
     pub priority: i32,
-    /// Protection from preemption asked for, in seconds (at most the cluster's cap).
-    #[arg(long)]
+    /// Protection from preemption asked for (at most the cluster's cap): seconds, a span such
+    /// as `1h30m`, or `D-HH:MM:SS` as Slurm writes it.
+    #[arg(long, value_parser = seconds)]
     pub min_runtime: Option<u64>,
-    /// Expected run time in seconds.
-    #[arg(long)]
+    /// Expected run time (same forms).
+    #[arg(long, visible_alias = "time", value_parser = seconds)]
     pub duration: Option<u64>,
-    /// Checkpoint interval in seconds.
-    #[arg(long)]
+    /// Checkpoint interval (same forms).
+    #[arg(long, value_parser = seconds)]
     pub checkpoint: Option<u64>,
-    /// Wait until it is placed, up to this many seconds; fails (exit status 1) if it is not.
-    #[arg(long)]
+    /// Wait until it is placed, up to this long (same forms); fails (exit status 1) if it is
+    /// not.
+    #[arg(long, value_parser = seconds)]
     pub wait: Option<u64>,
     /// The command the node agent runs.
     #[arg(last = true)]
@@ -481,11 +483,25 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<()
                     text(&p["allocation"]),
                     text(&p["user"]),
                     format!("{}x{}", text(&p["nodes"]), text(&p["gpus_per_node"])),
+                    p["submitted_at_ms"]
+                        .as_u64()
+                        .map_or("-".into(), |t| span(now_ms().saturating_sub(t) / 1000)),
                     text(&p["reason"]["code"]),
                 ]
             })
             .collect();
-        columns(&["POS", "ID", "ALLOCATION", "USER", "GPUS", "REASON"], rows)
+        columns(
+            &[
+                "POS",
+                "ID",
+                "ALLOCATION",
+                "USER",
+                "GPUS",
+                "WAITING",
+                "REASON",
+            ],
+            rows,
+        )
     });
     Ok(())
 }
@@ -517,16 +533,17 @@ pub struct JobsArgs {
     pub limit: usize,
 }
 
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A time flag as the API reads it: a span (`2h`, `90m`, `1d 12h`) is that long ago; anything
 /// else (a date, a date-time, milliseconds) goes as it is and the API says what is wrong with it.
 fn time_flag(text: &str) -> String {
     match humantime::parse_duration(text.trim()) {
-        Ok(d) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |n| n.as_millis() as u64);
-            now.saturating_sub(d.as_millis() as u64).to_string()
-        }
+        Ok(d) => now_ms().saturating_sub(d.as_millis() as u64).to_string(),
         Err(_) => text.to_owned(),
     }
 }
@@ -669,6 +686,40 @@ fn date_time(ms: &Value) -> String {
     t.get(..19).unwrap_or(&t).replace('T', " ")
 }
 
+/// A duration a person typed, in whole seconds: seconds (`3600`), a span (`1h30m`, `90s`,
+/// `2d 4h`), or Slurm's `[D-]HH:MM:SS` or `MM:SS`.
+pub fn seconds(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let bad =
+        || format!("{text:?} is not a duration: give seconds (5400), a span (1h30m) or D-HH:MM:SS");
+    if let Ok(s) = t.parse::<u64>() {
+        return Ok(s);
+    }
+    if t.contains(':') {
+        let (days, clock) = match t.split_once('-') {
+            Some((d, rest)) => (d.parse::<u64>().map_err(|_| bad())?, rest),
+            None => (0, t),
+        };
+        let parts: Vec<u64> = clock
+            .split(':')
+            .map(|p| p.parse::<u64>().ok().filter(|_| p.len() == 2))
+            .collect::<Option<_>>()
+            .ok_or_else(bad)?;
+        let (h, m, s) = match parts[..] {
+            [h, m, s] => (h, m, s),
+            [m, s] if days == 0 => (0, m, s),
+            _ => return Err(bad()),
+        };
+        if m >= 60 || s >= 60 || (days > 0 && h >= 24) {
+            return Err(bad());
+        }
+        return Ok(days * 86_400 + h * 3_600 + m * 60 + s);
+    }
+    humantime::parse_duration(t)
+        .map(|d| d.as_secs())
+        .map_err(|_| bad())
+}
+
 /// A duration as Slurm prints it: `HH:MM:SS`, with `D-` in front from a day on.
 fn clock(ms: u64) -> String {
     let s = ms / 1000;
@@ -696,6 +747,22 @@ pub enum NodesCommand {
         /// The node.
         node: String,
     },
+}
+
+/// A node's state as `sinfo` names it: `down` (no healthy GPU), `drain` (drained and empty),
+/// `drng` (drained, work still running), `idle`, `mix` (some healthy GPUs held), `alloc` (all
+/// healthy GPUs held).
+fn node_state(draining: bool, gpus: &[Value]) -> &'static str {
+    let healthy = gpus.iter().filter(|g| g["healthy"] != false).count();
+    let held = gpus.iter().filter(|g| !g["workload"].is_null()).count();
+    match () {
+        _ if healthy == 0 => "down",
+        _ if draining && held == 0 => "drain",
+        _ if draining => "drng",
+        _ if held == 0 => "idle",
+        _ if held >= healthy => "alloc",
+        _ => "mix",
+    }
 }
 
 pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), String> {
@@ -754,11 +821,7 @@ pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), Str
                     text(&n["model"]),
                     text(&n["gpus"]),
                     text(&n["free_gpus"]),
-                    if n["draining"] == true {
-                        "drained".into()
-                    } else {
-                        "up".into()
-                    },
+                    node_state(n["draining"] == true, &gpus).into(),
                     util,
                     if down.is_empty() {
                         "-".into()
@@ -973,9 +1036,7 @@ fn when(ms: &Value) -> String {
         return "-".into();
     };
     let day_and_time = date_time(&Value::from(ms));
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now = now_ms();
     let relative = if ms >= now {
         format!("in {}", span((ms - now) / 1000))
     } else {
@@ -1009,32 +1070,51 @@ fn period_start(ms: &serde_json::Value, granularity: &str) -> String {
     }
 }
 
-pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Result<(), String> {
+/// Which events `fairledger events` prints.
+#[derive(clap::Args, Clone, Debug)]
+pub struct EventsArgs {
+    /// Start after this sequence.
+    #[arg(long, default_value_t = 0)]
+    pub after: u64,
+    /// At most this many (without --follow).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+    /// Keep printing new events as they come.
+    #[arg(long, short)]
+    pub follow: bool,
+    /// Only events of this kind, e.g. workload_started.
+    #[arg(long, short)]
+    pub kind: Option<String>,
+    /// Only events of this allocation and below.
+    #[arg(long, short)]
+    pub allocation: Option<String>,
+}
+
+pub fn events(args: &ClientArgs, which: &EventsArgs) -> Result<(), String> {
     let api = Api::new(args)?;
-    if !follow {
-        let v = api.call(
-            "GET",
-            &format!("/v1/events?after={after}&limit={limit}"),
-            None,
-        )?;
+    let mut query = vec![("after", which.after.to_string())];
+    if let Some(k) = &which.kind {
+        query.push(("kind", k.clone()));
+    }
+    if let Some(a) = &which.allocation {
+        query.push(("allocation", a.clone()));
+    }
+    let header = ["SEQ", "TIME (UTC)", "TYPE", "ABOUT", "ALLOCATION", "ACTOR"];
+    if !which.follow {
+        query.push(("limit", which.limit.to_string()));
+        let v = api.call("GET", &with_query("/v1/events", &query), None)?;
         print(args, &v, |v| {
             let rows = v["events"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|e| {
-                    vec![
-                        text(&e["seq"]),
-                        text(&e["event"]["type"]),
-                        text(&e["subject"]),
-                    ]
-                })
+                .map(|e| event_row(&e["seq"], &e["event"], e["subject"].as_str()))
                 .collect();
-            columns(&["SEQ", "TYPE", "SUBJECT"], rows)
+            columns(&header, rows)
         });
         return Ok(());
     }
-    let url = format!("{}/v1/events/stream?after={after}", api.base);
+    let url = format!("{}{}", api.base, with_query("/v1/events/stream", &query));
     let mut response = api
         .request("GET", &url)
         .call()
@@ -1048,22 +1128,81 @@ pub fn events(args: &ClientArgs, after: u64, limit: usize, follow: bool) -> Resu
             .to_owned());
     }
     let reader = BufReader::new(response.into_body().into_reader());
-    let (mut id, mut kind) = (String::new(), String::new());
+    let mut id = String::new();
+    // The stream carries envelopes without their subjects: a workload's allocation is read once
+    // from its row when its event does not name it.
+    let mut allocations: std::collections::HashMap<String, Value> = Default::default();
+    if !args.json {
+        println!("{}", header.join("  "));
+    }
     for line in reader.lines() {
         let line = line.map_err(|e| format!("the event stream broke: {e}"))?;
         if let Some(v) = line.strip_prefix("id:") {
             id = v.trim().to_owned();
-        } else if let Some(v) = line.strip_prefix("event:") {
-            kind = v.trim().to_owned();
         } else if let Some(data) = line.strip_prefix("data:") {
             if args.json {
                 println!("{}", data.trim());
             } else {
-                println!("{}", ledger::names::terminal_safe(&format!("{id}  {kind}")));
+                let mut envelope: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
+                let p = &mut envelope["payload"];
+                if let (Some(w), true) = (p["workload"].as_str(), p["allocation"].is_null()) {
+                    if allocations.len() > 100_000 {
+                        allocations.clear();
+                    }
+                    let a = match allocations.get(w) {
+                        Some(a) => a.clone(),
+                        None => {
+                            let a = api
+                                .call("GET", &format!("/v1/workloads/{w}"), None)
+                                .map_or(Value::Null, |row| row["allocation"].clone());
+                            allocations.insert(w.to_owned(), a.clone());
+                            a
+                        }
+                    };
+                    p["allocation"] = a;
+                }
+                let row = event_row(&Value::from(id.as_str()), &envelope, None);
+                println!("{}", ledger::names::terminal_safe(&row.join("  ")));
             }
         }
     }
     Ok(())
+}
+
+/// One event as the events table shows it: its sequence, when, its kind, what it is about (a
+/// workload, a node, a principal), the allocation (from its subject when known, else its
+/// payload) and who acted.
+fn event_row(seq: &Value, envelope: &Value, subject: Option<&str>) -> Vec<String> {
+    let p = &envelope["payload"];
+    let about = ["workload", "node", "name"]
+        .iter()
+        .find_map(|k| p[*k].as_str())
+        .map_or("-".into(), |s| ledger::names::terminal_safe(s).into_owned());
+    let from_subject = subject
+        .and_then(|s| s.strip_prefix("fairledger.ledger."))
+        .and_then(|s| {
+            let mut parts = s.splitn(3, '.');
+            let entity = parts.next()?;
+            parts.next()?;
+            let rest = parts.next()?;
+            matches!(entity, "workload" | "allocation").then_some(rest)
+        })
+        .filter(|rest| *rest != eventlog::subject::UNALLOCATED)
+        .map(|rest| rest.replace('.', "/"));
+    let allocation = from_subject
+        .or_else(|| p["allocation"].as_str().map(str::to_owned))
+        .or_else(|| p["path"].as_str().map(str::to_owned))
+        .map_or("-".into(), |a| {
+            ledger::names::terminal_safe(&a).into_owned()
+        });
+    vec![
+        text(seq),
+        date_time(&envelope["occurred_at_ms"]),
+        text(&envelope["type"]),
+        about,
+        allocation,
+        text(&envelope["actor"]),
+    ]
 }
 
 /// `fairledger token …`.
@@ -1210,7 +1349,37 @@ pub fn whoami(args: &ClientArgs) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::span;
+    use super::{clock, seconds, span};
+
+    #[test]
+    fn durations_read_as_seconds_spans_or_slurm_clocks() {
+        assert_eq!(seconds("5400"), Ok(5_400));
+        assert_eq!(seconds("1h30m"), Ok(5_400));
+        assert_eq!(seconds("1h 30m"), Ok(5_400));
+        assert_eq!(seconds("01:30:00"), Ok(5_400));
+        assert_eq!(seconds("2-01:30:00"), Ok(2 * 86_400 + 5_400));
+        assert_eq!(
+            seconds("90:00"),
+            Err(
+                "\"90:00\" is not a duration: give seconds (5400), a span (1h30m) or D-HH:MM:SS"
+                    .into()
+            )
+        );
+        assert_eq!(seconds("05:07"), Ok(307));
+        for bad in [
+            "",
+            "an hour",
+            "-5",
+            "1:2:3",
+            "2-05:07",
+            "1-24:00:00",
+            "00:60:00",
+        ] {
+            assert!(seconds(bad).is_err(), "{bad:?}");
+        }
+        // What the tables print reads back.
+        assert_eq!(seconds(&clock(200_000_000)), Ok(200_000));
+    }
 
     #[test]
     fn spans_read_in_their_two_largest_units() {

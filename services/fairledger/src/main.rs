@@ -221,15 +221,8 @@ enum Command {
     Events {
         #[command(flatten)]
         client: client::ClientArgs,
-        /// Start after this sequence.
-        #[arg(long, default_value_t = 0)]
-        after: u64,
-        /// At most this many (without --follow).
-        #[arg(long, default_value_t = 100)]
-        limit: usize,
-        /// Keep printing new events as they come.
-        #[arg(long, short)]
-        follow: bool,
+        #[command(flatten)]
+        which: client::EventsArgs,
     },
 }
 
@@ -423,12 +416,7 @@ fn run(cli: Cli) -> Result<(), String> {
             to.as_deref(),
             &granularity,
         ),
-        Command::Events {
-            client,
-            after,
-            limit,
-            follow,
-        } => client::events(&client, after, limit, follow),
+        Command::Events { client, which } => client::events(&client, &which),
         Command::Replay {
             events: None,
             log,

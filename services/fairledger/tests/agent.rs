@@ -542,7 +542,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
     assert_eq!(
         row,
-        ["gpu-h", "H100", "2", "2", "up", "-", "-", "-"],
+        ["gpu-h", "H100", "2", "2", "idle", "-", "-", "-"],
         "{table}"
     );
     // A node may report only its own runs: another node's (or a finished) workload is refused,

@@ -158,7 +158,7 @@ fn the_command_line_client_speaks_to_the_server() {
     let first = cli(
         &server,
         &[
-            "submit", "-a", "uw/nlp", "-g", "8", "-n", "4", "--wait", "20",
+            "submit", "-a", "uw/nlp", "-g", "8", "-n", "4", "--wait", "20s",
         ],
     )
     .unwrap();
@@ -266,14 +266,43 @@ fn the_command_line_client_speaks_to_the_server() {
     let err = cli(&server, &["jobs", "--since", "last tuesday"]).unwrap_err();
     assert!(err.contains("(field since)"), "{err}");
     let events = cli(&server, &["events", "--after", "8"]).unwrap();
+    let last = events.lines().last().unwrap();
     assert!(
-        events
-            .lines()
-            .last()
-            .unwrap()
-            .contains("workload_cancelled"),
+        last.contains("workload_cancelled") && last.contains(&id) && last.contains(" ai2/tulu "),
         "{events}"
     );
+    let only = cli(
+        &server,
+        &["events", "--kind", "workload_cancelled", "-a", "ai2"],
+    )
+    .unwrap();
+    assert_eq!(only.lines().count(), 2, "{only}");
+    // Followed: the same row, as it comes.
+    struct Follow(std::process::Child);
+    impl Drop for Follow {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut follow = Follow(
+        Command::new(BIN)
+            .args(["events", "--follow", "--kind", "workload_cancelled"])
+            .args(["--api", &format!("http://{}", server.addr)])
+            .args(["--token-file", &server.token_file()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(follow.0.stdout.take().unwrap()));
+    assert!(lines.next().unwrap().unwrap().starts_with("SEQ"));
+    let row = lines.next().unwrap().unwrap();
+    assert!(
+        row.contains("workload_cancelled") && row.contains(&id) && row.contains("ai2/tulu"),
+        "{row}"
+    );
+    drop(follow);
     let audit = cli(&server, &["audit", "--granularity", "hour", "-a", "uw"]).unwrap();
     assert!(
         audit.lines().skip(1).all(|l| l.starts_with("uw/nlp")),
@@ -293,12 +322,13 @@ fn the_command_line_client_speaks_to_the_server() {
             .map(|l| l.split_whitespace().nth(4).unwrap_or_default().to_owned())
     };
     let table = cli(&server, &["nodes"]).unwrap();
-    assert_eq!(state_of(&table).as_deref(), Some("drained"), "{table}");
+    // Drained with the gang still on it: draining (sinfo's drng), not drained yet.
+    assert_eq!(state_of(&table).as_deref(), Some("drng"), "{table}");
     let err = cli(&server, &["nodes", "drain", "no-such-node"]).unwrap_err();
     assert!(err.contains("not registered"), "{err}");
     cli(&server, &["nodes", "resume", "demo-3"]).unwrap();
     let table = cli(&server, &["nodes"]).unwrap();
-    assert_eq!(state_of(&table).as_deref(), Some("up"), "{table}");
+    assert_eq!(state_of(&table).as_deref(), Some("alloc"), "{table}");
     // A connection error names its cause: https:// to a server without TLS.
     let tls = Command::new(BIN)
         .args(["queue", "--api", &format!("https://{}", server.addr)])
