@@ -721,7 +721,7 @@ pub fn seconds(text: &str) -> Result<u64, String> {
 }
 
 /// A duration as Slurm prints it: `HH:MM:SS`, with `D-` in front from a day on.
-fn clock(ms: u64) -> String {
+pub fn clock(ms: u64) -> String {
     let s = ms / 1000;
     let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
     if d > 0 {
@@ -906,29 +906,48 @@ pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
                     .into_iter()
                     .flatten()
                     .map(|a| {
+                        let path = text(&a["path"]);
+                        let depth = path.matches('/').count();
+                        let f = |k: &str| a[k].as_f64().unwrap_or(0.0);
+                        let ratio = match f("window_owed_gpu_hours") {
+                            o if o > 0.0 => format!("{:.2}", f("window_delivered_gpu_hours") / o),
+                            _ => "-".into(),
+                        };
                         vec![
-                            text(&a["path"]),
+                            format!("{}{path}", "  ".repeat(depth)),
                             text(&a["weight"]),
-                            format!("{:.1}", a["owed_gpus_now"].as_f64().unwrap_or(0.0)),
+                            format!("{:.1}%", 100.0 * f("share")),
+                            text(&a["max_gpus"]),
+                            format!("{:.1}", f("owed_gpus_now")),
                             text(&a["held_gpus"]),
                             text(&a["demand_gpus"]),
+                            hours(&a["window_owed_gpu_hours"]),
+                            hours(&a["window_delivered_gpu_hours"]),
+                            ratio,
                             hours(&a["owed_gpu_hours"]),
                             hours(&a["delivered_gpu_hours"]),
                         ]
                     })
                     .collect();
-                columns(
+                let mut out = columns(
                     &[
-                        "PATH",
+                        "ALLOCATION",
                         "WEIGHT",
+                        "SHARE",
+                        "MAX_GPUS",
                         "OWED_NOW",
                         "HELD",
                         "DEMAND",
+                        "WINDOW_OWED_H",
+                        "WINDOW_DELIVERED_H",
+                        "DELIVERED/OWED",
                         "OWED_GPU_H",
                         "DELIVERED_GPU_H",
                     ],
                     rows,
-                )
+                );
+                out += "(SHARE: of the cluster, by weight down the tree; OWED_NOW, HELD, DEMAND: GPUs; WINDOW: the usage window; the last two: since the beginning)\n";
+                out
             });
         }
         AllocCommand::Set {

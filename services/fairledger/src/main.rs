@@ -515,7 +515,7 @@ fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
         return;
     }
     println!(
-        "{title}: policy {}, delivered/owed {:.3}, occupancy {:.3}, impact {:.3}, {} started, {} preemptions, {} contract violations, {:.0} h in {:.2} s",
+        "{title}: policy {}, delivered/owed {:.3}, occupancy {:.3}, impact {:.3}, {} started, {} preemptions, {} contract violations, {} simulated in {:.2} s",
         r.policy,
         r.fairness.delivered_over_owed,
         r.metrics.occupancy,
@@ -523,25 +523,40 @@ fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
         r.workloads.started,
         r.workloads.preemptions,
         r.workloads.contract_violations,
-        r.sim.horizon_s / 3600.0,
+        client::clock((r.sim.horizon_s * 1000.0) as u64),
         r.sim.wall_s,
     );
     println!(
-        "  {:<24} {:>6} {:>12} {:>12} {:>9} {:>10} {:>8}",
-        "ALLOCATION", "WEIGHT", "OWED GPU-H", "GOT GPU-H", "GOT/OWED", "WAIT P50", "PREEMPT"
+        "  {:<24} {:>6} {:>12} {:>12} {:>9} {:>12} {:>12} {:>8}",
+        "ALLOCATION",
+        "WEIGHT",
+        "OWED GPU-H",
+        "GOT GPU-H",
+        "GOT/OWED",
+        "WAIT P50",
+        "WAIT P90",
+        "PREEMPT"
     );
+    let wait = |w: Option<f64>| w.map_or("-".into(), |w| client::clock((w * 1000.0) as u64));
     for a in &r.allocations {
         let ratio = if a.owed_gpu_hours > 0.0 {
             format!("{:.3}", a.delivered_gpu_hours / a.owed_gpu_hours)
         } else {
             "-".into()
         };
-        let wait = a.wait_p50_s.map_or("-".into(), |w| format!("{w:.0}s"));
         println!(
-            "  {:<24} {:>6} {:>12.1} {:>12.1} {:>9} {:>10} {:>8}",
-            a.path, a.weight, a.owed_gpu_hours, a.delivered_gpu_hours, ratio, wait, a.preemptions
+            "  {:<24} {:>6} {:>12.1} {:>12.1} {:>9} {:>12} {:>12} {:>8}",
+            a.path,
+            a.weight,
+            a.owed_gpu_hours,
+            a.delivered_gpu_hours,
+            ratio,
+            wait(a.wait_p50_s),
+            wait(a.wait_p90_s),
+            a.preemptions
         );
     }
+    println!("  (waits as [D-]HH:MM:SS)");
 }
 
 /// A progress bar on stderr over simulated time (a spinner without `--until`); indicatif draws

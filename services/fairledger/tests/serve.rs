@@ -218,8 +218,14 @@ fn the_command_line_client_speaks_to_the_server() {
             .map(str::to_owned)
             .collect::<Vec<_>>()
     };
-    assert_eq!(row("ai2/tulu")[2], "8.0", "{alloc}");
-    assert_eq!(row("uw/nlp")[2], "24.0", "{alloc}");
+    assert_eq!(row("ai2/tulu")[4], "8.0", "{alloc}");
+    assert_eq!(row("uw/nlp")[4], "24.0", "{alloc}");
+    // A tree: children indented under their parents, with their share of the cluster.
+    assert!(
+        alloc.contains("\n  ai2/tulu ") && alloc.contains("\nuw "),
+        "{alloc}"
+    );
+    assert_eq!(row("uw/nlp")[2], "50.0%", "{alloc}");
     let json = cli(&server, &["queue", "--json"]).unwrap();
     let parsed: Value = serde_json::from_str(&json).unwrap();
     assert_eq!(parsed["pending"][0]["id"], id.as_str());
@@ -1238,4 +1244,38 @@ fn an_import_run_again_appends_only_what_the_log_lacks() {
     assert!(ok, "{err}");
     let reached: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(reached["last_seq"], lines.len() as u64, "{reached}");
+}
+
+/// The demo's table reads without a calculator: waits as `[D-]HH:MM:SS`, the horizon too.
+#[test]
+fn the_demo_table_shows_waits_and_the_horizon_as_durations() {
+    let out = Command::new(BIN).args(["demo"]).output().unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.contains(", 3-00:00:00 simulated in "), "{table}");
+    let header = table.lines().nth(1).unwrap();
+    assert!(
+        header.contains("WAIT P50") && header.contains("WAIT P90"),
+        "{table}"
+    );
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip(2)
+        .filter(|l| l.trim_start().starts_with(['a', 'u']))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{table}");
+    for row in rows {
+        for wait in &row[5..7] {
+            let clock = wait.rsplit('-').next().unwrap();
+            let parts: Vec<&str> = clock.split(':').collect();
+            assert!(
+                parts.len() == 3
+                    && parts
+                        .iter()
+                        .all(|p| p.len() == 2 && p.parse::<u8>().is_ok()),
+                "{wait} in {table}"
+            );
+        }
+    }
 }
