@@ -36,6 +36,8 @@ pub(crate) struct Inner {
     pub(crate) health: Arc<std::sync::Mutex<scheduler::HealthMonitor>>,
     /// Decisions the log refuses for good, which the scheduler leaves out.
     pub(crate) stuck: Arc<scheduler::Stuck>,
+    /// The histograms `/metrics` shows.
+    pub(crate) metrics: crate::metrics::Metrics,
     /// One verification of the kept figures at a time.
     pub(crate) verifying: Arc<tokio::sync::Semaphore>,
     /// Event streams replaying a long stretch of history, a few at a time.
@@ -70,6 +72,7 @@ impl App {
                     ledger::health::DEFAULT_TIMEOUT_MS,
                 ))),
                 stuck: Default::default(),
+                metrics: Default::default(),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),
                 replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE.min(
                     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),

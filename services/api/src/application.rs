@@ -153,6 +153,7 @@ impl Application {
                 tick: settings.scheduler_tick,
                 health: Some(app.health()),
                 stuck: app.inner.stuck.clone(),
+                metrics: app.inner.metrics.scheduler.clone(),
             };
             let lease = match &log {
                 AnyLog::JetStream(js) => Some(

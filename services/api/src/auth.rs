@@ -93,7 +93,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
 
 /// The bearer token of a request: `None` without an `Authorization` header, a 401 for one that
 /// is not `Bearer <token>`.
-fn bearer(parts: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
+pub(crate) fn bearer(parts: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
     let Some(value) = parts.get(axum::http::header::AUTHORIZATION) else {
         return Ok(None);
     };

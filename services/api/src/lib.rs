@@ -42,6 +42,7 @@ pub mod app;
 pub mod application;
 pub mod auth;
 pub mod conn;
+pub mod metrics;
 pub mod period;
 pub mod problem;
 pub mod reports;

@@ -13,6 +13,9 @@ use eventlog::{Append, AppendError, EventLog, Expect};
 use ledger::policy::PolicyConfig;
 use ledger::{Envelope, Event, State};
 use projector::Projector;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 use tokio::sync::{watch, RwLock};
 use uuid::Uuid;
 
@@ -34,6 +37,78 @@ pub struct SchedulerConfig {
     pub health: Option<std::sync::Arc<std::sync::Mutex<HealthMonitor>>>,
     /// Decisions the log refuses, left out so that the rest go on.
     pub stuck: std::sync::Arc<Stuck>,
+    /// How long passes take and how long started work waited.
+    pub metrics: SchedulerMetrics,
+}
+
+/// What the loop measures, for `/metrics`: clones share their figures.
+#[derive(Clone, Debug)]
+pub struct SchedulerMetrics {
+    /// Seconds each pass spent deciding (the policy on the folded state).
+    pub pass_seconds: Histogram,
+    /// Seconds from submission to first start of the workloads the loop started, by allocation
+    /// (`-` for unallocated work).
+    pub queue_wait_seconds: Family<Vec<(String, String)>, Histogram>,
+}
+
+impl Default for SchedulerMetrics {
+    fn default() -> Self {
+        SchedulerMetrics {
+            // 100 µs to about 3 s.
+            pass_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 16)),
+            // A second to about 12 days.
+            queue_wait_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(1.0, 3.0, 14))
+            }),
+        }
+    }
+}
+
+impl SchedulerMetrics {
+    /// Adds the figures to `registry`; those labelled by allocation only `by_allocation`.
+    pub fn register(&self, registry: &mut Registry, by_allocation: bool) {
+        registry.register(
+            "fairledger_scheduler_pass_duration_seconds",
+            "Time each scheduling pass spent deciding.",
+            self.pass_seconds.clone(),
+        );
+        if !by_allocation {
+            return;
+        }
+        registry.register(
+            "fairledger_queue_wait_seconds",
+            "Time from submission to first start of the workloads started, by allocation.",
+            self.queue_wait_seconds.clone(),
+        );
+    }
+
+    /// Records how long each workload that started for the first time had waited.
+    fn record_waits(&self, waits: Vec<(String, f64)>) {
+        for (allocation, seconds) in waits {
+            self.queue_wait_seconds
+                .get_or_create(&vec![("allocation".to_owned(), allocation)])
+                .observe(seconds);
+        }
+    }
+}
+
+/// The first starts among `events`, decided at `now_ms` on `state`: each one's allocation and
+/// seconds since its submission.
+fn first_start_waits(state: &State, events: &[Event], now_ms: u64) -> Vec<(String, f64)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::WorkloadStarted(s) => state.workloads().get(&s.workload),
+            _ => None,
+        })
+        .filter(|w| w.starts == 0)
+        .map(|w| {
+            (
+                state.allocation_path(w).unwrap_or("-").to_owned(),
+                now_ms.saturating_sub(w.submitted_at_ms) as f64 / 1000.0,
+            )
+        })
+        .collect()
 }
 
 /// Decisions the log would refuse for good (a subject no NATS server takes, for a node whose
@@ -95,6 +170,7 @@ impl Default for SchedulerConfig {
             tick: Duration::from_secs(1),
             health: None,
             stuck: Default::default(),
+            metrics: Default::default(),
         }
     }
 }
@@ -210,22 +286,32 @@ pub async fn step<L: EventLog>(
     now_ms: u64,
     fence: Fence,
 ) -> Result<Passed, AppendError> {
-    let appends = {
+    let (appends, waits) = {
         let p = projection.read().await;
         let state = p.state();
+        let deciding = std::time::Instant::now();
         let events = pass(state, now_ms, config);
+        config
+            .metrics
+            .pass_seconds
+            .observe(deciding.elapsed().as_secs_f64());
         if events.is_empty() {
             return Ok(Passed::default());
         }
-        appends(state, events, now_ms, "scheduler", fence)
+        // Recorded once the starts land.
+        let waits = first_start_waits(state, &events, now_ms);
+        (appends(state, events, now_ms, "scheduler", fence), waits)
     };
     let n = appends.len();
     match log.append_batch(appends).await {
-        Ok(acks) => Ok(Passed {
-            appended: n,
-            conflict: false,
-            last_seq: acks.last().map(|a| a.seq),
-        }),
+        Ok(acks) => {
+            config.metrics.record_waits(waits);
+            Ok(Passed {
+                appended: n,
+                conflict: false,
+                last_seq: acks.last().map(|a| a.seq),
+            })
+        }
         Err(AppendError::Conflict { .. }) => Ok(Passed {
             appended: 0,
             conflict: true,

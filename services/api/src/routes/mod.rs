@@ -4,7 +4,7 @@
 //!
 //! | route | rule |
 //! | --- | --- |
-//! | `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json` | open: no secrets, only liveness, aggregate gauges and the API's shape |
+//! | `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json` | open: no secrets, only liveness, aggregate figures and the API's shape (`/metrics` adds per-allocation series for a token that may `read`) |
 //! | `GET /v1/whoami` | any principal |
 //! | reads of workloads, the queue, allocations, nodes, cluster metrics | `read`: every role but `agent` |
 //! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command` and `env` only for admin, auditor and agent |
@@ -185,6 +185,10 @@ pub fn router(app: App) -> Router {
     router
         .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::metrics::track,
+        ))
         .with_state(app)
 }
 
@@ -199,6 +203,10 @@ pub fn health_router(app: App) -> Router {
                 "this process runs the scheduler only; send API calls to an api process",
             )
         })
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::metrics::track,
+        ))
         .with_state(app)
 }
 

@@ -84,50 +84,29 @@ pub(crate) async fn readyz(State(app): State<App>) -> Response {
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
-    responses((status = 200, description = "Prometheus text", content_type = "text/plain")))]
-pub(crate) async fn metrics(State(app): State<App>) -> Response {
-    let p = app.inner.projection.read().await;
-    let s = p.stats();
-    let state = p.state();
-    let c = &state.cluster();
-    let text = format!(
-        "# HELP fairledger_projection_last_seq Last ledger sequence folded.\n\
-         # TYPE fairledger_projection_last_seq gauge\n\
-         fairledger_projection_last_seq {}\n\
-         # HELP fairledger_projection_events_total Events read by the projector, by outcome.\n\
-         # TYPE fairledger_projection_events_total counter\n\
-         fairledger_projection_events_total{{outcome=\"applied\"}} {}\n\
-         fairledger_projection_events_total{{outcome=\"rejected\"}} {}\n\
-         fairledger_projection_events_total{{outcome=\"duplicate\"}} {}\n\
-         fairledger_projection_events_total{{outcome=\"malformed\"}} {}\n\
-         # HELP fairledger_gpus GPUs of the cluster, by state.\n\
-         # TYPE fairledger_gpus gauge\n\
-         fairledger_gpus{{state=\"total\"}} {}\n\
-         fairledger_gpus{{state=\"healthy\"}} {}\n\
-         fairledger_gpus{{state=\"allocated\"}} {}\n\
-         # HELP fairledger_workloads Live workloads.\n\
-         # TYPE fairledger_workloads gauge\n\
-         fairledger_workloads{{phase=\"running\"}} {}\n\
-         fairledger_workloads{{phase=\"live\"}} {}\n\
-         # HELP fairledger_scheduler_refused_decisions_total Decisions left out because the log refuses them, counting every pass.\n\
-         # TYPE fairledger_scheduler_refused_decisions_total counter\n\
-         fairledger_scheduler_refused_decisions_total {}\n",
-        p.last_seq(),
-        s.applied,
-        s.rejected,
-        s.duplicates,
-        s.malformed,
-        c.total_gpus,
-        c.healthy_gpus,
-        c.allocated_gpus,
-        state.running().len(),
-        state.workloads().len(),
-        app.inner.stuck.total(),
-    );
+    responses((status = 200, description = "OpenMetrics text: cluster-wide figures, scheduling pass and request durations; per-allocation figures and queue waits with a token whose role may read", content_type = "application/openmetrics-text")))]
+pub(crate) async fn metrics(State(app): State<App>, headers: axum::http::HeaderMap) -> Response {
+    let text = {
+        let p = app.inner.projection.read().await;
+        // Names only for a caller who may read them; a token that does not hold is refused.
+        let by_allocation = match crate::auth::bearer(&headers) {
+            Err(problem) => return problem.into_response(),
+            Ok(None) => false,
+            Ok(Some(token)) => {
+                match crate::auth::authenticate(p.state(), token, scheduler::wall_clock_ms()) {
+                    Err(problem) => return problem.into_response(),
+                    Ok(caller) => caller.0.may(ledger::identity::ActionKind::Read).is_ok(),
+                }
+            }
+        };
+        app.inner
+            .metrics
+            .render(&p, app.inner.stuck.total(), by_allocation)
+    };
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         text,
     )

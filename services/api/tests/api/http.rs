@@ -30,6 +30,26 @@ async fn submit_then_placed_then_cancel() {
 
     // The cluster is full: the next waits, and the queue says why.
     let queued = submit(&f, r#"{"allocation":"b","gpus_per_node":4}"#).await;
+    // The scheduler's figures: its passes, and how long the gang waited, under its allocation;
+    // a workload read by id is one route, whatever its id.
+    let text = metrics_text(&f, Some(&f.admin)).await;
+    assert!(
+        text.contains("fairledger_queue_wait_seconds_count{allocation=\"a/x\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fairledger_scheduler_pass_duration_seconds_count "),
+        "{text}"
+    );
+    assert!(
+        text.contains("fairledger_allocation_pending_gpus{allocation=\"b\"} 4")
+            && text.contains("fairledger_allocation_held_gpus{allocation=\"a/x\"} 16"),
+        "{text}"
+    );
+    assert!(
+        text.contains("route=\"/v1/workloads\",status=\"200\"}") && !text.contains(&id),
+        "{text}"
+    );
     let (_, _, queue) = call(&f, "GET", "/v1/queue", None, &[]).await;
     let pending = queue["pending"].as_array().unwrap();
     assert_eq!(pending.len(), 1, "{queue}");
@@ -766,6 +786,21 @@ async fn a_cancel_of_running_work_is_counted_apart_from_preemptions() {
     assert_eq!(verified["agrees"], true, "{verified}");
 }
 
+/// `/metrics` as a scraper with `token` reads it.
+async fn metrics_text(f: &Fixture, token: Option<&str>) -> String {
+    let mut req = Request::get("/metrics");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let res = f
+        .router
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_and_metrics() {
     let f = fixture(false).await;
@@ -779,12 +814,35 @@ async fn health_readiness_and_metrics() {
         .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
         .await
         .unwrap();
+    assert!(res.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/openmetrics-text"));
     let text =
         String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
     assert!(
         text.contains("fairledger_gpus{state=\"total\"} 16"),
         "{text}"
     );
+    // Requests timed by the route the router matched, never by the raw path.
+    assert!(
+        text.contains(
+            "fairledger_http_request_duration_seconds_count{method=\"GET\",route=\"/healthz\",status=\"200\"} 1"
+        ),
+        "{text}"
+    );
+    // No names without a token that may read them; with one, every leaf allocation's share
+    // now, labelled by its path; a token that does not hold is refused.
+    assert!(!text.contains("allocation="), "{text}");
+    let (status, _, _) = call_as(&f, Some("nope"), "GET", "/metrics", None, &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let text = metrics_text(&f, Some(&f.admin)).await;
+    assert!(
+        text.contains("fairledger_allocation_owed_gpus{allocation=\"a/x\"} 0.0")
+            && text.contains("fairledger_allocation_pending_gpus{allocation=\"b\"} 0"),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
     assert!(
         text.contains("fairledger_projection_events_total{outcome=\"applied\"} 5"),
         "{text}"
