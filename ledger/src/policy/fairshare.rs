@@ -33,6 +33,10 @@ impl Policy for FairShare {
         }
     }
 
+    fn key_meaning(&self) -> Option<&'static str> {
+        Some("GPU-hours delivered over GPU-hours owed in the usage window, as it would stand one minimum runtime from now; the lower goes first")
+    }
+
     fn updates_in_pass(&self) -> bool {
         true
     }

@@ -30,6 +30,10 @@ impl Policy for FairTree {
         usage / share
     }
 
+    fn key_meaning(&self) -> Option<&'static str> {
+        Some("share of its siblings' usage in the window over share of their weight (Slurm's Fair Tree); the lower goes first")
+    }
+
     fn preempts_for_fair_share(&self) -> bool {
         true
     }

@@ -50,6 +50,10 @@ pub trait Policy: Sync {
     fn allocation_key(&self, _me: &Usage, _siblings: &Usage, _tau_ms: f64) -> f64 {
         0.0
     }
+    /// For tree rankings: what [`Policy::allocation_key`] measures, for people.
+    fn key_meaning(&self) -> Option<&'static str> {
+        None
+    }
     /// Whether the order updates as workloads are placed within one pass.
     fn updates_in_pass(&self) -> bool {
         false
@@ -225,6 +229,9 @@ pub struct Pending {
     pub position: u32,
     /// Why it waits.
     pub reason: Blocked,
+    /// Its allocation's key when it was considered (a tree ranking's, [`Policy::key_meaning`]
+    /// says what it is), `None` for unallocated work or a flat ranking.
+    pub key: Option<f64>,
 }
 
 /// GPUs held for the head of the queue.
@@ -577,6 +584,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 workload: id,
                 position,
                 reason: blocked,
+                key: w
+                    .allocation
+                    .filter(|_| matches!(policy.ranking(), Ranking::Tree))
+                    .map(|a| rank.key(a)),
             });
             continue;
         }

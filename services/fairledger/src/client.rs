@@ -856,6 +856,19 @@ pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), Str
 pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
     let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {
+        if v["phase"] == "running" {
+            return format!(
+                "{} is running since {}, protected from preemption until {}{}\n",
+                text(&v["id"]),
+                when(&v["started_at_ms"]),
+                when(&v["protected_until_ms"]),
+                if v["preempting"] == true {
+                    "; it is being asked to stop"
+                } else {
+                    ""
+                },
+            );
+        }
         if v["phase"] != "pending" {
             return format!(
                 "{} is {}: {}\n",
@@ -881,6 +894,32 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
                 "estimated start: {at}; {}\n",
                 e.get("how").map(text).unwrap_or_default()
             );
+        }
+        if let Some(meaning) = v["key_meaning"].as_str() {
+            out += &format!(
+                "its allocation's key: {} ({}: {meaning})\n",
+                key(&v["key"]),
+                text(&v["policy"])
+            );
+        }
+        let ahead = v["allocations_ahead"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if !ahead.is_empty() {
+            out += "ahead of it, by allocation:\n";
+            let rows = ahead
+                .iter()
+                .map(|a| {
+                    vec![
+                        format!("  {}", text(&a["allocation"])),
+                        key(&a["key"]),
+                        text(&a["workloads"]),
+                        text(&a["gpus"]),
+                    ]
+                })
+                .collect();
+            out += &columns(&["  ALLOCATION", "KEY", "WORKLOADS", "GPUS"], rows);
         }
         for a in v["ahead"].as_array().into_iter().flatten() {
             out += &format!(
@@ -1045,6 +1084,16 @@ fn granularity_heading(granularity: &str) -> &'static str {
         "week" => "WEEK OF",
         "month" => "MONTH",
         _ => "DAY",
+    }
+}
+
+/// A ranking key: three decimals, `-` when there is none, `inf` for an allocation that holds
+/// GPUs it is owed nothing for.
+fn key(v: &Value) -> String {
+    match v.as_f64() {
+        None => "-".into(),
+        Some(k) if k >= f64::MAX / 2.0 => "inf".into(),
+        Some(k) => format!("{k:.3}"),
     }
 }
 

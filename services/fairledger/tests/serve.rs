@@ -205,6 +205,16 @@ fn the_command_line_client_speaks_to_the_server() {
     );
     let why = cli(&server, &["explain", &id]).unwrap();
     assert!(why.contains("is 1 of 1 in the queue"), "{why}");
+    assert!(
+        why.contains("its allocation's key: 0.000 (fairshare: "),
+        "{why}"
+    );
+    let running = cli(&server, &["explain", first_id]).unwrap();
+    assert!(
+        running.contains(" is running since ")
+            && running.contains("protected from preemption until "),
+        "{running}"
+    );
     let status = cli(&server, &["status", &id]).unwrap();
     assert!(status.contains("state       PD (pending)"), "{status}");
     // sshare-like: the split owes ai2 its demand of 8 and uw the rest.

@@ -412,20 +412,36 @@ pub(crate) async fn explain(
         }))
         .into_response());
     };
-    let ahead: Vec<_> = plan
-        .pending
-        .iter()
-        .take_while(|q| q.workload != id)
-        .filter_map(|q| state.workloads().get(&q.workload))
+    let before_me = || plan.pending.iter().take_while(|q| q.workload != id);
+    let ahead: Vec<_> = before_me()
+        .filter_map(|q| Some((q, state.workloads().get(&q.workload)?)))
         .take(20)
-        .map(|a| {
+        .map(|(q, a)| {
             json!({
                 "id": a.id,
                 "allocation": state.allocation_path(a),
                 "gpus": a.gpus(),
+                "key": q.key,
             })
         })
         .collect();
+    // The allocations whose work ranks ahead, in the order they first do, with their keys when
+    // they were ranked: why they go first.
+    let mut allocations_ahead: Vec<serde_json::Value> = Vec::new();
+    let mut seen: std::collections::HashMap<Option<&str>, usize> = Default::default();
+    for (q, a) in before_me().filter_map(|q| Some((q, state.workloads().get(&q.workload)?))) {
+        let path = state.allocation_path(a);
+        let i = *seen.entry(path).or_insert_with(|| {
+            allocations_ahead
+                .push(json!({"allocation": path, "key": q.key, "workloads": 0, "gpus": 0}));
+            allocations_ahead.len() - 1
+        });
+        let row = &mut allocations_ahead[i];
+        row["workloads"] = json!(row["workloads"].as_u64().unwrap_or(0) + 1);
+        row["gpus"] = json!(row["gpus"].as_u64().unwrap_or(0) + a.gpus());
+    }
+    let key_meaning =
+        ledger::policy::by_name(app.inner.policy.policy).and_then(|p| p.key_meaning());
     // The start estimate: the reservation's, where the policy knows one; otherwise when enough
     // running work should have ended by its estimates and contracts.
     let estimate = match &mine.reason {
@@ -458,6 +474,10 @@ pub(crate) async fn explain(
         "position": mine.position,
         "of": plan.pending.len(),
         "reason": reason(&mine.reason),
+        "key": mine.key,
+        "key_meaning": key_meaning,
+        "policy": app.inner.policy.policy,
+        "allocations_ahead": allocations_ahead,
         "ahead": ahead,
         "estimate": estimate,
     }))

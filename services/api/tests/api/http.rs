@@ -218,6 +218,59 @@ type Case<'a> = (
     Option<&'a str>,
 );
 
+/// Explain names the allocations whose work ranks ahead, with the keys that put it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_the_allocations_ahead_and_their_keys() {
+    let f = fixture(true).await;
+    let (status, _, body) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"a/x","gpus_per_node":8,"nodes":2}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // a/x holds the whole cluster: its next workload ranks behind b's, submitted later.
+    let mine = submit(&f, r#"{"allocation":"a/x","gpus_per_node":4}"#).await;
+    let theirs = submit(&f, r#"{"allocation":"b","gpus_per_node":2}"#).await;
+    let mine = mine["id"].as_str().unwrap();
+    let (status, _, why) = call(
+        &f,
+        "GET",
+        &format!("/v1/workloads/{mine}/explain"),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{why}");
+    assert_eq!(why["position"], 2, "{why}");
+    assert_eq!(why["policy"], "fairshare");
+    assert!(
+        why["key_meaning"]
+            .as_str()
+            .unwrap()
+            .contains("delivered over"),
+        "{why}"
+    );
+    let ahead = why["allocations_ahead"].as_array().unwrap();
+    assert_eq!(ahead.len(), 1, "{why}");
+    assert_eq!(
+        (
+            ahead[0]["allocation"].as_str(),
+            ahead[0]["workloads"].as_u64(),
+            ahead[0]["gpus"].as_u64()
+        ),
+        (Some("b"), Some(1), Some(2)),
+        "{why}"
+    );
+    assert!(
+        ahead[0]["key"].as_f64().unwrap() < why["key"].as_f64().unwrap(),
+        "the allocation ahead is the more under-served: {why}"
+    );
+    assert_eq!(why["ahead"][0]["id"], theirs["id"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_names_the_field_and_changes_nothing() {
     let f = fixture(false).await;
