@@ -28,11 +28,13 @@ pub enum Serving {
 }
 
 impl Serving {
-    fn api(self) -> bool {
+    /// Whether it answers the API (and serves the dashboard).
+    pub fn api(self) -> bool {
         self != Serving::Scheduler
     }
 
-    fn scheduler(self) -> bool {
+    /// Whether it schedules.
+    pub fn scheduler(self) -> bool {
         self != Serving::Api
     }
 }

@@ -4,6 +4,7 @@
 //!
 //! | route | what |
 //! | --- | --- |
+//! | `GET /` | the dashboard: the cluster now, GPUs over time by allocation, the allocation tree, running and waiting work, nodes, latest events, live |
 //! | `POST /v1/workloads` | submit (`Idempotency-Key` header; `?wait=placed&timeout_s=N`) |
 //! | `GET /v1/workloads?phase=&allocation=&user=&since=&until=&limit=&before=` | workloads in any phase, newest first, paged: state, exit code or signal, times, time on GPUs, output log |
 //! | `GET /v1/workloads/{id}` | the same for one, with placement, `protected_until_ms` and its events |
@@ -11,6 +12,7 @@
 //! | `GET /v1/workloads/{id}/explain` | queue position, why it waits, who is ahead, estimated start |
 //! | `GET /v1/queue?allocation=` | pending workloads in policy order, each with why it waits |
 //! | `GET /v1/allocations` | the tree: weights, owed and delivered |
+//! | `GET /v1/usage?from=&to=` | per UTC hour, the GPUs each allocation held and was owed on average |
 //! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
@@ -61,7 +63,11 @@ pub use routes::{health_router, router};
         description = "The scheduling ledger's HTTP API, v1."
     ),
     paths(
+        routes::dashboard::index,
+        routes::dashboard::script,
+        routes::dashboard::style,
         routes::workloads::submit,
+        routes::allocations::usage,
         routes::workloads::list,
         routes::workloads::workload,
         routes::workloads::cancel,

@@ -203,6 +203,14 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             application.scheme(),
             application.local_addr()
         );
+        if serving.api() {
+            eprintln!(
+                "dashboard: {}://{}/ (sign in with a token, such as the admin's in {})",
+                application.scheme(),
+                application.local_addr(),
+                args.log.data.join("admin.token").display()
+            );
+        }
         // On the embedded log, the cluster's nodes are driven by agents inside this process,
         // with fake GPUs: workloads run as real processes (`sleep` for the length of their
         // estimate when they name no command), and stop when the server does. Each is the

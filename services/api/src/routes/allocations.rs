@@ -220,3 +220,80 @@ pub(crate) async fn remove_allocation(
     let seq = app.write(event, None, None, &caller.actor()).await?;
     Ok(Json(json!({"path": path, "seq": seq, "removed": true})).into_response())
 }
+
+/// The period of `GET /v1/usage`.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct UsageQuery {
+    /// From this time, moved back to its hour (default a day before `to`; at most 31 days).
+    from: Option<String>,
+    /// Up to this time, moved on to the end of its hour (default, and at most, now).
+    to: Option<String>,
+}
+
+type GpusByPath = serde_json::Map<String, serde_json::Value>;
+
+/// The longest period `GET /v1/usage` answers.
+const USAGE_SPAN_MAX_MS: u64 = 31 * 86_400_000;
+
+#[utoipa::path(get, path = "/v1/usage", tag = "allocations", params(UsageQuery),
+    responses(
+        (status = 200, description = "per UTC hour, the GPUs each leaf allocation held and was owed on average (the hour still open up to now): the cluster's GPUs over time, by allocation", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn usage(
+    State(app): State<App>,
+    query: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(q) = query.map_err(bad_query)?;
+    let now = scheduler::wall_clock_ms();
+    let (from, to) = crate::period::period(
+        q.from.as_deref(),
+        q.to.as_deref(),
+        86_400_000,
+        ledger::book::Granularity::Hour,
+        now,
+    )?;
+    if to - from > USAGE_SPAN_MAX_MS {
+        return Err(Problem::invalid(
+            "from",
+            "ask for at most 31 days at a time (GET /v1/audit/ledger has days, weeks and months)",
+        ));
+    }
+    let (rows, as_of_seq) =
+        super::audit::period_rows(&app, ledger::book::Granularity::Hour, from, to).await?;
+    // Per hour: its end, and the GPUs each allocation held and was owed on average.
+    let mut hours: std::collections::BTreeMap<u64, (u64, GpusByPath, GpusByPath)> =
+        Default::default();
+    for row in rows {
+        let ledger::book::Row::Allocation(r) = row else {
+            continue;
+        };
+        let span = r.to_ms.saturating_sub(r.from_ms).max(1) as f64;
+        let hour = hours.entry(r.from_ms).or_default();
+        hour.0 = r.to_ms;
+        if r.figures.delivered_gpu_ms > 0 {
+            hour.1.insert(
+                r.path.clone(),
+                json!(r.figures.delivered_gpu_ms as f64 / span),
+            );
+        }
+        if r.figures.owed_gpu_ms > 0.0 {
+            hour.2.insert(r.path, json!(r.figures.owed_gpu_ms / span));
+        }
+    }
+    let hours: Vec<_> = hours
+        .into_iter()
+        .map(|(from_ms, (to_ms, held, owed))| {
+            json!({"from_ms": from_ms, "to_ms": to_ms, "held_gpus": held, "owed_gpus": owed})
+        })
+        .collect();
+    Ok(Json(json!({
+        "as_of_seq": as_of_seq,
+        "from_ms": from,
+        "to_ms": to,
+        "hours": hours,
+    }))
+    .into_response())
+}

@@ -4,6 +4,7 @@
 //!
 //! | route | rule |
 //! | --- | --- |
+//! | `GET /`, `GET /dashboard.js`, `GET /dashboard.css` | open: the dashboard's page, script and style, which hold no data (the page reads the API with the caller's token) |
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json` | open: no secrets, only liveness, aggregate figures and the API's shape (`/metrics` adds per-allocation series for a token that may `read`) |
 //! | `GET /v1/whoami` | any principal |
 //! | reads of workloads, the queue, allocations, nodes, cluster metrics | `read`: every role but `agent` |
@@ -29,6 +30,7 @@ use crate::{problem, App, Problem, MAX_BODY};
 
 pub mod allocations;
 pub mod audit;
+pub mod dashboard;
 pub mod events;
 pub mod nodes;
 pub mod ops;
@@ -79,6 +81,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("GET", "/v1/allocations", Needs(Read)),
             routing::get(allocations::allocations),
+        ),
+        (
+            r("GET", "/v1/usage", Needs(Read)),
+            routing::get(allocations::usage),
         ),
         (
             r("PUT", "/v1/allocations/{*path}", Needs(SetAllocations)),
@@ -151,6 +157,15 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("GET", "/v1/whoami", Needs(WhoAmI)),
             routing::get(tokens::whoami),
+        ),
+        (r("GET", "/", Open), routing::get(dashboard::index)),
+        (
+            r("GET", "/dashboard.js", Open),
+            routing::get(dashboard::script),
+        ),
+        (
+            r("GET", "/dashboard.css", Open),
+            routing::get(dashboard::style),
         ),
         (r("GET", "/healthz", Open), routing::get(ops::healthz)),
         (r("GET", "/readyz", Open), routing::get(ops::readyz)),

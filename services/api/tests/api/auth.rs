@@ -36,6 +36,7 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("GET", "/v1/workloads/{id}/explain"), Some(READERS)),
         (("GET", "/v1/queue"), Some(READERS)),
         (("GET", "/v1/allocations"), Some(READERS)),
+        (("GET", "/v1/usage"), Some(READERS)),
         (("PUT", "/v1/allocations/{*path}"), Some(admin)),
         (("DELETE", "/v1/allocations/{*path}"), Some(admin)),
         (("GET", "/v1/nodes"), Some(READERS)),
@@ -69,6 +70,9 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("GET", "/healthz"), None),
         (("GET", "/readyz"), None),
         (("GET", "/metrics"), None),
+        (("GET", "/"), None),
+        (("GET", "/dashboard.js"), None),
+        (("GET", "/dashboard.css"), None),
         (("GET", "/openapi.json"), None),
     ])
 }

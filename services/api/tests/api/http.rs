@@ -218,6 +218,34 @@ type Case<'a> = (
     Option<&'a str>,
 );
 
+/// The cluster's GPUs over time, by allocation: per UTC hour, what each held and was owed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_shows_the_gpus_each_allocation_held_by_hour() {
+    let f = fixture(true).await;
+    let (status, _, body) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"a/x","gpus_per_node":8,"nodes":2}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, _, usage) = call(&f, "GET", "/v1/usage", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{usage}");
+    let hours = usage["hours"].as_array().unwrap();
+    let last = hours.last().expect("the hour still open");
+    assert_eq!(last["from_ms"].as_u64().unwrap() % 3_600_000, 0, "{usage}");
+    let held = last["held_gpus"]["a/x"].as_f64().unwrap();
+    assert!(held > 0.0 && held <= 16.0, "{usage}");
+    assert!(
+        last["held_gpus"].get("b").is_none(),
+        "b held nothing: {usage}"
+    );
+    assert!(last["owed_gpus"]["a/x"].as_f64().unwrap() > 0.0, "{usage}");
+}
+
 /// Explain names the allocations whose work ranks ahead, with the keys that put it there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_names_the_allocations_ahead_and_their_keys() {
@@ -437,6 +465,20 @@ async fn bad_input_names_the_field_and_changes_nothing() {
             None,
             StatusCode::UNPROCESSABLE_ENTITY,
             Some("phase"),
+        ),
+        (
+            "GET",
+            "/v1/usage?from=2020-01-01",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("from"),
+        ),
+        (
+            "GET",
+            "/v1/usage?to=noon",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("to"),
         ),
         (
             "GET",
@@ -900,6 +942,26 @@ async fn health_readiness_and_metrics() {
         text.contains("fairledger_projection_events_total{outcome=\"applied\"} 5"),
         "{text}"
     );
+    // The dashboard's files: no token needed (they hold no data), nothing inline allowed.
+    for (path, kind) in [
+        ("/", "text/html"),
+        ("/dashboard.js", "text/javascript"),
+        ("/dashboard.css", "text/css"),
+    ] {
+        let res = f
+            .router
+            .clone()
+            .oneshot(Request::get(path).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{path}");
+        assert!(res.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with(kind));
+        let policy = res.headers()["content-security-policy"].to_str().unwrap();
+        assert!(policy.contains("script-src 'self'") && !policy.contains("unsafe-inline"));
+    }
     let (status, _, doc) = call(&f, "GET", "/openapi.json", None, &[]).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(doc, serde_json::to_value(api::openapi()).unwrap());

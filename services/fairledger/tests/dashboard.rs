@@ -1,0 +1,295 @@
+//! The dashboard in a real browser: headless Chromium, driven over the DevTools protocol, loads
+//! the page a real `fairledger serve` serves, with no console errors; it shows the demo's
+//! allocations and nodes, and a workload submitted after it loaded shows up within two seconds.
+//! A screenshot is saved as the test's artifact (`target/tmp/dashboard.png`).
+//!
+//! `ops/test.sh` installs Debian's `chromium` when missing; `CHROMIUM_BIN` names another.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::*;
+use serde_json::{json, Value};
+
+/// The browser to drive: `CHROMIUM_BIN`, else the first of the usual names on the PATH.
+fn chromium() -> String {
+    if let Ok(bin) = std::env::var("CHROMIUM_BIN") {
+        return bin;
+    }
+    for name in ["chromium", "chromium-browser", "google-chrome"] {
+        let found = std::env::var_os("PATH")
+            .into_iter()
+            .any(|path| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()));
+        if found {
+            return name.to_owned();
+        }
+    }
+    panic!("no chromium on the PATH: run ops/test.sh (it installs Debian's), or set CHROMIUM_BIN");
+}
+
+/// A headless browser and one page of it, over the DevTools protocol. Dropping it kills the
+/// browser's whole process group.
+struct Browser {
+    child: Child,
+    ws: tungstenite::WebSocket<TcpStream>,
+    next_id: u64,
+    session: String,
+    /// Console errors, uncaught exceptions and failed loads, as they come.
+    errors: Vec<String>,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Browser {
+    fn start() -> Browser {
+        use std::os::unix::process::CommandExt;
+        let profile = tempfile::tempdir().unwrap();
+        let mut child = Command::new(chromium())
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--remote-debugging-port=0",
+                "--window-size=1300,2200",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("chromium starts");
+        // The endpoint is announced on stderr, which is drained for as long as it runs.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let kept = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.split("DevTools listening on ").nth(1) {
+                    let _ = tx.send(url.trim().to_owned());
+                }
+                kept.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let Ok(url) = rx.recv_timeout(Duration::from_secs(30)) else {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            panic!(
+                "chromium announced no DevTools endpoint:\n{}",
+                log.lock().unwrap()
+            );
+        };
+        let host = url
+            .trim_start_matches("ws://")
+            .split('/')
+            .next()
+            .unwrap()
+            .to_owned();
+        let stream = TcpStream::connect(&host).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let (ws, _) = tungstenite::client::client(url.as_str(), stream).unwrap();
+        let mut browser = Browser {
+            child,
+            ws,
+            next_id: 0,
+            session: String::new(),
+            errors: Vec::new(),
+            _profile: profile,
+        };
+        let target = browser.call(None, "Target.createTarget", json!({"url": "about:blank"}));
+        let attached = browser.call(
+            None,
+            "Target.attachToTarget",
+            json!({"targetId": target["targetId"], "flatten": true}),
+        );
+        browser.session = attached["sessionId"].as_str().unwrap().to_owned();
+        for domain in ["Runtime.enable", "Log.enable", "Page.enable"] {
+            browser.page(domain, json!({}));
+        }
+        browser
+    }
+
+    /// A command to the page.
+    fn page(&mut self, method: &str, params: Value) -> Value {
+        let session = self.session.clone();
+        self.call(Some(&session), method, params)
+    }
+
+    /// Sends a command and waits for its answer, noting the events that come meanwhile.
+    fn call(&mut self, session: Option<&str>, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut message = json!({"id": id, "method": method, "params": params});
+        if let Some(s) = session {
+            message["sessionId"] = json!(s);
+        }
+        self.ws
+            .send(tungstenite::Message::text(message.to_string()))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(Instant::now() < deadline, "no answer to {method}");
+            let Some(m) = self.receive() else {
+                continue;
+            };
+            if m["id"].as_u64() == Some(id) {
+                assert!(m["error"].is_null(), "{method}: {m}");
+                return m["result"].clone();
+            }
+        }
+    }
+
+    /// The next message, if one comes within the read timeout; events are noted.
+    fn receive(&mut self) -> Option<Value> {
+        let text = match self.ws.read() {
+            Ok(tungstenite::Message::Text(t)) => t.to_string(),
+            Ok(_) => return None,
+            Err(tungstenite::Error::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return None
+            }
+            Err(e) => panic!("the DevTools connection broke: {e}"),
+        };
+        let m: Value = serde_json::from_str(&text).unwrap();
+        let p = &m["params"];
+        match m["method"].as_str() {
+            Some("Runtime.exceptionThrown") => self
+                .errors
+                .push(format!("exception: {}", p["exceptionDetails"])),
+            Some("Runtime.consoleAPICalled") if p["type"] == "error" => {
+                self.errors.push(format!("console.error: {}", p["args"]))
+            }
+            Some("Log.entryAdded") if p["entry"]["level"] == "error" => self
+                .errors
+                .push(format!("{}: {}", p["entry"]["source"], p["entry"]["text"])),
+            _ => {}
+        }
+        Some(m)
+    }
+
+    /// What `expression` evaluates to in the page.
+    fn eval(&mut self, expression: &str) -> Value {
+        let r = self.page(
+            "Runtime.evaluate",
+            json!({"expression": expression, "returnByValue": true}),
+        );
+        r["result"]["value"].clone()
+    }
+
+    /// Polls `expression` until it is true or `limit` passes; answers whether it came true.
+    fn wait_for(&mut self, expression: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self.eval(expression) == json!(true) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    fn text(&mut self) -> String {
+        self.eval("document.body.innerText")
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+#[test]
+fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--data", data.path().to_str().unwrap()]);
+    let token = std::fs::read_to_string(server.token_file()).unwrap();
+    let mut browser = Browser::start();
+    browser.page(
+        "Page.navigate",
+        json!({"url": format!("http://{}/#token={}", server.addr, token.trim())}),
+    );
+    // Loaded and following the ledger: the demo's allocations and nodes are on the page.
+    let live = browser.wait_for(
+        "document.getElementById('status').textContent === 'live'",
+        Duration::from_secs(30),
+    );
+    let text = browser.text();
+    assert!(
+        live,
+        "the page never went live: {text}\n{:?}",
+        browser.errors
+    );
+    for shown in [
+        "ai2/olmo/pretrain",
+        "ai2/olmo/eval",
+        "ai2/tulu",
+        "uw/nlp",
+        "demo-0",
+        "demo-3",
+    ] {
+        assert!(text.contains(shown), "{shown} is not on the page:\n{text}");
+    }
+    assert_eq!(
+        browser.eval("document.querySelectorAll('#gpus .gpu').length"),
+        json!(32),
+        "every GPU of the demo cluster is drawn"
+    );
+    // The token left the address bar for the tab's session storage.
+    assert_eq!(browser.eval("location.hash"), json!(""));
+
+    // A workload submitted now shows up, running, within two seconds.
+    let (status, answer) = server.call(
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"ai2/tulu","gpus_per_node":2,"name":"seen-by-the-browser","command":["sleep","600"]}"#),
+    );
+    assert_eq!(status, 202, "{answer}");
+    let shown = browser.wait_for(
+        "document.querySelector('#running').innerText.includes('seen-by-the-browser')",
+        Duration::from_secs(2),
+    );
+    assert!(shown, "not shown within 2 s:\n{}", browser.text());
+    // Its GPUs are drawn in its allocation's colour.
+    let coloured = browser.eval(
+        "[...document.querySelectorAll('#gpus .gpu')].filter(g => g.title.includes('seen-by-the-browser')).length",
+    );
+    assert_eq!(coloured, json!(2), "{}", browser.text());
+
+    let shot = browser.page("Page.captureScreenshot", json!({"format": "png"}));
+    let png = base64::engine::general_purpose::STANDARD
+        .decode(shot["data"].as_str().unwrap())
+        .unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    let artifact = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    std::fs::write(&artifact, png).unwrap();
+    eprintln!("screenshot: {}", artifact.display());
+    // Drain what came meanwhile before judging the console.
+    while browser.receive().is_some() {}
+    assert!(
+        browser.errors.is_empty(),
+        "console errors: {:#?}",
+        browser.errors
+    );
+}
