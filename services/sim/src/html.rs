@@ -40,6 +40,16 @@ const PALETTE: [(u8, u8, u8); 12] = [
     (255, 187, 120),
     (152, 223, 138),
 ];
+/// Colours of the policies in `compare.html`: dark and muted, unlike the allocations' palette,
+/// so a policy is never read as an allocation.
+const POLICY_PALETTE: [(u8, u8, u8); 6] = [
+    (20, 20, 20),
+    (0, 90, 110),
+    (130, 40, 90),
+    (110, 90, 0),
+    (60, 60, 160),
+    (0, 110, 50),
+];
 const OTHER: RGBColor = RGBColor(110, 110, 110);
 const UNALLOCATED: RGBColor = RGBColor(60, 60, 60);
 const IDLE: RGBColor = RGBColor(236, 236, 236);
@@ -267,6 +277,12 @@ impl Timeline {
     }
 
     /// Width of bin `bin`, the last one cut at `horizon_ms`.
+    /// Whether unallocated work held any GPU.
+    fn unallocated_ran(&self) -> bool {
+        let k = self.k;
+        self.cells.chunks(k).any(|cell| cell[k - 1] > 0.0)
+    }
+
     fn width_ms(&self, bin: usize, horizon_ms: f64) -> f64 {
         let start = bin as f64 * self.bin_ms;
         ((start + self.bin_ms).min(horizon_ms.max(start + 1.0)) - start).max(1.0)
@@ -288,14 +304,16 @@ fn timeline_svg(
             .y_label_area_size(56)
             .build_cartesian_2d(
                 0.0..horizon_h.max(1e-9),
-                0.0..(t.rows * t.gpus_per_row) as f64,
+                0..(t.rows * t.gpus_per_row) as i32,
             )
             .map_err(svg_err)?;
+        // Whole GPUs on the axis: a row is a whole number of them.
         chart
             .configure_mesh()
             .disable_mesh()
             .x_desc("hours")
             .y_desc("GPU")
+            .y_labels(t.rows.clamp(2, 12))
             .draw()
             .map_err(svg_err)?;
         let horizon_ms = horizon_h * 3_600_000.0;
@@ -331,13 +349,13 @@ fn timeline_svg(
                             } else {
                                 colours.get(c).map_or(OTHER, |x| x.1)
                             };
-                            let y0 = (row * t.gpus_per_row) as f64;
+                            let y0 = (row * t.gpus_per_row) as i32;
                             rects.push(Rectangle::new(
                                 [
                                     (start as f64 * bin_h, y0),
                                     (
                                         (bin as f64 * bin_h).min(horizon_h),
-                                        y0 + t.gpus_per_row as f64,
+                                        y0 + t.gpus_per_row as i32,
                                     ),
                                 ],
                                 colour.filled(),
@@ -481,9 +499,14 @@ where
     Ok(())
 }
 
-fn legend(colours: &[(String, RGBColor)]) -> String {
+/// The timeline's legend: the allocations, `(unallocated)` only where unallocated work ran,
+/// and idle.
+fn legend(colours: &[(String, RGBColor)], unallocated_ran: bool) -> String {
     let mut s = String::from("<p class=legend>");
     for (name, c) in colours {
+        if *c == UNALLOCATED && !unallocated_ran {
+            continue;
+        }
         s += &format!(
             "<span><i style=\"background:{}\"></i>{}</span>",
             hex(c),
@@ -604,7 +627,7 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
 <p class=note>{gpr} GPU(s) per row, {bin:.2} h per column; each cell shows the allocation that held most of it, idle when under half used.</p>\
 <h2>Owed versus delivered</h2><p class=note>Pale: owed; solid: delivered.</p>{bars}\
 <table><tr><th>allocation</th><th>weight</th><th>owed GPU-h</th><th>delivered GPU-h</th><th>delivered/owed</th><th>wait p50 h</th><th>p90 h</th><th>p99 h</th><th>preemptions</th></tr>{rows}</table>\
-<h2>Queue waits</h2>{legend}{waits}<h2>Queue waits by GPUs asked</h2><p class=note>Per allocation; waits under a minute are drawn at a minute.</p>{by_size}<h2>Occupancy</h2>{occ}</body></html>\n",
+<h2>Queue waits</h2>{waits_legend}{waits}<h2>Queue waits by GPUs asked</h2><p class=note>Per allocation; waits under a minute are drawn at a minute.</p>{by_size}<h2>Occupancy</h2>{occ}</body></html>\n",
         policy = escape(&r.policy),
         h = horizon_h,
         sub = r.workloads.submitted,
@@ -618,7 +641,8 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
         im = r.metrics.impact,
         str = r.fragmentation.stranded_gpu_hours,
         gang = r.fragmentation.largest_startable_gang_p50,
-        legend = legend(&colours),
+        legend = legend(&colours, t.unallocated_ran()),
+        waits_legend = legend_of(&cdfs),
         gpr = t.gpus_per_row,
         bin = t.bin_ms / 3_600_000.0,
     );
@@ -647,7 +671,7 @@ pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError>
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let (cr, cg, cb) = PALETTE[i % PALETTE.len()];
+            let (cr, cg, cb) = POLICY_PALETTE[i % POLICY_PALETTE.len()];
             let points = r
                 .allocations
                 .iter()
@@ -670,27 +694,79 @@ pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError>
         .first()
         .map(|r| r.allocations.iter().map(|a| a.path.clone()).collect())
         .unwrap_or_default();
-    let chart = dots_svg(&series, &names)?;
+    let chart = dots_svg(&series, &names, "delivered / owed", Some(1.0))?;
     let legend = legend_of(&series);
+    // Waits per allocation, one dot per policy, in the policies' colours; and the figures.
+    let waits: Vec<Series> = reports
+        .iter()
+        .zip(&series)
+        .map(|(r, (name, c, _))| {
+            let points = r
+                .allocations
+                .iter()
+                .enumerate()
+                .filter_map(|(j, a)| Some((j as f64, a.wait_p90_s? / 3600.0)))
+                .collect();
+            (name.clone(), *c, points)
+        })
+        .collect();
+    let waits_chart = dots_svg(&waits, &names, "wait p90 (hours)", None)?;
+    let clock = |s: Option<f64>| {
+        s.map_or("-".into(), |s| {
+            let s = s.round() as u64;
+            let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
+            if d > 0 {
+                format!("{d}-{h:02}:{m:02}:{s:02}")
+            } else {
+                format!("{h:02}:{m:02}:{s:02}")
+            }
+        })
+    };
+    let mut wait_rows = String::new();
+    for (j, path) in names.iter().enumerate() {
+        wait_rows += &format!("<tr><td>{}</td>", escape(path));
+        for r in reports {
+            let a = r.allocations.get(j);
+            wait_rows += &format!(
+                "<td>{}</td><td>{}</td><td>{}</td>",
+                clock(a.and_then(|a| a.wait_p50_s)),
+                clock(a.and_then(|a| a.wait_p90_s)),
+                clock(a.and_then(|a| a.wait_p99_s)),
+            );
+        }
+        wait_rows += "</tr>";
+    }
+    let wait_head: String = reports
+        .iter()
+        .map(|r| format!("<th colspan=3>{}</th>", escape(&r.policy)))
+        .collect();
+    let wait_sub = "<th>p50</th><th>p90</th><th>p99</th>".repeat(reports.len());
     let html = format!(
         "<!doctype html><html><head><meta charset=utf-8><title>fairledger sim: compare</title><style>{STYLE}</style></head><body>\
 <h1>Policies compared on the same input</h1>\
 <table><tr><th>policy</th><th>delivered within owed / owed</th><th>occupancy</th><th>impact</th><th>preemptions</th><th>contract violations</th><th>stranded GPU-h</th></tr>{rows}</table>\
-<h2>Delivered / owed per allocation</h2>{legend}{chart}<p class=note>1.0 means the allocation got exactly what it was owed over the period.</p></body></html>\n"
+<h2>Delivered / owed per allocation</h2>{legend}{chart}<p class=note>1.0 means the allocation got exactly what it was owed over the period.</p>\
+<h2>Queue waits per allocation</h2>{legend}{waits_chart}<p class=note>The 90th percentile of waits from submission to first start, per policy.</p>\
+<table><tr><th rowspan=2>allocation</th>{wait_head}</tr><tr>{wait_sub}</tr>{wait_rows}</table><p class=note>Waits as [D-]HH:MM:SS.</p></body></html>\n"
     );
     let path = out_dir.join("compare.html");
     std::fs::write(&path, html).map_err(|e| SimError::Io(path, e))
 }
 
-/// One dot per (allocation, policy), allocations along x.
-fn dots_svg(series: &[Series], names: &[String]) -> Result<String, SimError> {
+/// One dot per (allocation, policy), allocations along x; `reference` draws a level line.
+fn dots_svg(
+    series: &[Series],
+    names: &[String],
+    y_desc: &str,
+    reference: Option<f64>,
+) -> Result<String, SimError> {
     let mut svg = String::new();
     {
         let n = names.len().max(1) as i32;
         let y_max = series
             .iter()
             .flat_map(|s| s.2.iter().map(|p| p.1))
-            .fold(1.0, f64::max)
+            .fold(reference.unwrap_or(1e-9), f64::max)
             * 1.1;
         let root = SVGBackend::with_string(&mut svg, (960, 320)).into_drawing_area();
         root.fill(&WHITE).map_err(svg_err)?;
@@ -708,15 +784,20 @@ fn dots_svg(series: &[Series], names: &[String]) -> Result<String, SimError> {
                 SegmentValue::CenterOf(i) => names.get(*i as usize).cloned().unwrap_or_default(),
                 _ => String::new(),
             })
-            .y_desc("delivered / owed")
+            .y_desc(y_desc)
             .draw()
             .map_err(svg_err)?;
-        chart
-            .draw_series(std::iter::once(PathElement::new(
-                vec![(SegmentValue::Exact(0), 1.0), (SegmentValue::Exact(n), 1.0)],
-                BLACK.mix(0.4).stroke_width(1),
-            )))
-            .map_err(svg_err)?;
+        if let Some(level) = reference {
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    vec![
+                        (SegmentValue::Exact(0), level),
+                        (SegmentValue::Exact(n), level),
+                    ],
+                    BLACK.mix(0.4).stroke_width(1),
+                )))
+                .map_err(svg_err)?;
+        }
         for (_, c, points) in series {
             chart
                 .draw_series(points.iter().map(|&(x, y)| {

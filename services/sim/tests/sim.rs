@@ -105,6 +105,14 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
     assert_eq!(html.matches("<svg").count(), 4 + r.allocations.len());
     assert!(html.contains("lab/a") && html.contains("lab/b"));
     assert!(html.contains("wait (hours, log scale)"));
+    // Legends name what their picture shows: the timeline its idle GPUs and the trace's one
+    // unallocated workload (o1); the waits, of allocations only, neither.
+    let timeline = &html[html.find("<h2>Every GPU").unwrap()..];
+    let timeline_legend = &timeline[..timeline.find("<svg").unwrap()];
+    assert!(timeline_legend.contains("idle") && timeline_legend.contains("(unallocated)"));
+    let waits = &html[html.find("<h2>Queue waits</h2>").unwrap()..];
+    let waits_legend = &waits[..waits.find("<svg").unwrap()];
+    assert!(!waits_legend.contains("idle") && !waits_legend.contains("(unallocated)"));
     for a in &r.allocations {
         for size in &a.waits_by_size {
             let label = format!("{} GPU(s)", size.gpus);
@@ -143,7 +151,25 @@ fn compare_html_puts_policies_side_by_side() {
     sim::html::write_compare(dir.path(), &reports).unwrap();
     let html = std::fs::read_to_string(dir.path().join("compare.html")).unwrap();
     assert!(html.contains("fifo/report.html") && html.contains("fairshare/report.html"));
-    assert_eq!(html.matches("<svg").count(), 1);
+    // Delivered over owed, and waits, per allocation and policy; the policies in colours of
+    // their own, none of which an allocation has.
+    assert_eq!(html.matches("<svg").count(), 2);
+    assert!(html.contains("Queue waits per allocation") && html.contains("<th>p90</th>"));
+    let report = std::fs::read_to_string(dir.path().join("fairshare/report.html")).unwrap();
+    let swatches = |page: &str| -> Vec<String> {
+        page.split("<i style=\"background:")
+            .skip(1)
+            .map(|s| s[..7].to_owned())
+            .collect()
+    };
+    let policy_colours = swatches(&html[..html.find("<svg").unwrap()]);
+    assert_eq!(policy_colours.len(), 2, "{html}");
+    for c in swatches(&report) {
+        assert!(
+            !policy_colours.contains(&c),
+            "{c} is both a policy's and an allocation's"
+        );
+    }
     assert_self_contained(&html);
 }
 
