@@ -67,6 +67,7 @@ pub mod reports;
 pub mod schedule;
 pub mod sim;
 pub mod state;
+pub mod whatif;
 pub mod window;
 
 pub use event::{Envelope, Event, WorkloadId};

@@ -24,7 +24,7 @@ use crate::event::*;
 use crate::health::HealthMonitor;
 use crate::policy::PolicyConfig;
 use crate::schedule;
-use crate::state::{Outcome, Phase, State};
+use crate::state::{Outcome, Phase, State, Workload};
 
 /// One workload of a schedule, with its true run time.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,6 +132,80 @@ impl Engine {
             ecc: BTreeMap::new(),
             silent: BTreeMap::new(),
         }
+    }
+
+    /// A simulation that goes on from a live ledger's `state` (folded up to its last sequence):
+    /// its running work keeps its placements and contracts and ends when `work_ms` says a
+    /// workload's whole run takes (less what it has done), a preemption under way ends with its
+    /// grace, and its pending work waits in the queue it is in. Nodes heartbeat perfectly.
+    pub fn fork(state: State, policy: PolicyConfig, work_ms: impl Fn(&Workload) -> u64) -> Self {
+        let mut engine = Engine::new(state, policy);
+        engine.seq = engine.state.last_seq();
+        let now = engine.state.now_ms;
+        let mut ids: Vec<WorkloadId> = engine.state.workloads.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let w = &engine.state.workloads[&id];
+            let work = work_ms(w);
+            engine.work_ms.insert(id, work);
+            if w.phase != Phase::Running {
+                continue;
+            }
+            let (starts, ends_at) = (
+                w.starts,
+                w.started_at_ms + work.saturating_sub(w.work_done_ms),
+            );
+            engine
+                .timers
+                .push(Reverse((ends_at.max(now), Timer::Finish(id, starts))));
+            if let Some(p) = w.preempting {
+                engine.timers.push(Reverse((
+                    p.grace_until_ms.max(now),
+                    Timer::GraceEnds(id, starts),
+                )));
+                continue;
+            }
+            let ends = std::iter::once(w.protected_until_ms)
+                .chain(w.borrowed.map(|b| b.until_ms))
+                .filter(|&end| end > now && ends_at > end);
+            for end in ends {
+                engine
+                    .timers
+                    .push(Reverse((end, Timer::ContractEnds(id, starts))));
+            }
+        }
+        engine
+    }
+
+    /// Decides at `at_ms` even if nothing happens then (as the live scheduler's tick does).
+    pub fn wake(&mut self, at_ms: u64) {
+        self.timers.push(Reverse((at_ms, Timer::Check)));
+    }
+
+    /// The sequence of the last event written.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Like [`Engine::run`], but asks `keep_going` before every instant and stops (answering
+    /// false) as soon as it says no, so a caller can bound the run's work.
+    pub fn run_while(
+        &mut self,
+        until_ms: u64,
+        mut keep_going: impl FnMut() -> bool,
+        mut observe: impl FnMut(&State, u64, &Envelope, &Outcome),
+    ) -> bool {
+        while let Some(t) = self.next_instant() {
+            if t > until_ms {
+                break;
+            }
+            if !keep_going() {
+                return false;
+            }
+            self.step(t, &mut observe);
+        }
+        self.state.advance_to(until_ms);
+        true
     }
 
     /// Sets the silence after which a node's GPUs go unhealthy (the live server's

@@ -1,0 +1,499 @@
+//! What-if: the live ledger forked at its last sequence and run forward by the simulation engine
+//! ([`crate::sim::Engine::fork`]) twice over the same horizon — as it is (the baseline) and with
+//! changes (a share, a cap, the policy, capacity) — so a manager sees who would get what before
+//! making a change. Running work keeps its placements and contracts and ends by its duration
+//! estimate (or the caller's default); the queue is the live queue; the same arrivals reach both
+//! sides. Pure: the same state, changes, horizon, durations and arrivals give the same answer,
+//! and nothing is written anywhere but the two forks.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::event::*;
+use crate::policy::{by_name, PolicyConfig};
+use crate::sim::{Engine, SimWorkload};
+use crate::state::{Outcome, Phase, State, Workload};
+
+/// One change to try.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Set (or create) an allocation's weight and cap.
+    SetAllocation {
+        /// Its path.
+        path: String,
+        /// Weight among its siblings.
+        weight: u32,
+        /// Cap on the GPUs its subtree holds.
+        max_gpus: Option<u32>,
+    },
+    /// Remove an allocation (one without children or live work, as the ledger allows).
+    RemoveAllocation {
+        /// Its path.
+        path: String,
+    },
+    /// Other scheduling settings: what is not given stays as it is.
+    Policy(PolicyChange),
+    /// More nodes, named `whatif-1`, `whatif-2`… (skipping names taken).
+    AddNodes {
+        /// How many.
+        count: u32,
+        /// GPUs each.
+        gpus: u32,
+        /// Their GPU model.
+        model: String,
+        /// Their topology labels.
+        labels: BTreeMap<String, String>,
+    },
+    /// Nodes drained: they take no new work, and what runs there runs to its end.
+    RemoveNodes(Vec<String>),
+    /// GPUs failed: their work stops (a hardware failure, no contract violation) and is
+    /// requeued.
+    FailGpus(Vec<(String, u32)>),
+}
+
+/// Scheduling settings a what-if may change.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PolicyChange {
+    /// The policy, by name.
+    pub name: Option<String>,
+    /// The preemption margin.
+    pub margin: Option<f64>,
+    /// The default protection of a started workload.
+    pub min_runtime_ms: Option<u64>,
+    /// A preempted workload's time to checkpoint.
+    pub grace_ms: Option<u64>,
+    /// The most reservations per pass.
+    pub reservations_max: Option<u32>,
+}
+
+/// What to try, and for how long.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Question {
+    /// The changes, applied together at `from_ms`.
+    pub changes: Vec<Change>,
+    /// When the fork starts (at least the ledger's last event).
+    pub from_ms: u64,
+    /// How far it runs.
+    pub horizon_ms: u64,
+    /// Submissions during the horizon, the same on both sides.
+    pub arrivals: Vec<SimWorkload>,
+}
+
+/// Why a what-if has no answer.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum WhatIfError {
+    /// A change cannot be made: `field` names it (`changes[2]`).
+    #[error("{field}: {message}")]
+    Refused {
+        /// The change, as `changes[i]`.
+        field: String,
+        /// Why.
+        message: String,
+    },
+    /// The caller stopped it (it ran out of time).
+    #[error("the what-if was stopped before its horizon")]
+    Stopped,
+}
+
+/// The answer: the same horizon without and with the changes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Answer {
+    /// The ledger's sequence the forks start from.
+    pub forked_at_seq: u64,
+    /// When they start.
+    pub from_ms: u64,
+    /// How far they run.
+    pub horizon_s: f64,
+    /// Without the changes.
+    pub baseline: Side,
+    /// With them.
+    pub changed: Side,
+}
+
+/// One side of the answer, over the horizon.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Side {
+    /// Every leaf allocation at the end of the horizon.
+    pub allocations: Vec<AllocationOutcome>,
+    /// The whole cluster.
+    pub cluster: ClusterOutcome,
+    /// Every workload pending at the fork, and when it would start (`None`: not within the
+    /// horizon).
+    pub pending: Vec<PendingOutcome>,
+}
+
+/// An allocation over the horizon.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AllocationOutcome {
+    /// Its path.
+    pub path: String,
+    /// Its weight at the end.
+    pub weight: u32,
+    /// GPU-hours owed.
+    pub owed_gpu_hours: f64,
+    /// GPU-hours delivered.
+    pub delivered_gpu_hours: f64,
+    /// Delivered over owed, when anything was owed.
+    pub delivered_over_owed: Option<f64>,
+    /// Workloads that started for the first time.
+    pub started: u64,
+    /// Median wait from submission to first start of those.
+    pub wait_p50_s: Option<f64>,
+    /// 90th percentile of those waits.
+    pub wait_p90_s: Option<f64>,
+    /// Preemptions of its work (a user's cancel is not one).
+    pub preemptions: u64,
+    /// Contract violations against its work.
+    pub contract_violations: u64,
+}
+
+/// The cluster over the horizon.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClusterOutcome {
+    /// Healthy GPUs at the end.
+    pub healthy_gpus: u64,
+    /// GPU-time held over healthy GPU-time.
+    pub occupancy: f64,
+    /// Workloads started (every run).
+    pub starts: u64,
+    /// Workloads that finished.
+    pub finished: u64,
+    /// Preemptions (a user's cancel is not one).
+    pub preemptions: u64,
+    /// Contract violations.
+    pub contract_violations: u64,
+}
+
+/// When a workload pending at the fork would start.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PendingOutcome {
+    /// The workload.
+    pub id: WorkloadId,
+    /// Its allocation.
+    pub allocation: Option<String>,
+    /// Its first start within the horizon, if any.
+    pub start_at_ms: Option<u64>,
+}
+
+/// A workload's whole run as a what-if assumes it: its estimate, else `default_ms`.
+pub fn estimated_work_ms(w: &Workload, default_ms: u64) -> u64 {
+    w.duration_estimate_ms.unwrap_or(default_ms)
+}
+
+/// Answers `q` on `state` scheduled by `policy`: `work_ms` says how long each live workload's
+/// whole run takes, `keep_going` is asked before every simulated instant (a caller's time limit).
+pub fn what_if(
+    state: &State,
+    policy: &PolicyConfig,
+    q: &Question,
+    work_ms: &dyn Fn(&Workload) -> u64,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<Answer, WhatIfError> {
+    let mut changed_policy = policy.clone();
+    let mut events = Vec::new();
+    for (i, change) in q.changes.iter().enumerate() {
+        let field = format!("changes[{i}]");
+        let refused = |message: String| WhatIfError::Refused {
+            field: field.clone(),
+            message,
+        };
+        match change {
+            Change::SetAllocation {
+                path,
+                weight,
+                max_gpus,
+            } => events.push((
+                i,
+                Event::AllocationSet(AllocationSet {
+                    path: path.clone(),
+                    weight: *weight,
+                    max_gpus: *max_gpus,
+                }),
+            )),
+            Change::RemoveAllocation { path } => {
+                if state.allocations().get(path).is_none() {
+                    return Err(refused(format!(
+                        "there is no allocation {path:?} to remove"
+                    )));
+                }
+                events.push((
+                    i,
+                    Event::AllocationRemoved(AllocationRemoved { path: path.clone() }),
+                ));
+            }
+            Change::Policy(p) => {
+                if let Some(name) = &p.name {
+                    changed_policy.policy = by_name(name)
+                        .ok_or_else(|| {
+                            refused(format!(
+                                "no policy {name:?}; use fairshare, fairtree, fifo or priority"
+                            ))
+                        })?
+                        .name();
+                }
+                if let Some(margin) = p.margin {
+                    if !(margin.is_finite() && margin >= 0.0) {
+                        return Err(refused(format!("margin {margin} must be 0 or more")));
+                    }
+                    changed_policy.margin = margin;
+                }
+                if let Some(ms) = p.min_runtime_ms {
+                    let cap = state.config().min_runtime_cap_ms;
+                    if ms > cap {
+                        return Err(refused(format!(
+                            "min_runtime_s {} is over the ledger's cap of {} s",
+                            ms / 1000,
+                            cap / 1000
+                        )));
+                    }
+                    changed_policy.min_runtime_ms = ms;
+                }
+                if let Some(ms) = p.grace_ms {
+                    changed_policy.grace_ms = ms;
+                }
+                if let Some(n) = p.reservations_max {
+                    changed_policy.reservations_max = n;
+                }
+            }
+            Change::AddNodes {
+                count,
+                gpus,
+                model,
+                labels,
+            } => {
+                let mut n = 0u32;
+                for _ in 0..*count {
+                    let name = loop {
+                        n += 1;
+                        let name = format!("whatif-{n}");
+                        if state.cluster().get(&name).is_none() {
+                            break name;
+                        }
+                    };
+                    events.push((
+                        i,
+                        Event::NodeRegistered(NodeRegistered {
+                            node: name,
+                            gpus: *gpus,
+                            model: model.clone(),
+                            labels: labels.clone(),
+                        }),
+                    ));
+                }
+            }
+            Change::RemoveNodes(nodes) => {
+                for node in nodes {
+                    events.push((
+                        i,
+                        Event::NodeDrained(NodeDrained {
+                            node: node.clone(),
+                            reason: Some("what-if".into()),
+                        }),
+                    ));
+                }
+            }
+            Change::FailGpus(gpus) => {
+                for (node, gpu) in gpus {
+                    events.push((
+                        i,
+                        Event::GpuHealthChanged(GpuHealthChanged {
+                            node: node.clone(),
+                            gpu: *gpu,
+                            healthy: false,
+                            reason: "what-if".into(),
+                        }),
+                    ));
+                }
+            }
+        }
+    }
+    let baseline = side(state, policy.clone(), &[], q, work_ms, keep_going)?;
+    let changed = side(state, changed_policy, &events, q, work_ms, keep_going)?;
+    Ok(Answer {
+        forked_at_seq: state.last_seq(),
+        from_ms: q.from_ms,
+        horizon_s: q.horizon_ms as f64 / 1000.0,
+        baseline,
+        changed,
+    })
+}
+
+/// What an allocation had accrued: owed and delivered GPU-ms, contract violations.
+type Accrued = (f64, u64, u64);
+
+fn accrued(state: &State) -> BTreeMap<String, Accrued> {
+    state
+        .allocations()
+        .nodes
+        .iter()
+        .filter(|a| !a.removed && a.is_leaf())
+        .map(|a| {
+            (
+                a.path.clone(),
+                (a.owed_gpu_ms, a.delivered_gpu_ms, a.contract_violations),
+            )
+        })
+        .collect()
+}
+
+/// One fork, run with `events` written at its start.
+fn side(
+    state: &State,
+    policy: PolicyConfig,
+    events: &[(usize, Event)],
+    q: &Question,
+    work_ms: &dyn Fn(&Workload) -> u64,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<Side, WhatIfError> {
+    let mut engine = Engine::fork(state.clone(), policy, work_ms);
+    let from = q.from_ms.max(state.now_ms());
+    let until = from + q.horizon_ms;
+    engine.state.advance_to(from);
+    let start = accrued(&engine.state);
+    let mut pending: BTreeMap<WorkloadId, Option<u64>> = engine
+        .state
+        .workloads()
+        .values()
+        .filter(|w| w.phase == Phase::Pending)
+        .map(|w| (w.id, None))
+        .collect();
+    for (i, event) in events {
+        if let Outcome::Rejected(r) = engine.write(from, event.clone(), &mut |_, _, _, _| {}) {
+            return Err(WhatIfError::Refused {
+                field: format!("changes[{i}]"),
+                message: r.to_string(),
+            });
+        }
+    }
+    engine.wake(from);
+    engine.submit_all(q.arrivals.iter().cloned());
+
+    let mut waits: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut preemptions: BTreeMap<Option<String>, u64> = BTreeMap::new();
+    let (mut starts, mut finished) = (0u64, 0u64);
+    // GPU-ms held and healthy, integrated from one event to the next.
+    let (mut held_ms, mut healthy_ms, mut last_t) = (0.0f64, 0.0f64, from);
+    let (mut held_now, mut healthy_now) = (
+        engine.state.cluster().allocated_gpus,
+        engine.state.cluster().healthy_gpus,
+    );
+    let ran = engine.run_while(until, &mut *keep_going, |state, _, env, outcome| {
+        let t = env.occurred_at_ms.clamp(last_t, until);
+        held_ms += (t - last_t) as f64 * held_now as f64;
+        healthy_ms += (t - last_t) as f64 * healthy_now as f64;
+        last_t = t;
+        held_now = state.cluster().allocated_gpus;
+        healthy_now = state.cluster().healthy_gpus;
+        if *outcome != Outcome::Applied {
+            return;
+        }
+        match &env.event {
+            Event::WorkloadStarted(s) => {
+                starts += 1;
+                let Some(w) = state.workloads().get(&s.workload) else {
+                    return;
+                };
+                if w.starts == 1 {
+                    if let Some(path) = state.allocation_path(w) {
+                        waits
+                            .entry(path.to_owned())
+                            .or_default()
+                            .push(t.saturating_sub(w.submitted_at_ms));
+                    }
+                }
+                if let Some(at) = pending.get_mut(&s.workload) {
+                    at.get_or_insert(t);
+                }
+            }
+            Event::PreemptionRequested(p) if p.reason != PreemptionReason::UserCancelled => {
+                let path = state
+                    .workloads()
+                    .get(&p.workload)
+                    .and_then(|w| state.allocation_path(w))
+                    .map(str::to_owned);
+                *preemptions.entry(path).or_default() += 1;
+            }
+            Event::WorkloadFinished(_) => finished += 1,
+            _ => {}
+        }
+    });
+    if !ran {
+        return Err(WhatIfError::Stopped);
+    }
+    held_ms += (until - last_t) as f64 * held_now as f64;
+    healthy_ms += (until - last_t) as f64 * healthy_now as f64;
+
+    let end = &engine.state;
+    let mut allocations = Vec::new();
+    let mut violations = 0;
+    let live: BTreeSet<&str> = end
+        .allocations()
+        .nodes
+        .iter()
+        .filter(|a| !a.removed && a.is_leaf())
+        .map(|a| a.path.as_str())
+        .collect();
+    for a in end
+        .allocations()
+        .nodes
+        .iter()
+        .filter(|a| live.contains(a.path.as_str()))
+    {
+        let (owed0, delivered0, violations0) = start.get(&a.path).copied().unwrap_or_default();
+        let owed = (a.owed_gpu_ms - owed0).max(0.0) / 3.6e6;
+        let delivered = a.delivered_gpu_ms.saturating_sub(delivered0) as f64 / 3.6e6;
+        let v = a.contract_violations.saturating_sub(violations0);
+        violations += v;
+        let mut w = waits.remove(&a.path).unwrap_or_default();
+        w.sort_unstable();
+        allocations.push(AllocationOutcome {
+            path: a.path.clone(),
+            weight: a.weight,
+            owed_gpu_hours: owed,
+            delivered_gpu_hours: delivered,
+            delivered_over_owed: (owed > 0.0).then(|| delivered / owed),
+            started: w.len() as u64,
+            wait_p50_s: percentile_s(&w, 0.5),
+            wait_p90_s: percentile_s(&w, 0.9),
+            preemptions: preemptions.get(&Some(a.path.clone())).copied().unwrap_or(0),
+            contract_violations: v,
+        });
+    }
+    Ok(Side {
+        allocations,
+        cluster: ClusterOutcome {
+            healthy_gpus: end.cluster().healthy_gpus,
+            occupancy: if healthy_ms > 0.0 {
+                held_ms / healthy_ms
+            } else {
+                0.0
+            },
+            starts,
+            finished,
+            preemptions: preemptions.values().sum(),
+            contract_violations: violations,
+        },
+        pending: pending
+            .into_iter()
+            .map(|(id, start_at_ms)| PendingOutcome {
+                id,
+                allocation: state
+                    .workloads()
+                    .get(&id)
+                    .and_then(|w| state.allocation_path(w))
+                    .map(str::to_owned),
+                start_at_ms,
+            })
+            .collect(),
+    })
+}
+
+/// The `q`-quantile of sorted waits in ms, in seconds (nearest rank).
+fn percentile_s(sorted_ms: &[u64], q: f64) -> Option<f64> {
+    if sorted_ms.is_empty() {
+        return None;
+    }
+    let rank = ((q * sorted_ms.len() as f64).ceil() as usize).clamp(1, sorted_ms.len());
+    Some(sorted_ms[rank - 1] as f64 / 1000.0)
+}

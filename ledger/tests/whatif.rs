@@ -1,0 +1,228 @@
+//! What-if: a live ledger forked and run forward with and without changes. No change is the
+//! baseline, byte for byte; a heavier weight moves GPU-time toward it on a saturated backlog;
+//! changes the ledger would refuse are refused naming the change; the answer is deterministic.
+
+mod common;
+
+use common::*;
+use ledger::policy::PolicyConfig;
+use ledger::whatif::{estimated_work_ms, what_if, Change, PolicyChange, Question, WhatIfError};
+
+const HOUR: u64 = 3_600_000;
+
+/// Two nodes of 8 GPUs, teams `a` and `b` of equal weight, each with a backlog of 200 one-GPU
+/// workloads of an hour; the first 16 placed at time 0, and the ledger at one second.
+fn saturated() -> Ledger {
+    let mut l = Ledger::default();
+    l.node(0, "n0", 8, "H100", None);
+    l.node(0, "n1", 8, "H100", None);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for i in 0..400u128 {
+        let team = if i % 2 == 0 { "a" } else { "b" };
+        let mut s = submission(wid(1000 + i), Some(team), 1, 1);
+        s.duration_estimate_s = Some(3600);
+        l.ok(0, ledger::Event::WorkloadSubmitted(s));
+    }
+    l.schedule(0, &PolicyConfig::default());
+    assert_eq!(l.state.cluster().allocated_gpus, 16);
+    l
+}
+
+fn ask(changes: Vec<Change>, horizon_ms: u64) -> Question {
+    Question {
+        changes,
+        from_ms: 1_000,
+        horizon_ms,
+        arrivals: Vec::new(),
+    }
+}
+
+fn run(l: &Ledger, q: &Question) -> Result<ledger::whatif::Answer, WhatIfError> {
+    what_if(
+        &l.state,
+        &PolicyConfig::default(),
+        q,
+        &|w| estimated_work_ms(w, HOUR),
+        &mut || true,
+    )
+}
+
+fn share_of(side: &ledger::whatif::Side, path: &str) -> f64 {
+    let total: f64 = side.allocations.iter().map(|a| a.delivered_gpu_hours).sum();
+    let mine = side
+        .allocations
+        .iter()
+        .find(|a| a.path == path)
+        .unwrap()
+        .delivered_gpu_hours;
+    mine / total
+}
+
+#[test]
+fn no_change_is_the_baseline_and_the_same_question_the_same_answer() {
+    let l = saturated();
+    let answer = run(&l, &ask(Vec::new(), 12 * HOUR)).unwrap();
+    assert_eq!(answer.forked_at_seq, l.seq);
+    let (baseline, changed) = (
+        serde_json::to_string(&answer.baseline).unwrap(),
+        serde_json::to_string(&answer.changed).unwrap(),
+    );
+    assert_eq!(baseline, changed);
+    // Work went on: about 12 h of 16 GPUs delivered, split evenly, and the queue moved.
+    let delivered: f64 = answer
+        .baseline
+        .allocations
+        .iter()
+        .map(|a| a.delivered_gpu_hours)
+        .sum();
+    approx(delivered, 16.0 * 12.0);
+    assert!(
+        (share_of(&answer.baseline, "a") - 0.5).abs() < 0.05,
+        "{baseline}"
+    );
+    assert!(answer
+        .baseline
+        .pending
+        .iter()
+        .any(|p| p.start_at_ms.is_some()));
+    assert!(answer
+        .baseline
+        .pending
+        .iter()
+        .any(|p| p.start_at_ms.is_none()));
+    assert!(answer.baseline.cluster.occupancy > 0.99, "{baseline}");
+    // Deterministic, and the ledger it was asked of is as it was.
+    let again = run(&l, &ask(Vec::new(), 12 * HOUR)).unwrap();
+    assert_eq!(again, answer);
+    assert_eq!(l.state.last_seq(), l.seq);
+}
+
+#[test]
+fn a_heavier_weight_moves_gpu_time_toward_it() {
+    let l = saturated();
+    let answer = run(
+        &l,
+        &ask(
+            vec![Change::SetAllocation {
+                path: "a".into(),
+                weight: 3,
+                max_gpus: None,
+            }],
+            12 * HOUR,
+        ),
+    )
+    .unwrap();
+    let (before, after) = (
+        share_of(&answer.baseline, "a"),
+        share_of(&answer.changed, "a"),
+    );
+    assert!(
+        after > before + 0.15 && after > 0.65,
+        "a's share of GPU-time: {before:.3} without the change, {after:.3} with weight 3"
+    );
+    let a = |side: &ledger::whatif::Side| {
+        side.allocations
+            .iter()
+            .find(|x| x.path == "a")
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        (a(&answer.baseline).weight, a(&answer.changed).weight),
+        (1, 3)
+    );
+    // It is owed more too, and b's workloads start later.
+    assert!(a(&answer.changed).owed_gpu_hours > a(&answer.baseline).owed_gpu_hours * 1.3);
+    let started = |side: &ledger::whatif::Side, team: &str| {
+        side.pending
+            .iter()
+            .filter(|p| p.allocation.as_deref() == Some(team) && p.start_at_ms.is_some())
+            .count()
+    };
+    assert!(started(&answer.changed, "b") < started(&answer.baseline, "b"));
+    assert_eq!(answer.changed.cluster.contract_violations, 0);
+}
+
+#[test]
+fn capacity_changes_show_in_the_cluster() {
+    let l = saturated();
+    let answer = run(
+        &l,
+        &ask(
+            vec![
+                Change::AddNodes {
+                    count: 2,
+                    gpus: 8,
+                    model: "H100".into(),
+                    labels: Default::default(),
+                },
+                Change::FailGpus(vec![("n0".into(), 3)]),
+            ],
+            6 * HOUR,
+        ),
+    )
+    .unwrap();
+    assert_eq!(answer.baseline.cluster.healthy_gpus, 16);
+    assert_eq!(answer.changed.cluster.healthy_gpus, 16 + 16 - 1);
+    let delivered = |side: &ledger::whatif::Side| -> f64 {
+        side.allocations.iter().map(|a| a.delivered_gpu_hours).sum()
+    };
+    assert!(delivered(&answer.changed) > delivered(&answer.baseline) * 1.5);
+    // The failed GPU's workload stopped for the hardware, which breaks no contract.
+    assert_eq!(answer.changed.cluster.contract_violations, 0);
+}
+
+#[test]
+fn changes_the_ledger_would_refuse_are_refused_naming_the_change() {
+    let l = saturated();
+    let refused = |changes: Vec<Change>| match run(&l, &ask(changes, HOUR)) {
+        Err(WhatIfError::Refused { field, message }) => (field, message),
+        other => panic!("not refused: {other:?}"),
+    };
+    let keep = Change::SetAllocation {
+        path: "b".into(),
+        weight: 2,
+        max_gpus: None,
+    };
+    let (field, message) = refused(vec![
+        keep.clone(),
+        Change::RemoveAllocation {
+            path: "nope".into(),
+        },
+    ]);
+    assert_eq!(field, "changes[1]");
+    assert!(message.contains("nope"), "{message}");
+    // The fold's own rules: a team with live work cannot be removed.
+    let (field, _) = refused(vec![Change::RemoveAllocation { path: "a".into() }]);
+    assert_eq!(field, "changes[0]");
+    let (field, message) = refused(vec![
+        keep.clone(),
+        keep,
+        Change::Policy(PolicyChange {
+            name: Some("lottery".into()),
+            ..Default::default()
+        }),
+    ]);
+    assert_eq!(field, "changes[2]");
+    assert!(message.contains("fairshare"), "{message}");
+    let (field, _) = refused(vec![Change::RemoveNodes(vec!["n9".into()])]);
+    assert_eq!(field, "changes[0]");
+}
+
+#[test]
+fn a_what_if_stops_when_told() {
+    let l = saturated();
+    let mut instants = 0;
+    let stopped = what_if(
+        &l.state,
+        &PolicyConfig::default(),
+        &ask(Vec::new(), 12 * HOUR),
+        &|w| estimated_work_ms(w, HOUR),
+        &mut || {
+            instants += 1;
+            instants < 5
+        },
+    );
+    assert_eq!(stopped, Err(WhatIfError::Stopped));
+}
