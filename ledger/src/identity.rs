@@ -93,6 +93,7 @@ impl Role {
             RegisterNode => matches!(self, Admin | Operator | Agent),
             DrainNode => matches!(self, Admin | Operator),
             ReportForNode => self == Agent,
+            WhatIf => matches!(self, Admin | Auditor | Submitter),
         }
     }
 
@@ -146,6 +147,12 @@ pub enum Action<'a> {
         /// The node.
         node: &'a str,
     },
+    /// Try changes in a what-if (nothing is written): `allocation` names the allocation a
+    /// change touches, `None` a change to the whole cluster (policy, capacity).
+    WhatIf {
+        /// The allocation the change touches.
+        allocation: Option<&'a str>,
+    },
 }
 
 /// The kind of an [`Action`], without its scope: what a route needs before its body is read.
@@ -173,6 +180,8 @@ pub enum ActionKind {
     DrainNode,
     /// [`Action::ReportForNode`].
     ReportForNode,
+    /// [`Action::WhatIf`].
+    WhatIf,
 }
 
 impl ActionKind {
@@ -197,6 +206,7 @@ impl Action<'_> {
             Action::RegisterNode { .. } => ActionKind::RegisterNode,
             Action::DrainNode => ActionKind::DrainNode,
             Action::ReportForNode { .. } => ActionKind::ReportForNode,
+            Action::WhatIf { .. } => ActionKind::WhatIf,
         }
     }
 }
@@ -260,6 +270,14 @@ impl Principal {
             {
                 self.covers(allocation, tree)
             }
+            // A submitter tries changes to its own allocations only.
+            Action::WhatIf { allocation } if self.role == Role::Submitter => match allocation {
+                Some(path) => self.covers(Some(path), tree),
+                None => Err(Denied(format!(
+                    "a change to the whole cluster (policy, capacity) needs the role admin or auditor; {:?} is a submitter, who may try changes to its own allocations",
+                    self.name
+                ))),
+            },
             Action::RegisterNode { node } | Action::ReportForNode { node }
                 if self.role == Role::Agent =>
             {

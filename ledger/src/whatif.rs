@@ -176,6 +176,74 @@ pub struct PendingOutcome {
     pub start_at_ms: Option<u64>,
 }
 
+/// A submission of the recent past, which arrivals are resampled from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recent {
+    /// Its allocation.
+    pub allocation: Option<String>,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Nodes in its gang.
+    pub nodes: u32,
+    /// Its priority.
+    pub priority: i32,
+    /// How long its run took (or is estimated to take).
+    pub work_ms: u64,
+}
+
+/// Arrivals over `[from_ms, from_ms + horizon_ms)` like the `recent` submissions of the
+/// `window_ms` before: per allocation, a Poisson process at the rate its submissions came in,
+/// each arrival a copy of one of them drawn at random. The same inputs and `seed` give the same
+/// arrivals.
+pub fn resample(
+    recent: &[Recent],
+    window_ms: u64,
+    from_ms: u64,
+    horizon_ms: u64,
+    seed: u64,
+) -> Vec<SimWorkload> {
+    use rand::{RngExt, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut by_allocation: BTreeMap<Option<&str>, Vec<&Recent>> = BTreeMap::new();
+    for r in recent {
+        by_allocation
+            .entry(r.allocation.as_deref())
+            .or_default()
+            .push(r);
+    }
+    let mut out = Vec::new();
+    for (allocation, pool) in by_allocation {
+        let mean_gap_ms = window_ms.max(1) as f64 / pool.len() as f64;
+        let mut t = from_ms as f64;
+        loop {
+            let u: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+            t += -u.ln() * mean_gap_ms;
+            if t >= (from_ms + horizon_ms) as f64 {
+                break;
+            }
+            let like = pool[rng.random_range(0..pool.len())];
+            let mut tail = [0u8; 10];
+            rng.fill(&mut tail[..]);
+            let id = uuid::Builder::from_unix_timestamp_millis(t as u64, &tail).into_uuid();
+            let mut submitted = WorkloadSubmitted::new(
+                id,
+                allocation.map(str::to_owned),
+                like.gpus_per_node,
+                like.nodes,
+            );
+            submitted.priority = like.priority;
+            submitted.duration_estimate_s = Some(like.work_ms.div_ceil(1000));
+            out.push(SimWorkload {
+                submitted,
+                submit_ms: t as u64,
+                work_ms: like.work_ms,
+            });
+        }
+    }
+    out.sort_by_key(|w| (w.submit_ms, w.submitted.workload));
+    out
+}
+
 /// A workload's whole run as a what-if assumes it: its estimate, else `default_ms`.
 pub fn estimated_work_ms(w: &Workload, default_ms: u64) -> u64 {
     w.duration_estimate_ms.unwrap_or(default_ms)

@@ -184,18 +184,25 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
                 Cancel,
                 RegisterNode,
                 DrainNode,
+                WhatIf,
             ],
         ),
         (
             Role::Operator,
             &[WhoAmI, Read, ReadEvents, Cancel, RegisterNode, DrainNode],
         ),
-        (Role::Submitter, &[WhoAmI, Read, ReadEvents, Submit, Cancel]),
+        (
+            Role::Submitter,
+            &[WhoAmI, Read, ReadEvents, Submit, Cancel, WhatIf],
+        ),
         (
             Role::Agent,
             &[WhoAmI, ReadEvents, RegisterNode, ReportForNode],
         ),
-        (Role::Auditor, &[WhoAmI, Read, ReadEvents, ReadAudit]),
+        (
+            Role::Auditor,
+            &[WhoAmI, Read, ReadEvents, ReadAudit, WhatIf],
+        ),
         (Role::Viewer, &[WhoAmI, Read, ReadEvents]),
     ];
     let kinds = [
@@ -210,6 +217,7 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
         RegisterNode,
         DrainNode,
         ReportForNode,
+        WhatIf,
     ];
     for (role, allowed) in table {
         for kind in kinds {

@@ -226,3 +226,44 @@ fn a_what_if_stops_when_told() {
     );
     assert_eq!(stopped, Err(WhatIfError::Stopped));
 }
+
+#[test]
+fn resampled_arrivals_follow_the_recent_rate_and_the_seed() {
+    use ledger::whatif::{resample, Recent};
+    let recent: Vec<Recent> = (0..100)
+        .map(|i| Recent {
+            allocation: Some(if i % 4 == 0 { "a" } else { "b" }.into()),
+            gpus_per_node: 1 + (i % 2),
+            nodes: 1,
+            priority: 0,
+            work_ms: 600_000,
+        })
+        .collect();
+    // 25 of a's and 75 of b's in a day; ten days on: about 250 and 750.
+    let arrivals = resample(&recent, 24 * HOUR, 5_000, 240 * HOUR, 7);
+    let count = |team: &str| {
+        arrivals
+            .iter()
+            .filter(|w| w.submitted.allocation.as_deref() == Some(team))
+            .count()
+    };
+    let (a, b) = (count("a"), count("b"));
+    assert!(
+        (200..300).contains(&a) && (650..850).contains(&b),
+        "{a} {b}"
+    );
+    assert!(arrivals
+        .windows(2)
+        .all(|w| w[0].submit_ms <= w[1].submit_ms));
+    assert!(arrivals
+        .iter()
+        .all(|w| (5_000..5_000 + 240 * HOUR).contains(&w.submit_ms) && w.work_ms == 600_000));
+    assert_eq!(resample(&recent, 24 * HOUR, 5_000, 240 * HOUR, 7), arrivals);
+    assert_ne!(resample(&recent, 24 * HOUR, 5_000, 240 * HOUR, 8), arrivals);
+    // The same arrivals reach both sides of a what-if.
+    let l = saturated();
+    let mut q = ask(Vec::new(), 6 * HOUR);
+    q.arrivals = resample(&recent, 24 * HOUR, 1_000, 6 * HOUR, 7);
+    let answer = run(&l, &q).unwrap();
+    assert_eq!(answer.baseline, answer.changed);
+}
