@@ -38,6 +38,8 @@ pub(crate) struct Inner {
     pub(crate) stuck: Arc<scheduler::Stuck>,
     /// The histograms `/metrics` shows.
     pub(crate) metrics: crate::metrics::Metrics,
+    /// What-ifs running at once: at most half the cores.
+    pub(crate) whatifs: Arc<tokio::sync::Semaphore>,
     /// One verification of the kept figures at a time.
     pub(crate) verifying: Arc<tokio::sync::Semaphore>,
     /// Event streams replaying a long stretch of history, a few at a time.
@@ -73,6 +75,9 @@ impl App {
                 ))),
                 stuck: Default::default(),
                 metrics: Default::default(),
+                whatifs: Arc::new(tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+                )),
                 verifying: Arc::new(tokio::sync::Semaphore::new(1)),
                 replays: Arc::new(tokio::sync::Semaphore::new(REPLAYS_AT_ONCE.min(
                     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),

@@ -14,6 +14,7 @@
 //! | `GET /v1/allocations` | the tree: weights, owed and delivered |
 //! | `GET /v1/usage?from=&to=` | per UTC hour, the GPUs each allocation held and was owed on average |
 //! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
+//! | `POST /v1/whatif` | the next hours from the live state, without and with changes to shares, caps, the policy or capacity (nothing is written) |
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
 //! | `POST /v1/nodes` | register a node (for agents that speak HTTP) |
@@ -67,6 +68,7 @@ pub use routes::{health_router, router};
         routes::dashboard::script,
         routes::dashboard::style,
         routes::workloads::submit,
+        routes::whatif::what_if,
         routes::allocations::usage,
         routes::workloads::list,
         routes::workloads::workload,

@@ -173,6 +173,14 @@ enum Command {
         #[command(subcommand)]
         command: Option<client::NodesCommand>,
     },
+    /// Who would get what over the next hours if a share, a cap, the policy or the capacity
+    /// changed: the live state run forward without and with the changes (nothing is written).
+    Whatif {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        what: client::WhatIfArgs,
+    },
     /// Workloads in any state, newest first, like sacct: state, exit code, times, elapsed,
     /// GPU-hours and where the output is.
     Jobs {
@@ -394,6 +402,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Whoami { client } => client::whoami(&client),
         Command::Explain { client, id } => client::explain(&client, &id),
         Command::Jobs { client, filter } => client::jobs(&client, &filter),
+        Command::Whatif { client, what } => client::what_if(&client, &what),
         Command::Nodes { client, command } => client::nodes(&client, command),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))

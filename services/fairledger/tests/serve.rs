@@ -236,6 +236,28 @@ fn the_command_line_client_speaks_to_the_server() {
         "{alloc}"
     );
     assert_eq!(row("uw/nlp")[2], "50.0%", "{alloc}");
+    // What if ai2/tulu weighed three times as much: side by side, and nothing written.
+    let before = server.call("GET", "/v1/events?limit=1", None).1["last_seq"].clone();
+    let whatif = cli(
+        &server,
+        &["whatif", "--set", "ai2/tulu:weight=3", "--horizon", "2h"],
+    )
+    .unwrap();
+    let tulu = whatif
+        .lines()
+        .find(|l| l.starts_with("ai2/tulu "))
+        .unwrap_or_else(|| panic!("{whatif}"));
+    assert!(tulu.contains("1 -> 3"), "{whatif}");
+    assert!(
+        whatif.contains("over 02:00:00") && whatif.contains("waiting now: "),
+        "{whatif}"
+    );
+    assert_eq!(
+        server.call("GET", "/v1/events?limit=1", None).1["last_seq"],
+        before
+    );
+    let err = cli(&server, &["whatif", "--remove-allocation", "nope"]).unwrap_err();
+    assert!(err.contains("(field changes[0])"), "{err}");
     let json = cli(&server, &["queue", "--json"]).unwrap();
     let parsed: Value = serde_json::from_str(&json).unwrap();
     assert_eq!(parsed["pending"][0]["id"], id.as_str());

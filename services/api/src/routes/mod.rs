@@ -17,6 +17,7 @@
 //! | `POST`/`DELETE /v1/nodes/{node}/drain` | admin, operator |
 //! | `POST /v1/nodes/{node}/heartbeat`, `…/events` | the agent of that node |
 //! | `/v1/tokens…` | admin |
+//! | `POST /v1/whatif` | admin, auditor; submitter for changes to its own allocations |
 
 use axum::extract::rejection::JsonRejection;
 use axum::http::{Method, StatusCode};
@@ -35,6 +36,7 @@ pub mod events;
 pub mod nodes;
 pub mod ops;
 pub mod tokens;
+pub mod whatif;
 pub mod workloads;
 
 /// One route: its method, its path as the router matches it, and what it needs of its caller.
@@ -85,6 +87,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("GET", "/v1/usage", Needs(Read)),
             routing::get(allocations::usage),
+        ),
+        (
+            r("POST", "/v1/whatif", Needs(WhatIf)),
+            routing::post(whatif::what_if),
         ),
         (
             r("PUT", "/v1/allocations/{*path}", Needs(SetAllocations)),

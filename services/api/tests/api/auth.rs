@@ -37,6 +37,10 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("GET", "/v1/queue"), Some(READERS)),
         (("GET", "/v1/allocations"), Some(READERS)),
         (("GET", "/v1/usage"), Some(READERS)),
+        (
+            ("POST", "/v1/whatif"),
+            Some(&["admin", "submitter", "auditor"][..]),
+        ),
         (("PUT", "/v1/allocations/{*path}"), Some(admin)),
         (("DELETE", "/v1/allocations/{*path}"), Some(admin)),
         (("GET", "/v1/nodes"), Some(READERS)),
@@ -228,6 +232,25 @@ async fn a_submitter_acts_within_its_scope_only_and_events_carry_who_acted() {
     )
     .await;
     assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    // A what-if: of her own allocations only; another team's, or the whole cluster's policy,
+    // is refused.
+    let whatif = |change: &str| format!(r#"{{"changes":[{change}],"horizon_s":600}}"#);
+    for (change, want) in [
+        (r#"{"allocation":"a/x","weight":3}"#, StatusCode::OK),
+        (r#"{"allocation":"b","weight":3}"#, StatusCode::FORBIDDEN),
+        (r#"{"policy":{"margin":0.2}}"#, StatusCode::FORBIDDEN),
+    ] {
+        let (status, _, answer) = call_as(
+            &f,
+            Some(&alice),
+            "POST",
+            "/v1/whatif",
+            Some(&whatif(change)),
+            &[],
+        )
+        .await;
+        assert_eq!(status, want, "{change}: {answer}");
+    }
     let (status, _, _) = call_as(
         &f,
         Some(&alice),

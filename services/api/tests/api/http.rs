@@ -246,6 +246,112 @@ async fn usage_shows_the_gpus_each_allocation_held_by_hour() {
     assert!(last["owed_gpus"]["a/x"].as_f64().unwrap() > 0.0, "{usage}");
 }
 
+/// A what-if forks the live state: no change is the baseline, a weight moves GPU-time, and the
+/// ledger is not written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_what_if_answers_from_the_live_state_and_writes_nothing() {
+    let f = fixture(true).await;
+    let (status, _, body) = call(
+        &f,
+        "POST",
+        "/v1/workloads?wait=placed&timeout_s=10",
+        Some(r#"{"allocation":"a/x","gpus_per_node":8,"nodes":2,"duration_estimate_s":1800}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    for _ in 0..20 {
+        submit(
+            &f,
+            r#"{"allocation":"a/x","gpus_per_node":8,"duration_estimate_s":3600}"#,
+        )
+        .await;
+        submit(
+            &f,
+            r#"{"allocation":"b","gpus_per_node":8,"duration_estimate_s":3600}"#,
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = f.log.last_seq().await.unwrap();
+    let (status, _, same) = call(
+        &f,
+        "POST",
+        "/v1/whatif",
+        Some(r#"{"changes":[],"horizon_s":36000}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{same}");
+    assert_eq!(same["baseline"], same["changed"]);
+    assert_eq!(same["forked_at_seq"].as_u64(), Some(before), "{same}");
+    assert_eq!(same["baseline"]["pending"].as_array().unwrap().len(), 40);
+    let (status, _, answer) = call(
+        &f,
+        "POST",
+        "/v1/whatif",
+        Some(r#"{"changes":[{"allocation":"b","weight":3}],"horizon_s":36000,"arrivals":"recent","seed":4}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let delivered = |side: &str, path: &str| {
+        answer[side]["allocations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["path"] == path)
+            .unwrap()["delivered_gpu_hours"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(
+        delivered("changed", "b") > delivered("baseline", "b") * 1.2,
+        "{answer}"
+    );
+    assert!(
+        answer["assumptions"]["arrivals"].as_u64().unwrap() > 0,
+        "{answer}"
+    );
+    // Nothing was written.
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+    // Bad questions name the field and change nothing.
+    for (body, field) in [
+        (r#"{"changes":[],"horizon_s":0}"#, "horizon_s"),
+        (r#"{"changes":[],"horizon_s":99999999}"#, "horizon_s"),
+        (
+            r#"{"changes":[],"horizon_s":60,"arrivals":"often"}"#,
+            "arrivals",
+        ),
+        (
+            r#"{"changes":[{"remove_allocation":"nope"}],"horizon_s":60}"#,
+            "changes[0]",
+        ),
+        (
+            r#"{"changes":[{"allocation":"b","weight":-1}],"horizon_s":60}"#,
+            "changes[0]",
+        ),
+        (
+            r#"{"changes":[{"allocation":"b","weight":1},{"reweight":"b"}],"horizon_s":60}"#,
+            "changes[1]",
+        ),
+        (
+            r#"{"changes":[{"remove_nodes":["n9"]}],"horizon_s":60}"#,
+            "changes[0]",
+        ),
+    ] {
+        let (status, ct, problem) = call(&f, "POST", "/v1/whatif", Some(body), &[]).await;
+        assert_eq!(
+            status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}: {problem}"
+        );
+        assert_eq!(ct, "application/problem+json");
+        assert_eq!(problem["field"], field, "{body}: {problem}");
+    }
+    assert_eq!(f.log.last_seq().await.unwrap(), before);
+}
+
 /// Explain names the allocations whose work ranks ahead, with the keys that put it there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_names_the_allocations_ahead_and_their_keys() {

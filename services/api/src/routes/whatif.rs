@@ -1,0 +1,401 @@
+//! What-if: the live state forked at its last sequence and run forward with and without changes
+//! ([`ledger::whatif`]), off the request threads, a few at a time and within a time limit. The
+//! ledger is not written: a what-if only reads.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ledger::identity::Action;
+use ledger::whatif::{self, Change, PolicyChange, Question, Recent, WhatIfError};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::bad_body;
+use crate::auth::Caller;
+use crate::{problem, App, Problem};
+
+/// The longest horizon.
+pub const HORIZON_MAX_S: u64 = 30 * 86_400;
+/// The most GPU-seconds a what-if simulates per side: its horizon times the cluster's GPUs
+/// (2,000 nodes of 8 GPUs for a day is about 1.4e9).
+pub const GPU_SECONDS_MAX: u64 = 1_500_000_000;
+/// How long a what-if may take before it is given up with a 503.
+pub const TIME_LIMIT: Duration = Duration::from_secs(20);
+/// A workload's run when it has no estimate and its allocation finished nothing recently.
+pub const DEFAULT_RUN_MS: u64 = 3_600_000;
+/// Rows of recent history read to learn run times and arrivals.
+const HISTORY_ROWS: usize = 50_000;
+
+/// A what-if.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WhatIfRequest {
+    /// The changes, tried together: `{"allocation": PATH, "weight": W, "max_gpus": N}` (set or
+    /// create), `{"remove_allocation": PATH}`, `{"policy": {"name", "margin", "min_runtime_s",
+    /// "grace_s", "reservations_max"}}`, `{"add_nodes": {"count", "gpus", "model", "labels"}}`,
+    /// `{"remove_nodes": [NODE]}` (drained), `{"fail_gpus": [{"node", "gpu"}]}`.
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    changes: Vec<Value>,
+    /// How far to look ahead, in seconds.
+    horizon_s: u64,
+    /// `none` (default): only the work there is now; `recent`: also new submissions like those
+    /// of the last usage window, resampled with `seed`.
+    #[serde(default)]
+    arrivals: Option<String>,
+    /// The seed of the resampled arrivals.
+    #[serde(default)]
+    seed: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetAllocation {
+    allocation: String,
+    weight: u32,
+    #[serde(default)]
+    max_gpus: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveAllocation {
+    remove_allocation: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyBody {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    margin: Option<f64>,
+    #[serde(default)]
+    min_runtime_s: Option<u64>,
+    #[serde(default)]
+    grace_s: Option<u64>,
+    #[serde(default)]
+    reservations_max: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetPolicy {
+    policy: PolicyBody,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodesBody {
+    count: u32,
+    gpus: u32,
+    model: String,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddNodes {
+    add_nodes: NodesBody,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveNodes {
+    remove_nodes: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FailedGpu {
+    node: String,
+    gpu: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FailGpus {
+    fail_gpus: Vec<FailedGpu>,
+}
+
+/// Change `i` of a request, read by the key that says what it is.
+fn change(i: usize, v: &Value) -> Result<Change, Problem> {
+    let field = format!("changes[{i}]");
+    let read = |e: serde_json::Error| Problem::invalid(&field, e.to_string());
+    let Some(object) = v.as_object() else {
+        return Err(Problem::invalid(&field, "a change is an object"));
+    };
+    let has = |k: &str| object.contains_key(k);
+    Ok(if has("allocation") {
+        let c: SetAllocation = serde_json::from_value(v.clone()).map_err(read)?;
+        Change::SetAllocation {
+            path: c.allocation,
+            weight: c.weight,
+            max_gpus: c.max_gpus,
+        }
+    } else if has("remove_allocation") {
+        let c: RemoveAllocation = serde_json::from_value(v.clone()).map_err(read)?;
+        Change::RemoveAllocation {
+            path: c.remove_allocation,
+        }
+    } else if has("policy") {
+        let c: SetPolicy = serde_json::from_value(v.clone()).map_err(read)?;
+        Change::Policy(PolicyChange {
+            name: c.policy.name,
+            margin: c.policy.margin,
+            min_runtime_ms: c.policy.min_runtime_s.map(|s| s.saturating_mul(1000)),
+            grace_ms: c.policy.grace_s.map(|s| s.saturating_mul(1000)),
+            reservations_max: c.policy.reservations_max,
+        })
+    } else if has("add_nodes") {
+        let c: AddNodes = serde_json::from_value(v.clone()).map_err(read)?;
+        if !(1..=10_000).contains(&c.add_nodes.count) {
+            return Err(Problem::invalid(
+                &field,
+                "add_nodes.count must be 1 to 10000",
+            ));
+        }
+        Change::AddNodes {
+            count: c.add_nodes.count,
+            gpus: c.add_nodes.gpus,
+            model: c.add_nodes.model,
+            labels: c.add_nodes.labels,
+        }
+    } else if has("remove_nodes") {
+        let c: RemoveNodes = serde_json::from_value(v.clone()).map_err(read)?;
+        Change::RemoveNodes(c.remove_nodes)
+    } else if has("fail_gpus") {
+        let c: FailGpus = serde_json::from_value(v.clone()).map_err(read)?;
+        Change::FailGpus(c.fail_gpus.into_iter().map(|g| (g.node, g.gpu)).collect())
+    } else {
+        return Err(Problem::invalid(
+            &field,
+            "a change is one of allocation (with weight), remove_allocation, policy, add_nodes, remove_nodes, fail_gpus",
+        ));
+    })
+}
+
+/// The allocation a change touches, for the caller's scope: `None` for the whole cluster.
+fn touches(c: &Change) -> Option<&str> {
+    match c {
+        Change::SetAllocation { path, .. } | Change::RemoveAllocation { path } => Some(path),
+        _ => None,
+    }
+}
+
+#[utoipa::path(post, path = "/v1/whatif", tag = "allocations",
+    request_body = WhatIfRequest,
+    responses(
+        (status = 200, description = "the same horizon from the live state without and with the changes: per allocation owed and delivered GPU-hours, waits and preemptions; the cluster's occupancy; when each pending workload would start. Nothing is written.", body = serde_json::Value),
+        (status = 403, description = "a submitter's change outside its allocations, or to the whole cluster", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a change or the horizon is invalid; `field` names it (`changes[1]`)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "it did not finish within the time limit, or too many are running", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn what_if(
+    State(app): State<App>,
+    caller: Caller,
+    body: Result<Json<WhatIfRequest>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(request) = body.map_err(bad_body)?;
+    let changes = request
+        .changes
+        .iter()
+        .enumerate()
+        .map(|(i, v)| change(i, v))
+        .collect::<Result<Vec<_>, _>>()?;
+    let resampled = match request.arrivals.as_deref() {
+        None | Some("none") => false,
+        Some("recent") => true,
+        Some(other) => {
+            return Err(Problem::invalid(
+                "arrivals",
+                format!("{other:?} is not known; use none or recent"),
+            ))
+        }
+    };
+    if !(1..=HORIZON_MAX_S).contains(&request.horizon_s) {
+        return Err(Problem::invalid(
+            "horizon_s",
+            format!("the horizon must be 1 s to {HORIZON_MAX_S} s (30 days)"),
+        ));
+    }
+    let (state, policy) = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        for c in &changes {
+            caller.allow(
+                &Action::WhatIf {
+                    allocation: touches(c),
+                },
+                state,
+            )?;
+        }
+        let added: u64 = changes
+            .iter()
+            .map(|c| match c {
+                Change::AddNodes { count, gpus, .. } => u64::from(*count) * u64::from(*gpus),
+                _ => 0,
+            })
+            .sum();
+        let gpus = state.cluster().total_gpus + added;
+        if request.horizon_s.saturating_mul(gpus.max(1)) > GPU_SECONDS_MAX {
+            return Err(Problem::invalid(
+                "horizon_s",
+                format!(
+                    "{} s of {gpus} GPUs is over the limit of {GPU_SECONDS_MAX} GPU-seconds; ask for at most {} s",
+                    request.horizon_s,
+                    GPU_SECONDS_MAX / gpus.max(1)
+                ),
+            ));
+        }
+        (state.clone(), app.inner.policy.clone())
+    };
+    let Ok(_turn) = tokio::time::timeout(
+        Duration::from_secs(2),
+        app.inner.whatifs.clone().acquire_owned(),
+    )
+    .await
+    else {
+        return Err(Problem::unavailable(
+            "every what-if slot is busy; try again in a few seconds",
+        ));
+    };
+    let kept = app.inner.projection.read().await.kept();
+    let from_ms = scheduler::wall_clock_ms().max(state.now_ms());
+    let horizon_ms = request.horizon_s * 1000;
+    let seed = request.seed;
+    let answer = tokio::task::spawn_blocking(move || {
+        let window_ms = state.config().window_ms;
+        let history = History::read(&kept, state.last_seq(), from_ms.saturating_sub(window_ms))?;
+        let arrivals = if resampled {
+            whatif::resample(&history.recent, window_ms, from_ms, horizon_ms, seed)
+        } else {
+            Vec::new()
+        };
+        let question = Question {
+            changes,
+            from_ms,
+            horizon_ms,
+            arrivals,
+        };
+        let deadline = Instant::now() + TIME_LIMIT;
+        // The typical run of each allocation, by the state's allocation ids.
+        let typical: BTreeMap<u32, u64> = history
+            .typical_run_ms
+            .iter()
+            .filter_map(|(path, ms)| Some((state.allocations().get(path)?, *ms)))
+            .collect();
+        let work = move |w: &ledger::Workload| {
+            let default = w
+                .allocation
+                .and_then(|a| typical.get(&a).copied())
+                .unwrap_or(DEFAULT_RUN_MS);
+            whatif::estimated_work_ms(w, default)
+        };
+        let answer = whatif::what_if(&state, &policy, &question, &work, &mut || {
+            Instant::now() < deadline
+        });
+        Ok::<_, Problem>((answer, history, question.arrivals.len()))
+    })
+    .await
+    .map_err(|e| Problem::unavailable(e.to_string()))??;
+    let (answer, history, arrivals) = answer;
+    match answer {
+        Ok(answer) => {
+            let mut body = serde_json::to_value(&answer).expect("answers serialize");
+            body["assumptions"] = json!({
+                "arrivals": arrivals,
+                "seed": seed,
+                "default_run_s": DEFAULT_RUN_MS / 1000,
+                "typical_run_s": history
+                    .typical_run_ms
+                    .iter()
+                    .map(|(k, v)| (k.clone(), json!(v / 1000)))
+                    .collect::<serde_json::Map<_, _>>(),
+                "how": "running work ends by its duration estimate, else by the typical run of its allocation over the last usage window, else default_run_s; nodes heartbeat perfectly; nothing is written to the ledger",
+            });
+            Ok((StatusCode::OK, Json(body)).into_response())
+        }
+        Err(WhatIfError::Refused { field, message }) => Err(Problem::invalid(&field, message)),
+        Err(WhatIfError::Stopped) => Err(Problem::unavailable(format!(
+            "the what-if did not finish within {} s; ask for a shorter horizon",
+            TIME_LIMIT.as_secs()
+        ))),
+    }
+}
+
+/// What the recent past says: the typical run of each allocation's finished work, and the
+/// submissions arrivals are resampled from.
+struct History {
+    typical_run_ms: BTreeMap<String, u64>,
+    recent: Vec<Recent>,
+}
+
+impl History {
+    /// The submissions from `since_ms` up to sequence `up_to_seq`, newest first, at most
+    /// [`HISTORY_ROWS`] of them.
+    fn read(kept: &projector::Kept, up_to_seq: u64, since_ms: u64) -> Result<History, Problem> {
+        let all = projector::WorkloadFilter::default();
+        let mut runs: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        let mut rows = Vec::new();
+        let mut before = None;
+        'pages: while rows.len() < HISTORY_ROWS {
+            let page = kept
+                .workloads(&all, before, 1_000, 1_000)
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
+            for row in page.rows {
+                // Submissions come newest first: the window is over at the first older one.
+                if row.submitted_at_ms < since_ms {
+                    break 'pages;
+                }
+                if row.submit_seq > up_to_seq {
+                    continue;
+                }
+                if row.phase == "finished" && row.run_ms > 0 {
+                    if let Some(a) = &row.allocation {
+                        runs.entry(a.clone()).or_default().push(row.run_ms);
+                    }
+                }
+                rows.push(row);
+            }
+            match page.next {
+                Some(next) => before = Some(next),
+                None => break,
+            }
+        }
+        let typical_run_ms: BTreeMap<String, u64> = runs
+            .into_iter()
+            .map(|(path, mut v)| {
+                v.sort_unstable();
+                (path, v[v.len() / 2])
+            })
+            .collect();
+        let recent = rows
+            .iter()
+            .map(|r| Recent {
+                allocation: r.allocation.clone(),
+                gpus_per_node: r.gpus_per_node,
+                nodes: r.nodes,
+                priority: r.priority,
+                work_ms: match (r.phase.as_str(), r.run_ms) {
+                    ("finished", ms) if ms > 0 => ms,
+                    _ => r
+                        .allocation
+                        .as_ref()
+                        .and_then(|a| typical_run_ms.get(a).copied())
+                        .unwrap_or(DEFAULT_RUN_MS),
+                },
+            })
+            .collect();
+        Ok(History {
+            typical_run_ms,
+            recent,
+        })
+    }
+}
