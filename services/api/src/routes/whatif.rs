@@ -267,7 +267,9 @@ pub(crate) async fn what_if(
         ));
     };
     let kept = app.inner.projection.read().await.kept();
-    let from_ms = scheduler::wall_clock_ms().max(state.now_ms());
+    // From the ledger's own clock (its last event), so that the same sequence, changes and seed
+    // always give the same answer, here or offline.
+    let from_ms = state.now_ms();
     let horizon_ms = request.horizon_s * 1000;
     let seed = request.seed;
     let answer = tokio::task::spawn_blocking(move || {
@@ -357,7 +359,10 @@ impl History {
                 if row.submit_seq > up_to_seq {
                     continue;
                 }
-                if row.phase == "finished" && row.run_ms > 0 {
+                // A row last changed after the fork may not be read as it was then: its run time
+                // is not counted (its submission is, the same as it ever was).
+                let settled = row.last_seq <= up_to_seq;
+                if settled && row.phase == "finished" && row.run_ms > 0 {
                     if let Some(a) = &row.allocation {
                         runs.entry(a.clone()).or_default().push(row.run_ms);
                     }
@@ -384,7 +389,7 @@ impl History {
                 nodes: r.nodes,
                 priority: r.priority,
                 work_ms: match (r.phase.as_str(), r.run_ms) {
-                    ("finished", ms) if ms > 0 => ms,
+                    ("finished", ms) if ms > 0 && r.last_seq <= up_to_seq => ms,
                     _ => r
                         .allocation
                         .as_ref()

@@ -313,6 +313,16 @@ async fn a_what_if_answers_from_the_live_state_and_writes_nothing() {
         answer["assumptions"]["arrivals"].as_u64().unwrap() > 0,
         "{answer}"
     );
+    // The same sequence, changes and seed: the same answer.
+    let (_, _, again) = call(
+        &f,
+        "POST",
+        "/v1/whatif",
+        Some(r#"{"changes":[{"allocation":"b","weight":3}],"horizon_s":36000,"arrivals":"recent","seed":4}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(again, answer);
     // Nothing was written.
     assert_eq!(f.log.last_seq().await.unwrap(), before);
     // Bad questions name the field and change nothing.
