@@ -761,6 +761,16 @@ pub struct WhatIfArgs {
     /// Seed of the resampled arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Offline, without a server: fold the log up to this sequence (a server's answer names it
+    /// as `forked_at_seq`) and answer as the server would have there. The log is --data's (or
+    /// --nats'); stop a server on the embedded log first.
+    #[arg(long, value_name = "SEQ")]
+    pub at_seq: Option<u64>,
+    /// With --at-seq: the cluster's settings, as `serve --config` takes them.
+    #[arg(long, requires = "at_seq")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub log: crate::logcmd::LogArgs,
 }
 
 /// `k=v,k=v` as pairs; `what` names the flag for the error.
@@ -862,7 +872,10 @@ pub fn what_if(args: &ClientArgs, w: &WhatIfArgs) -> Result<(), String> {
         "arrivals": w.arrivals,
         "seed": w.seed,
     });
-    let v = Api::new(args)?.call("POST", "/v1/whatif", Some(&body))?;
+    let v = match w.at_seq {
+        Some(seq) => crate::logcmd::what_if_at(&w.log, w.config.as_deref(), seq, &body)?,
+        None => Api::new(args)?.call("POST", "/v1/whatif", Some(&body))?,
+    };
     print(args, &v, |v| {
         let (b, c) = (&v["baseline"], &v["changed"]);
         let mut out = format!(

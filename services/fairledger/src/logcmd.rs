@@ -492,3 +492,54 @@ fn describe_difference(d: &serde_json::Value) -> String {
         row["first_seq"], row["last_seq"]
     )
 }
+
+/// A what-if answered offline, as the server would have answered it at sequence `seq`: the log
+/// folded up to `seq` into a scratch projection (with the settings of `config`, as `serve`
+/// takes them), then the same computation as `POST /v1/whatif` on it. `body` is that request's.
+pub fn what_if_at(
+    log_args: &LogArgs,
+    config: Option<&Path>,
+    seq: u64,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    let problem = |p: api::Problem| match &p.field {
+        Some(field) => format!("{} (field {field})", p.detail),
+        None => p.detail,
+    };
+    let asked = api::routes::whatif::Asked::read(
+        body["changes"].as_array().map_or(&[][..], Vec::as_slice),
+        body["horizon_s"].as_u64().unwrap_or(0),
+        body["arrivals"].as_str(),
+        body["seed"].as_u64().unwrap_or(0),
+    )
+    .map_err(problem)?;
+    let (state_config, policy, _, _) = crate::serve::settings(config, None)?;
+    runtime()?.block_on(async {
+        let log = log_args.open().await?;
+        let last = log.last_seq().await.map_err(|e| e.to_string())?;
+        if seq == 0 || seq > last {
+            return Err(format!(
+                "--at-seq {seq}: the log holds events 1 to {last}; name one of them"
+            ));
+        }
+        let scratch = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let mut p =
+            projector::Projector::open(&scratch.path().join("projection"), state_config, &log)
+                .await
+                .map_err(|e| e.to_string())?;
+        while p.last_seq() < seq {
+            let want = (seq - p.last_seq()).min(projector::BATCH as u64) as usize;
+            let events = log
+                .read(p.last_seq() + 1, want)
+                .await
+                .map_err(|e| e.to_string())?;
+            if events.is_empty() {
+                return Err(format!("the log has no event after {}", p.last_seq()));
+            }
+            let upto: Vec<_> = events.into_iter().take_while(|e| e.seq <= seq).collect();
+            p.apply(&upto).map_err(|e| e.to_string())?;
+        }
+        asked.fits(p.state()).map_err(problem)?;
+        api::routes::whatif::answer(p.state(), &policy, &p.kept(), &asked, None).map_err(problem)
+    })
+}

@@ -68,13 +68,17 @@ pub struct ServeArgs {
     pub header_timeout_s: f64,
 }
 
-pub fn serve(args: ServeArgs) -> Result<(), String> {
-    // The cluster's settings and set-up events: from --config, else the demo's.
-    let (state_config, policy, setup, configured_timeout_ms) = match &args.config {
+/// The cluster's settings and set-up events: from the scenario file `config`, else the demo's;
+/// `policy` names the policy over the config's. Also the config's heartbeat timeout, if any.
+pub fn settings(
+    config: Option<&std::path::Path>,
+    policy: Option<&str>,
+) -> Result<(StateConfig, PolicyConfig, Vec<ledger::Event>, Option<u64>), String> {
+    Ok(match config {
         Some(path) => {
             let scenario = sim::scenario::Scenario::load(path).map_err(|e| e.to_string())?;
             let prepared = scenario
-                .prepare_cluster(args.policy.as_deref(), false)
+                .prepare_cluster(policy, false)
                 .map_err(|e| format!("{}: {e}", path.display()))?;
             // A live cluster's writers have clocks of their own: tolerate their skew as the
             // default does (a simulation's events are exact).
@@ -90,7 +94,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             )
         }
         None => {
-            let name = args.policy.as_deref().unwrap_or("fairshare");
+            let name = policy.unwrap_or("fairshare");
             let name = policy::POLICY_NAMES
                 .iter()
                 .find(|p| **p == name)
@@ -106,7 +110,12 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             };
             (StateConfig::default(), policy, crate::demo::cluster(), None)
         }
-    };
+    })
+}
+
+pub fn serve(args: ServeArgs) -> Result<(), String> {
+    let (state_config, policy, setup, configured_timeout_ms) =
+        settings(args.config.as_deref(), args.policy.as_deref())?;
     if args.max_connections == 0 {
         return Err("--max-connections must be at least 1".into());
     }

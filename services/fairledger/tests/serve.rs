@@ -1311,3 +1311,57 @@ fn the_demo_table_shows_waits_and_the_horizon_as_durations() {
         }
     }
 }
+
+/// A what-if answered offline at the server's sequence (`fairledger whatif --at-seq`, no server)
+/// is the server's answer, figure for figure: both are the same function of the log's prefix.
+#[test]
+fn a_what_if_offline_at_the_servers_sequence_is_the_servers_answer() {
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--data", data.path().to_str().unwrap()]);
+    for (allocation, gpus, estimate) in [
+        ("uw/nlp", 8, 7200),
+        ("uw/nlp", 8, 3600),
+        ("ai2/tulu", 4, 1800),
+        ("ai2/tulu", 8, 5400),
+        ("ai2/olmo/eval", 8, 600),
+        ("uw/nlp", 8, 3600),
+        ("ai2/tulu", 8, 3600),
+    ] {
+        let body = format!(
+            r#"{{"allocation":"{allocation}","gpus_per_node":{gpus},"nodes":2,"duration_estimate_s":{estimate},"command":["sleep","600"]}}"#
+        );
+        let (status, answer) = server.call("POST", "/v1/workloads", Some(&body));
+        assert_eq!(status, 202, "{answer}");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let question = r#"{"changes":[{"allocation":"ai2/tulu","weight":4},{"fail_gpus":[{"node":"demo-1","gpu":2}]}],"horizon_s":86400,"arrivals":"recent","seed":9}"#;
+    let (status, online) = server.call("POST", "/v1/whatif", Some(question));
+    assert_eq!(status, 200, "{online}");
+    let seq = online["forked_at_seq"].as_u64().unwrap();
+    assert!(server.stop().success());
+    let out = Command::new(BIN)
+        .args(["whatif", "--json", "--at-seq", &seq.to_string()])
+        .args(["--data", data.path().to_str().unwrap()])
+        .args(["--set", "ai2/tulu:weight=4", "--fail-gpu", "demo-1:2"])
+        .args(["--horizon", "1d", "--arrivals", "recent", "--seed", "9"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let offline: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(offline, online);
+    // A sequence the log does not hold: one line saying which it does.
+    let out = Command::new(BIN)
+        .args(["whatif", "--at-seq", "999999"])
+        .args(["--data", data.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        !out.status.success() && err.contains("the log holds events 1 to "),
+        "{err}"
+    );
+}

@@ -203,32 +203,16 @@ pub(crate) async fn what_if(
     body: Result<Json<WhatIfRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(request) = body.map_err(bad_body)?;
-    let changes = request
-        .changes
-        .iter()
-        .enumerate()
-        .map(|(i, v)| change(i, v))
-        .collect::<Result<Vec<_>, _>>()?;
-    let resampled = match request.arrivals.as_deref() {
-        None | Some("none") => false,
-        Some("recent") => true,
-        Some(other) => {
-            return Err(Problem::invalid(
-                "arrivals",
-                format!("{other:?} is not known; use none or recent"),
-            ))
-        }
-    };
-    if !(1..=HORIZON_MAX_S).contains(&request.horizon_s) {
-        return Err(Problem::invalid(
-            "horizon_s",
-            format!("the horizon must be 1 s to {HORIZON_MAX_S} s (30 days)"),
-        ));
-    }
+    let asked = Asked::read(
+        &request.changes,
+        request.horizon_s,
+        request.arrivals.as_deref(),
+        request.seed,
+    )?;
     let (state, policy) = {
         let p = app.inner.projection.read().await;
         let state = p.state();
-        for c in &changes {
+        for c in &asked.changes {
             caller.allow(
                 &Action::WhatIf {
                     allocation: touches(c),
@@ -236,24 +220,7 @@ pub(crate) async fn what_if(
                 state,
             )?;
         }
-        let added: u64 = changes
-            .iter()
-            .map(|c| match c {
-                Change::AddNodes { count, gpus, .. } => u64::from(*count) * u64::from(*gpus),
-                _ => 0,
-            })
-            .sum();
-        let gpus = state.cluster().total_gpus + added;
-        if request.horizon_s.saturating_mul(gpus.max(1)) > GPU_SECONDS_MAX {
-            return Err(Problem::invalid(
-                "horizon_s",
-                format!(
-                    "{} s of {gpus} GPUs is over the limit of {GPU_SECONDS_MAX} GPU-seconds; ask for at most {} s",
-                    request.horizon_s,
-                    GPU_SECONDS_MAX / gpus.max(1)
-                ),
-            ));
-        }
+        asked.fits(state)?;
         (state.clone(), app.inner.policy.clone())
     };
     let Ok(_turn) = tokio::time::timeout(
@@ -267,53 +234,142 @@ pub(crate) async fn what_if(
         ));
     };
     let kept = app.inner.projection.read().await.kept();
-    // From the ledger's own clock (its last event), so that the same sequence, changes and seed
-    // always give the same answer, here or offline.
-    let from_ms = state.now_ms();
-    let horizon_ms = request.horizon_s * 1000;
-    let seed = request.seed;
-    let answer = tokio::task::spawn_blocking(move || {
-        let window_ms = state.config().window_ms;
-        let history = History::read(&kept, state.last_seq(), from_ms.saturating_sub(window_ms))?;
-        let arrivals = if resampled {
-            whatif::resample(&history.recent, window_ms, from_ms, horizon_ms, seed)
-        } else {
-            Vec::new()
-        };
-        let question = Question {
-            changes,
-            from_ms,
-            horizon_ms,
-            arrivals,
-        };
-        let deadline = Instant::now() + TIME_LIMIT;
-        // The typical run of each allocation, by the state's allocation ids.
-        let typical: BTreeMap<u32, u64> = history
-            .typical_run_ms
-            .iter()
-            .filter_map(|(path, ms)| Some((state.allocations().get(path)?, *ms)))
-            .collect();
-        let work = move |w: &ledger::Workload| {
-            let default = w
-                .allocation
-                .and_then(|a| typical.get(&a).copied())
-                .unwrap_or(DEFAULT_RUN_MS);
-            whatif::estimated_work_ms(w, default)
-        };
-        let answer = whatif::what_if(&state, &policy, &question, &work, &mut || {
-            Instant::now() < deadline
-        });
-        Ok::<_, Problem>((answer, history, question.arrivals.len()))
+    let body = tokio::task::spawn_blocking(move || {
+        answer(
+            &state,
+            &policy,
+            &kept,
+            &asked,
+            Some(Instant::now() + TIME_LIMIT),
+        )
     })
     .await
     .map_err(|e| Problem::unavailable(e.to_string()))??;
-    let (answer, history, arrivals) = answer;
+    Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+/// A what-if as asked, read and checked apart from any state.
+#[derive(Clone, Debug)]
+pub struct Asked {
+    changes: Vec<Change>,
+    horizon_s: u64,
+    resampled: bool,
+    seed: u64,
+}
+
+impl Asked {
+    /// The question of a request's body: its changes (as the API takes them), horizon,
+    /// arrivals (`none` or `recent`) and seed; a problem naming the field otherwise.
+    pub fn read(
+        changes: &[Value],
+        horizon_s: u64,
+        arrivals: Option<&str>,
+        seed: u64,
+    ) -> Result<Asked, Problem> {
+        let changes = changes
+            .iter()
+            .enumerate()
+            .map(|(i, v)| change(i, v))
+            .collect::<Result<Vec<_>, _>>()?;
+        let resampled = match arrivals {
+            None | Some("none") => false,
+            Some("recent") => true,
+            Some(other) => {
+                return Err(Problem::invalid(
+                    "arrivals",
+                    format!("{other:?} is not known; use none or recent"),
+                ))
+            }
+        };
+        if !(1..=HORIZON_MAX_S).contains(&horizon_s) {
+            return Err(Problem::invalid(
+                "horizon_s",
+                format!("the horizon must be 1 s to {HORIZON_MAX_S} s (30 days)"),
+            ));
+        }
+        Ok(Asked {
+            changes,
+            horizon_s,
+            resampled,
+            seed,
+        })
+    }
+
+    /// Whether its horizon times the cluster's GPUs (with any added) is within the limit.
+    pub fn fits(&self, state: &ledger::State) -> Result<(), Problem> {
+        let added: u64 = self
+            .changes
+            .iter()
+            .map(|c| match c {
+                Change::AddNodes { count, gpus, .. } => u64::from(*count) * u64::from(*gpus),
+                _ => 0,
+            })
+            .sum();
+        let gpus = (state.cluster().total_gpus + added).max(1);
+        if self.horizon_s.saturating_mul(gpus) > GPU_SECONDS_MAX {
+            return Err(Problem::invalid(
+                "horizon_s",
+                format!(
+                    "{} s of {gpus} GPUs is over the limit of {GPU_SECONDS_MAX} GPU-seconds; ask for at most {} s",
+                    self.horizon_s,
+                    GPU_SECONDS_MAX / gpus
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The answer to `asked` on `state` as `policy` schedules it, with the history in `kept` (the
+/// projection's rows) for run times and arrivals, given up at `deadline`. A function of the
+/// log's prefix up to the state's sequence: the server and `fairledger whatif --at-seq` give
+/// the same.
+pub fn answer(
+    state: &ledger::State,
+    policy: &ledger::policy::PolicyConfig,
+    kept: &projector::Kept,
+    asked: &Asked,
+    deadline: Option<Instant>,
+) -> Result<Value, Problem> {
+    // From the ledger's own clock (its last event), so that the same sequence, changes and seed
+    // always give the same answer, here or offline.
+    let from_ms = state.now_ms();
+    let horizon_ms = asked.horizon_s * 1000;
+    let window_ms = state.config().window_ms;
+    let history = History::read(kept, state.last_seq(), from_ms.saturating_sub(window_ms))?;
+    let arrivals = if asked.resampled {
+        whatif::resample(&history.recent, window_ms, from_ms, horizon_ms, asked.seed)
+    } else {
+        Vec::new()
+    };
+    let question = Question {
+        changes: asked.changes.clone(),
+        from_ms,
+        horizon_ms,
+        arrivals,
+    };
+    // The typical run of each allocation, by the state's allocation ids.
+    let typical: BTreeMap<u32, u64> = history
+        .typical_run_ms
+        .iter()
+        .filter_map(|(path, ms)| Some((state.allocations().get(path)?, *ms)))
+        .collect();
+    let work = move |w: &ledger::Workload| {
+        let default = w
+            .allocation
+            .and_then(|a| typical.get(&a).copied())
+            .unwrap_or(DEFAULT_RUN_MS);
+        whatif::estimated_work_ms(w, default)
+    };
+    let answer = whatif::what_if(state, policy, &question, &work, &mut || {
+        deadline.is_none_or(|d| Instant::now() < d)
+    });
     match answer {
         Ok(answer) => {
             let mut body = serde_json::to_value(&answer).expect("answers serialize");
             body["assumptions"] = json!({
-                "arrivals": arrivals,
-                "seed": seed,
+                "arrivals": question.arrivals.len(),
+                "seed": asked.seed,
                 "default_run_s": DEFAULT_RUN_MS / 1000,
                 "typical_run_s": history
                     .typical_run_ms
@@ -322,7 +378,7 @@ pub(crate) async fn what_if(
                     .collect::<serde_json::Map<_, _>>(),
                 "how": "running work ends by its duration estimate, else by the typical run of its allocation over the last usage window, else default_run_s; nodes heartbeat perfectly; nothing is written to the ledger",
             });
-            Ok((StatusCode::OK, Json(body)).into_response())
+            Ok(body)
         }
         Err(WhatIfError::Refused { field, message }) => Err(Problem::invalid(&field, message)),
         Err(WhatIfError::Stopped) => Err(Problem::unavailable(format!(
