@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::event::*;
 use crate::policy::{by_name, PolicyConfig};
@@ -97,7 +97,7 @@ pub enum WhatIfError {
 }
 
 /// The answer: the same horizon without and with the changes.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Answer {
     /// The ledger's sequence the forks start from.
     pub forked_at_seq: u64,
@@ -112,7 +112,7 @@ pub struct Answer {
 }
 
 /// One side of the answer, over the horizon.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Side {
     /// Every leaf allocation at the end of the horizon.
     pub allocations: Vec<AllocationOutcome>,
@@ -124,7 +124,7 @@ pub struct Side {
 }
 
 /// An allocation over the horizon.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AllocationOutcome {
     /// Its path.
     pub path: String,
@@ -149,7 +149,7 @@ pub struct AllocationOutcome {
 }
 
 /// The cluster over the horizon.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterOutcome {
     /// Healthy GPUs at the end.
     pub healthy_gpus: u64,
@@ -166,7 +166,7 @@ pub struct ClusterOutcome {
 }
 
 /// When a workload pending at the fork would start.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PendingOutcome {
     /// The workload.
     pub id: WorkloadId,

@@ -769,6 +769,9 @@ pub struct WhatIfArgs {
     /// With --at-seq: the cluster's settings, as `serve --config` takes them.
     #[arg(long, requires = "at_seq")]
     pub config: Option<PathBuf>,
+    /// Also write the comparison as a self-contained page.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     #[command(flatten)]
     pub log: crate::logcmd::LogArgs,
 }
@@ -876,6 +879,16 @@ pub fn what_if(args: &ClientArgs, w: &WhatIfArgs) -> Result<(), String> {
         Some(seq) => crate::logcmd::what_if_at(&w.log, w.config.as_deref(), seq, &body)?,
         None => Api::new(args)?.call("POST", "/v1/whatif", Some(&body))?,
     };
+    if let Some(path) = &w.html {
+        let answer: ledger::whatif::Answer = serde_json::from_value(v.clone())
+            .map_err(|e| format!("the answer is not a what-if's: {e}"))?;
+        let title = api::routes::whatif::describe(
+            body["changes"].as_array().map_or(&[][..], Vec::as_slice),
+        );
+        let page = sim::html::what_if(&answer, &title).map_err(|e| e.to_string())?;
+        std::fs::write(path, page).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        eprintln!("comparison: {}", path.display());
+    }
     print(args, &v, |v| {
         let (b, c) = (&v["baseline"], &v["changed"]);
         let mut out = format!(

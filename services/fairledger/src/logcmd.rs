@@ -540,6 +540,8 @@ pub fn what_if_at(
             p.apply(&upto).map_err(|e| e.to_string())?;
         }
         asked.fits(p.state()).map_err(problem)?;
-        api::routes::whatif::answer(p.state(), &policy, &p.kept(), &asked, None).map_err(problem)
+        api::routes::whatif::answer(p.state(), &policy, &p.kept(), &asked, None)
+            .map(|a| a.json())
+            .map_err(problem)
     })
 }

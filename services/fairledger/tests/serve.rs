@@ -256,6 +256,23 @@ fn the_command_line_client_speaks_to_the_server() {
         server.call("GET", "/v1/events?limit=1", None).1["last_seq"],
         before
     );
+    let page = data.path().join("whatif.html");
+    cli(
+        &server,
+        &[
+            "whatif",
+            "--set",
+            "uw/nlp:weight=1",
+            "--html",
+            page.to_str().unwrap(),
+        ],
+    )
+    .unwrap();
+    let page = std::fs::read_to_string(page).unwrap();
+    assert!(
+        page.contains("uw/nlp") && page.matches("<svg").count() == 3,
+        "{page}"
+    );
     let err = cli(&server, &["whatif", "--remove-allocation", "nope"]).unwrap_err();
     assert!(err.contains("(field changes[0])"), "{err}");
     let json = cli(&server, &["queue", "--json"]).unwrap();

@@ -821,3 +821,133 @@ fn legend_of(series: &[Series]) -> String {
     }
     s + "</p>"
 }
+
+/// A what-if's answer as a self-contained page: each allocation's delivered over owed,
+/// delivered GPU-hours and 90th-percentile wait, without and with the changes (in the policies'
+/// colours of `compare.html`), and the figures side by side. `changes` describes what was
+/// tried, for the title.
+pub fn what_if(answer: &ledger::whatif::Answer, changes: &str) -> Result<String, SimError> {
+    register_font();
+    let sides = [
+        ("baseline", &answer.baseline),
+        ("with the changes", &answer.changed),
+    ];
+    let mut names: Vec<String> = Vec::new();
+    for (_, side) in &sides {
+        for a in &side.allocations {
+            if !names.contains(&a.path) {
+                names.push(a.path.clone());
+            }
+        }
+    }
+    let series =
+        |value: &dyn Fn(&ledger::whatif::AllocationOutcome) -> Option<f64>| -> Vec<Series> {
+            sides
+                .iter()
+                .enumerate()
+                .map(|(i, (label, side))| {
+                    let (r, g, b) = POLICY_PALETTE[i % POLICY_PALETTE.len()];
+                    let points = names
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(j, path)| {
+                            let a = side.allocations.iter().find(|a| &a.path == path)?;
+                            Some((j as f64, value(a)?))
+                        })
+                        .collect();
+                    (label.to_string(), RGBColor(r, g, b), points)
+                })
+                .collect()
+        };
+    let ratio = series(&|a| a.delivered_over_owed);
+    let delivered = series(&|a| Some(a.delivered_gpu_hours));
+    let waits = series(&|a| a.wait_p90_s.map(|s| s / 3600.0));
+    let legend = legend_of(&ratio);
+    let charts = format!(
+        "<h2>Delivered / owed per allocation</h2>{legend}{}\
+<h2>Delivered GPU-hours per allocation</h2>{legend}{}\
+<h2>Queue waits per allocation</h2>{legend}{}<p class=note>The 90th percentile of waits from submission to first start.</p>",
+        dots_svg(&ratio, &names, "delivered / owed", Some(1.0))?,
+        dots_svg(&delivered, &names, "GPU-hours", None)?,
+        dots_svg(&waits, &names, "wait p90 (hours)", None)?,
+    );
+    let clock = |s: Option<f64>| {
+        s.map_or("-".into(), |s| {
+            let s = s.round() as u64;
+            let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
+            if d > 0 {
+                format!("{d}-{h:02}:{m:02}:{s:02}")
+            } else {
+                format!("{h:02}:{m:02}:{s:02}")
+            }
+        })
+    };
+    let mut rows = String::new();
+    for path in &names {
+        let find = |side: &ledger::whatif::Side| {
+            side.allocations.iter().find(|a| &a.path == path).cloned()
+        };
+        let (b, c) = (find(&answer.baseline), find(&answer.changed));
+        let both = |f: &dyn Fn(&ledger::whatif::AllocationOutcome) -> String| {
+            format!(
+                "<td>{}</td><td>{}</td>",
+                b.as_ref().map_or("-".into(), f),
+                c.as_ref().map_or("-".into(), f)
+            )
+        };
+        rows += &format!(
+            "<tr><td>{}</td>{}{}{}{}{}{}{}</tr>",
+            escape(path),
+            both(&|a| a.weight.to_string()),
+            both(&|a| format!("{:.1}", a.owed_gpu_hours)),
+            both(&|a| format!("{:.1}", a.delivered_gpu_hours)),
+            both(&|a| a
+                .delivered_over_owed
+                .map_or("-".into(), |r| format!("{r:.3}"))),
+            both(&|a| clock(a.wait_p50_s)),
+            both(&|a| clock(a.wait_p90_s)),
+            both(&|a| a.preemptions.to_string()),
+        );
+    }
+    let head = [
+        "weight",
+        "owed GPU-h",
+        "delivered GPU-h",
+        "delivered/owed",
+        "wait p50",
+        "wait p90",
+        "preemptions",
+    ]
+    .iter()
+    .map(|h| format!("<th colspan=2>{h}</th>"))
+    .collect::<String>();
+    let sub = "<th>before</th><th>after</th>".repeat(7);
+    let (b, c) = (&answer.baseline.cluster, &answer.changed.cluster);
+    let started = |side: &ledger::whatif::Side| {
+        side.pending
+            .iter()
+            .filter(|p| p.start_at_ms.is_some())
+            .count()
+    };
+    let horizon = clock(Some(answer.horizon_s));
+    Ok(format!(
+        "<!doctype html><html><head><meta charset=utf-8><title>fairledger what-if</title><style>{STYLE}</style></head><body>\
+<h1>What if: {changes}</h1>\
+<p>From the ledger at event {seq}, {horizon} ahead ([D-]HH:MM:SS). Nothing was written.</p>\
+<p>Occupancy {bo:.3} &rarr; <b>{co:.3}</b> &middot; healthy GPUs {bh} &rarr; {ch} &middot; preemptions {bp} &rarr; {cp} &middot; contract violations {bv} &rarr; {cv} &middot; of {n} workloads waiting now, {bs} &rarr; <b>{cs}</b> start within the horizon</p>\
+<table><tr><th rowspan=2>allocation</th>{head}</tr><tr>{sub}</tr>{rows}</table>{charts}</body></html>\n",
+        changes = escape(changes),
+        seq = answer.forked_at_seq,
+        bo = b.occupancy,
+        co = c.occupancy,
+        bh = b.healthy_gpus,
+        ch = c.healthy_gpus,
+        bp = b.preemptions,
+        cp = c.preemptions,
+        bv = b.contract_violations,
+        cv = c.contract_violations,
+        n = answer.baseline.pending.len(),
+        bs = started(&answer.baseline),
+        cs = started(&answer.changed),
+    ))
+}

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
+use axum::extract::{Query, State};
+use axum::http::header;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -190,6 +191,7 @@ fn touches(c: &Change) -> Option<&str> {
 }
 
 #[utoipa::path(post, path = "/v1/whatif", tag = "allocations",
+    params(WhatIfQuery),
     request_body = WhatIfRequest,
     responses(
         (status = 200, description = "the same horizon from the live state without and with the changes: per allocation owed and delivered GPU-hours, waits and preemptions; the cluster's occupancy; when each pending workload would start. Nothing is written.", body = serde_json::Value),
@@ -200,9 +202,22 @@ fn touches(c: &Change) -> Option<&str> {
 pub(crate) async fn what_if(
     State(app): State<App>,
     caller: Caller,
+    query: Result<Query<WhatIfQuery>, axum::extract::rejection::QueryRejection>,
     body: Result<Json<WhatIfRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
+    let Query(query) = query.map_err(super::bad_query)?;
+    let html = match query.format.as_deref() {
+        None | Some("json") => false,
+        Some("html") => true,
+        Some(other) => {
+            return Err(Problem::invalid(
+                "format",
+                format!("format={other} is not known; use json or html"),
+            ))
+        }
+    };
     let Json(request) = body.map_err(bad_body)?;
+    let title = describe(&request.changes);
     let asked = Asked::read(
         &request.changes,
         request.horizon_s,
@@ -234,7 +249,7 @@ pub(crate) async fn what_if(
         ));
     };
     let kept = app.inner.projection.read().await.kept();
-    let body = tokio::task::spawn_blocking(move || {
+    let answered = tokio::task::spawn_blocking(move || {
         answer(
             &state,
             &policy,
@@ -245,7 +260,63 @@ pub(crate) async fn what_if(
     })
     .await
     .map_err(|e| Problem::unavailable(e.to_string()))??;
-    Ok((StatusCode::OK, Json(body)).into_response())
+    if !html {
+        return Ok((StatusCode::OK, Json(answered.json())).into_response());
+    }
+    let page = sim::html::what_if(&answered.answer, &title)
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
+    Ok((
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            // Self-contained: its own style, no script, nothing fetched.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; style-src 'unsafe-inline'",
+            ),
+        ],
+        page,
+    )
+        .into_response())
+}
+
+/// How `POST /v1/whatif` answers.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WhatIfQuery {
+    /// `json` (default), or `html`: a self-contained page comparing both sides.
+    format: Option<String>,
+}
+
+/// A what-if's answer, with what it assumed.
+#[derive(Clone, Debug)]
+pub struct Answered {
+    /// Both sides.
+    pub answer: whatif::Answer,
+    /// Run times, arrivals and seed assumed.
+    pub assumptions: Value,
+}
+
+impl Answered {
+    /// As `POST /v1/whatif` answers it.
+    pub fn json(&self) -> Value {
+        let mut body = serde_json::to_value(&self.answer).expect("answers serialize");
+        body["assumptions"] = self.assumptions.clone();
+        body
+    }
+}
+
+/// The changes of a request, as the title of a page: `{"allocation":"ai2","weight":3}; …`.
+pub fn describe(changes: &[Value]) -> String {
+    if changes.is_empty() {
+        return "no change".into();
+    }
+    changes
+        .iter()
+        .map(Value::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A what-if as asked, read and checked apart from any state.
@@ -330,7 +401,7 @@ pub fn answer(
     kept: &projector::Kept,
     asked: &Asked,
     deadline: Option<Instant>,
-) -> Result<Value, Problem> {
+) -> Result<Answered, Problem> {
     // From the ledger's own clock (its last event), so that the same sequence, changes and seed
     // always give the same answer, here or offline.
     let from_ms = state.now_ms();
@@ -366,8 +437,7 @@ pub fn answer(
     });
     match answer {
         Ok(answer) => {
-            let mut body = serde_json::to_value(&answer).expect("answers serialize");
-            body["assumptions"] = json!({
+            let assumptions = json!({
                 "arrivals": question.arrivals.len(),
                 "seed": asked.seed,
                 "default_run_s": DEFAULT_RUN_MS / 1000,
@@ -378,7 +448,10 @@ pub fn answer(
                     .collect::<serde_json::Map<_, _>>(),
                 "how": "running work ends by its duration estimate, else by the typical run of its allocation over the last usage window, else default_run_s; nodes heartbeat perfectly; nothing is written to the ledger",
             });
-            Ok(body)
+            Ok(Answered {
+                answer,
+                assumptions,
+            })
         }
         Err(WhatIfError::Refused { field, message }) => Err(Problem::invalid(&field, message)),
         Err(WhatIfError::Stopped) => Err(Problem::unavailable(format!(

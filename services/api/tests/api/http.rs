@@ -323,6 +323,46 @@ async fn a_what_if_answers_from_the_live_state_and_writes_nothing() {
     )
     .await;
     assert_eq!(again, answer);
+    // As a self-contained page: the same figures side by side, and three pictures.
+    let res = f
+        .router
+        .clone()
+        .oneshot(
+            Request::post("/v1/whatif?format=html")
+                .header("authorization", format!("Bearer {}", f.admin))
+                .header("content-type", "application/json")
+                .body(Body::from(
+                    r#"{"changes":[{"allocation":"b","weight":3}],"horizon_s":36000}"#,
+                ))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let page =
+        String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    assert!(
+        page.contains("<h1>What if: {") && page.contains("weight"),
+        "{page}"
+    );
+    assert_eq!(page.matches("<svg").count(), 3);
+    assert!(!page.contains("<script"));
+    let (status, _, problem) = call(
+        &f,
+        "POST",
+        "/v1/whatif?format=pdf",
+        Some(r#"{"changes":[],"horizon_s":60}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("format"))
+    );
     // Nothing was written.
     assert_eq!(f.log.last_seq().await.unwrap(), before);
     // Bad questions name the field and change nothing.
