@@ -575,18 +575,18 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
     }
     // Pages of at most 1,000 until the limit or the history runs out.
     let mut rows: Vec<Value> = Vec::new();
-    let mut before: Option<u64> = None;
+    let mut before: Option<String> = None;
     let mut now;
     loop {
         let mut q = query.clone();
         q.push(("limit", (filter.limit - rows.len()).min(1_000).to_string()));
-        if let Some(b) = before {
-            q.push(("before", b.to_string()));
+        if let Some(b) = &before {
+            q.push(("before", b.clone()));
         }
         let page = api.call("GET", &with_query("/v1/workloads", &q), None)?;
         rows.extend(page["workloads"].as_array().into_iter().flatten().cloned());
         now = page["now_ms"].clone();
-        before = page["next_before"].as_u64();
+        before = page["next_before"].as_str().map(str::to_owned);
         if before.is_none() || rows.len() >= filter.limit {
             break;
         }
@@ -633,7 +633,7 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
             ],
             rows,
         );
-        if v["next_before"].is_u64() {
+        if v["next_before"].is_string() {
             out += "(more: raise --limit, or narrow with --since, --state, --allocation)\n";
         }
         out

@@ -1,14 +1,14 @@
 //! The projector: folds the ledger log into a sled projection, exactly once.
 //!
-//! The projection is one sled tree of rows in six key spaces:
+//! The projection is one sled tree of rows in five key spaces:
 //!
 //! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
 //!   malformed events;
-//! - `w/<id>` one row per workload (phase, allocation, placement, protection), in postcard;
+//! - `w/<id>` one row per workload (phase, allocation, placement, protection, name, runs), in
+//!   postcard; ids are UUIDv7 (the API's, the simulator's), so key order is submission order
+//!   and listings read it backwards;
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
-//! - `s/<seq>` the workload the submission at that sequence made: workloads in submission
-//!   order, for listings;
 //! - `i/<key>` the workload the first submission with an idempotency key created, and that
 //!   submission's sequence;
 //! - `k/<granularity><period start><allocation>` the kept figures of every closed hour, day,
@@ -57,10 +57,11 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (14: workload rows carry their name, run time and last nodes, and submissions are indexed;
+/// (15: no index of submissions (14 had one); 14: workload rows carry their name, run time and
+/// last nodes;
 /// 13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
 /// rows; 11: version-1 events are folded by the names rules of their day again).
-const FORMAT: u32 = 14;
+const FORMAT: u32 = 15;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";
@@ -836,9 +837,6 @@ impl Projector {
                             {
                                 batch.insert(idempotency_key(key), key_row(*workload, e.seq));
                             }
-                            if let Event::WorkloadSubmitted(s) = &env.event {
-                                batch.insert(submission_key(e.seq).to_vec(), s.workload.as_bytes());
-                            }
                             if let Some(id) = about {
                                 // Its trail so far: kept in memory while it lives, else the
                                 // stored row's.
@@ -1475,10 +1473,10 @@ pub fn is_user(actor: &str, user: &str) -> bool {
 /// One page of a listing of workloads.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WorkloadPage {
-    /// The workloads, newest submission first.
+    /// The workloads, newest first.
     pub rows: Vec<WorkloadRow>,
-    /// The submission sequence to ask the next page before, while older ones are left.
-    pub next: Option<u64>,
+    /// The workload to ask the next page before, while older ones are left.
+    pub next: Option<WorkloadId>,
     /// Rows read to make the page.
     pub scanned: usize,
 }
@@ -1521,14 +1519,15 @@ impl Kept {
         Ok(out)
     }
 
-    /// Workloads that `filter` admits, newest submission first, from the submission before
-    /// sequence `before` (from the newest when `None`): at most `limit` of them, and no more
-    /// than `budget` rows read, so a selective filter over a long history answers in pages of
-    /// bounded work. [`WorkloadPage::next`] is where the next page starts, while any are left.
+    /// Workloads that `filter` admits, newest first (in id order backwards, which for the
+    /// UUIDv7 ids the ledger makes is submission order), from the one before `before` (from the
+    /// newest when `None`): at most `limit` of them, and no more than `budget` rows read, so a
+    /// selective filter over a long history answers in pages of bounded work.
+    /// [`WorkloadPage::next`] is where the next page starts, while any are left.
     pub fn workloads(
         &self,
         filter: &WorkloadFilter,
-        before: Option<u64>,
+        before: Option<WorkloadId>,
         limit: usize,
         budget: usize,
     ) -> Result<WorkloadPage, ProjectionError> {
@@ -1540,24 +1539,18 @@ impl Kept {
             dir: self.dir.clone(),
             reason,
         };
-        let end = submission_key(before.unwrap_or(u64::MAX));
+        // Every `w/` key is `w/` and 16 bytes: `w0` is past the last of them.
+        let end = before.map_or_else(|| b"w0".to_vec(), workload_key);
         let mut page = WorkloadPage::default();
-        for entry in self.tree.range(submission_key(0)..end).rev() {
+        for entry in self.tree.range(b"w/".to_vec()..end).rev() {
             if page.rows.len() >= limit || page.scanned >= budget {
                 break;
             }
             let (k, v) = entry.map_err(storage)?;
-            let seq = u64_of(&k[2..]).ok_or_else(|| corrupt("bad submission key".into()))?;
-            let id = WorkloadId::from_slice(&v)
-                .map_err(|e| corrupt(format!("submission {seq}: {e}")))?;
+            let row: WorkloadRow = postcard::from_bytes(&v)
+                .map_err(|e| corrupt(format!("workload row {k:?}: {e}")))?;
             page.scanned += 1;
-            page.next = Some(seq);
-            let row: WorkloadRow = match self.tree.get(workload_key(id)).map_err(storage)? {
-                Some(v) => postcard::from_bytes(&v)
-                    .map_err(|e| corrupt(format!("workload row {id}: {e}")))?,
-                // Written in the same batch as its index entry: never missing.
-                None => return Err(corrupt(format!("submission {seq} of {id} has no row"))),
-            };
+            page.next = Some(row.id);
             if filter.admits(&row) {
                 page.rows.push(row);
             }
@@ -1566,7 +1559,7 @@ impl Kept {
         if let Some(next) = page.next {
             let more = self
                 .tree
-                .range(submission_key(0)..submission_key(next))
+                .range(b"w/".to_vec()..workload_key(next))
                 .next_back()
                 .is_some();
             if !more {
@@ -1609,15 +1602,6 @@ fn idempotency_key(key: &str) -> Vec<u8> {
 /// An `i/` row: the workload the key's first submission created, and its sequence.
 fn key_row(id: WorkloadId, seq: u64) -> Vec<u8> {
     postcard::to_stdvec(&(id, seq)).expect("key rows always serialize")
-}
-
-/// The key of the index of submissions: `s/<sequence>` holds the id of the workload the
-/// submission at that sequence made, so workloads are listed in submission order.
-fn submission_key(seq: u64) -> [u8; 10] {
-    let mut k = [0u8; 10];
-    k[..2].copy_from_slice(b"s/");
-    k[2..].copy_from_slice(&seq.to_be_bytes());
-    k
 }
 
 fn rejection_key(seq: u64) -> [u8; 10] {

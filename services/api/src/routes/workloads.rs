@@ -505,8 +505,8 @@ pub(crate) struct ListQuery {
     until: Option<String>,
     /// At most this many (default 100, at most 1,000).
     limit: Option<usize>,
-    /// The page after another: its `next_before`.
-    before: Option<u64>,
+    /// The page after another: its `next_before` (a workload id).
+    before: Option<String>,
 }
 
 #[utoipa::path(get, path = "/v1/workloads", tag = "workloads", params(ListQuery),
@@ -540,13 +540,24 @@ pub(crate) async fn list(
         since_ms: instant_param("since", query.since.as_deref())?,
         until_ms: instant_param("until", query.until.as_deref())?,
     };
+    let before = query
+        .before
+        .as_deref()
+        .map(|b| {
+            Uuid::parse_str(b).map_err(|_| {
+                Problem::invalid(
+                    "before",
+                    format!("{b:?} is not a workload id (next_before)"),
+                )
+            })
+        })
+        .transpose()?;
     let kept = app.inner.projection.read().await.kept();
-    let page = tokio::task::spawn_blocking(move || {
-        kept.workloads(&filter, query.before, limit, LISTING_BUDGET)
-    })
-    .await
-    .map_err(|e| Problem::unavailable(e.to_string()))?
-    .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let page =
+        tokio::task::spawn_blocking(move || kept.workloads(&filter, before, limit, LISTING_BUDGET))
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
     let now = scheduler::wall_clock_ms();
     let rows: Vec<serde_json::Value> = page.rows.iter().map(|r| listed(r, now)).collect();
     Ok(Json(json!({

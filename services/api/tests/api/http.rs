@@ -137,7 +137,7 @@ async fn submit_then_placed_then_cancel() {
     assert_eq!(all["next_before"], serde_json::Value::Null);
     let (_, _, first) = call(&f, "GET", "/v1/workloads?limit=1", None, &[]).await;
     assert_eq!(first["workloads"].as_array().unwrap().len(), 1);
-    let next = first["next_before"].as_u64().expect("a second page");
+    let next = first["next_before"].as_str().expect("a second page");
     let (_, _, second) = call(
         &f,
         "GET",
@@ -635,6 +635,13 @@ async fn bad_input_names_the_field_and_changes_nothing() {
             None,
             StatusCode::UNPROCESSABLE_ENTITY,
             Some("to"),
+        ),
+        (
+            "GET",
+            "/v1/workloads?before=42",
+            None,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("before"),
         ),
         (
             "GET",
