@@ -6,7 +6,7 @@
 //! sides. Pure: the same state, changes, horizon, durations and arrivals give the same answer,
 //! and nothing is written anywhere but the two forks.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -495,18 +495,11 @@ fn side(
     let end = &engine.state;
     let mut allocations = Vec::new();
     let mut violations = 0;
-    let live: BTreeSet<&str> = end
-        .allocations()
-        .nodes
-        .iter()
-        .filter(|a| !a.removed && a.is_leaf())
-        .map(|a| a.path.as_str())
-        .collect();
     for a in end
         .allocations()
         .nodes
         .iter()
-        .filter(|a| live.contains(a.path.as_str()))
+        .filter(|a| !a.removed && a.is_leaf())
     {
         let (owed0, delivered0, violations0) = start.get(&a.path).copied().unwrap_or_default();
         let owed = (a.owed_gpu_ms - owed0).max(0.0) / 3.6e6;

@@ -722,13 +722,7 @@ pub fn seconds(text: &str) -> Result<u64, String> {
 
 /// A duration as Slurm prints it: `HH:MM:SS`, with `D-` in front from a day on.
 pub fn clock(ms: u64) -> String {
-    let s = ms / 1000;
-    let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
-    if d > 0 {
-        format!("{d}-{h:02}:{m:02}:{s:02}")
-    } else {
-        format!("{h:02}:{m:02}:{s:02}")
-    }
+    sim::html::clock(ms / 1000)
 }
 
 /// What `fairledger whatif` tries.

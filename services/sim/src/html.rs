@@ -90,6 +90,21 @@ fn colours(report: &Report) -> Vec<(String, RGBColor)> {
     v
 }
 
+/// A duration of `seconds` as Slurm prints it: `HH:MM:SS`, with `D-` in front from a day on.
+pub fn clock(seconds: u64) -> String {
+    let (d, h, m, s) = (
+        seconds / 86_400,
+        seconds / 3_600 % 24,
+        seconds / 60 % 60,
+        seconds % 60,
+    );
+    if d > 0 {
+        format!("{d}-{h:02}:{m:02}:{s:02}")
+    } else {
+        format!("{h:02}:{m:02}:{s:02}")
+    }
+}
+
 fn hex(c: &RGBColor) -> String {
     format!("#{:02x}{:02x}{:02x}", c.0, c.1, c.2)
 }
@@ -711,17 +726,7 @@ pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError>
         })
         .collect();
     let waits_chart = dots_svg(&waits, &names, "wait p90 (hours)", None)?;
-    let clock = |s: Option<f64>| {
-        s.map_or("-".into(), |s| {
-            let s = s.round() as u64;
-            let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
-            if d > 0 {
-                format!("{d}-{h:02}:{m:02}:{s:02}")
-            } else {
-                format!("{h:02}:{m:02}:{s:02}")
-            }
-        })
-    };
+    let clock = |s: Option<f64>| s.map_or("-".into(), |s| clock(s.round() as u64));
     let mut wait_rows = String::new();
     for (j, path) in names.iter().enumerate() {
         wait_rows += &format!("<tr><td>{}</td>", escape(path));
@@ -871,17 +876,7 @@ pub fn what_if(answer: &ledger::whatif::Answer, changes: &str) -> Result<String,
         dots_svg(&delivered, &names, "GPU-hours", None)?,
         dots_svg(&waits, &names, "wait p90 (hours)", None)?,
     );
-    let clock = |s: Option<f64>| {
-        s.map_or("-".into(), |s| {
-            let s = s.round() as u64;
-            let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
-            if d > 0 {
-                format!("{d}-{h:02}:{m:02}:{s:02}")
-            } else {
-                format!("{h:02}:{m:02}:{s:02}")
-            }
-        })
-    };
+    let clock = |s: Option<f64>| s.map_or("-".into(), |s| clock(s.round() as u64));
     let mut rows = String::new();
     for path in &names {
         let find = |side: &ledger::whatif::Side| {
