@@ -138,22 +138,42 @@ impl Engine {
     /// its running work keeps its placements and contracts and ends when `work_ms` says a
     /// workload's whole run takes (less what it has done), a preemption under way ends with its
     /// grace, and its pending work waits in the queue it is in. Nodes heartbeat perfectly.
-    pub fn fork(state: State, policy: PolicyConfig, work_ms: impl Fn(&Workload) -> u64) -> Self {
+    /// The fork starts at `from_ms` (the ledger's clock, if later). A workload stopped and
+    /// not yet requeued is requeued then, as its node's agent would report.
+    pub fn fork(
+        state: State,
+        policy: PolicyConfig,
+        from_ms: u64,
+        work_ms: impl Fn(&Workload) -> u64,
+    ) -> Self {
         let mut engine = Engine::new(state, policy);
         engine.seq = engine.state.last_seq();
-        let now = engine.state.now_ms;
+        let now = from_ms.max(engine.state.now_ms);
+        engine.state.advance_to(now);
         let mut ids: Vec<WorkloadId> = engine.state.workloads.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
             let w = &engine.state.workloads[&id];
             let work = work_ms(w);
             engine.work_ms.insert(id, work);
+            if w.phase == Phase::Stopped {
+                engine.schedule(
+                    now,
+                    Event::WorkloadRequeued(WorkloadRequeued {
+                        workload: id,
+                        work_lost_s: 0,
+                    }),
+                );
+                continue;
+            }
             if w.phase != Phase::Running {
                 continue;
             }
+            // Estimates come from outside: a huge one never ends, it does not wrap.
             let (starts, ends_at) = (
                 w.starts,
-                w.started_at_ms + work.saturating_sub(w.work_done_ms),
+                w.started_at_ms
+                    .saturating_add(work.saturating_sub(w.work_done_ms)),
             );
             engine
                 .timers
@@ -366,13 +386,14 @@ impl Engine {
                     }) => {
                         let w = &self.state.workloads[&workload];
                         let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
+                        let ends_at = t.saturating_add(left);
                         self.timers
-                            .push(Reverse((t + left, Timer::Finish(workload, w.starts))));
+                            .push(Reverse((ends_at, Timer::Finish(workload, w.starts))));
                         // Passes when it may be preempted, and when its borrowed GPUs may be
                         // taken back.
                         let ends = std::iter::once(protected_until_ms)
                             .chain(borrowed.map(|b| b.until_ms))
-                            .filter(|&end| end > t && t + left > end);
+                            .filter(|&end| end > t && ends_at > end);
                         for end in ends {
                             self.timers
                                 .push(Reverse((end, Timer::ContractEnds(workload, w.starts))));
@@ -388,7 +409,7 @@ impl Engine {
                             self.fire(t, Timer::GraceEnds(workload, starts), observe);
                         } else {
                             self.timers.push(Reverse((
-                                t + grace_s * 1000,
+                                t.saturating_add(grace_s.saturating_mul(1000)),
                                 Timer::GraceEnds(workload, starts),
                             )));
                         }

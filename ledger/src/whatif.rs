@@ -260,6 +260,8 @@ pub fn what_if(
 ) -> Result<Answer, WhatIfError> {
     let mut changed_policy = policy.clone();
     let mut events = Vec::new();
+    // Names of added nodes, numbered across every change that adds some.
+    let mut added = 0u32;
     for (i, change) in q.changes.iter().enumerate() {
         let field = format!("changes[{i}]");
         let refused = |message: String| WhatIfError::Refused {
@@ -330,11 +332,10 @@ pub fn what_if(
                 model,
                 labels,
             } => {
-                let mut n = 0u32;
                 for _ in 0..*count {
                     let name = loop {
-                        n += 1;
-                        let name = format!("whatif-{n}");
+                        added += 1;
+                        let name = format!("whatif-{added}");
                         if state.cluster().get(&name).is_none() {
                             break name;
                         }
@@ -376,8 +377,9 @@ pub fn what_if(
             }
         }
     }
-    let baseline = side(state, policy.clone(), &[], q, work_ms, keep_going)?;
+    // The changed side first: a change the fold refuses is known before anything runs long.
     let changed = side(state, changed_policy, &events, q, work_ms, keep_going)?;
+    let baseline = side(state, policy.clone(), &[], q, work_ms, keep_going)?;
     Ok(Answer {
         forked_at_seq: state.last_seq(),
         from_ms: q.from_ms,
@@ -414,10 +416,9 @@ fn side(
     work_ms: &dyn Fn(&Workload) -> u64,
     keep_going: &mut dyn FnMut() -> bool,
 ) -> Result<Side, WhatIfError> {
-    let mut engine = Engine::fork(state.clone(), policy, work_ms);
     let from = q.from_ms.max(state.now_ms());
-    let until = from + q.horizon_ms;
-    engine.state.advance_to(from);
+    let until = from.saturating_add(q.horizon_ms);
+    let mut engine = Engine::fork(state.clone(), policy, from, work_ms);
     let start = accrued(&engine.state);
     let mut pending: BTreeMap<WorkloadId, Option<u64>> = engine
         .state

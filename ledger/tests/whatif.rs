@@ -267,3 +267,47 @@ fn resampled_arrivals_follow_the_recent_rate_and_the_seed() {
     let answer = run(&l, &q).unwrap();
     assert_eq!(answer.baseline, answer.changed);
 }
+
+/// A workload its node stopped and nobody requeued yet is requeued at the fork and runs; an
+/// estimate too large to add to a clock never ends within the horizon instead of wrapping.
+#[test]
+fn stopped_work_is_requeued_and_huge_estimates_do_not_wrap() {
+    use ledger::event::*;
+    let mut l = Ledger::default();
+    l.node(0, "n0", 8, "H100", None);
+    l.alloc(0, "a", 1);
+    let (stopped, huge) = (wid(1), wid(2));
+    let mut s = submission(stopped, Some("a"), 4, 1);
+    s.duration_estimate_s = Some(1800);
+    l.ok(0, ledger::Event::WorkloadSubmitted(s));
+    let mut s = submission(huge, Some("a"), 4, 1);
+    s.duration_estimate_s = Some(u64::MAX / 1000);
+    l.ok(0, ledger::Event::WorkloadSubmitted(s));
+    assert_eq!(
+        l.start(0, stopped, &[("n0", &[0, 1, 2, 3])], 1_000),
+        ledger::Outcome::Applied
+    );
+    assert_eq!(
+        l.start(0, huge, &[("n0", &[4, 5, 6, 7])], 1_000),
+        ledger::Outcome::Applied
+    );
+    l.ok(
+        500,
+        ledger::Event::WorkloadStopped(WorkloadStopped {
+            workload: stopped,
+            reason: StopReason::Lost,
+        }),
+    );
+    let answer = run(&l, &ask(Vec::new(), 2 * HOUR)).unwrap();
+    assert_eq!(answer.baseline.cluster.starts, 1, "{answer:?}");
+    assert_eq!(answer.baseline.cluster.finished, 1, "{answer:?}");
+    let delivered: f64 = answer
+        .baseline
+        .allocations
+        .iter()
+        .map(|a| a.delivered_gpu_hours)
+        .sum();
+    // The huge one held 4 GPUs for the whole 2 h; the requeued one 4 GPUs for the 30 min of
+    // its estimate less the half second its first run had done.
+    approx(delivered, 4.0 * 2.0 + 4.0 * (1800.0 - 0.5) / 3600.0);
+}

@@ -15,14 +15,27 @@ const view = {
   capacity: 0,
   refreshing: null,
   period: null,
+  started: false,
+  following: false,
 };
 
 // ---- the token ------------------------------------------------------------------------------
 
+/// A token as the API makes them: printable ASCII, no spaces (anything else could not be sent).
+function plausible(token) {
+  return /^[\x21-\x7e]{1,256}$/.test(token);
+}
+
 (function tokenFromFragment() {
   const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
   if (m) {
-    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
+    let token = "";
+    try {
+      token = decodeURIComponent(m[1]);
+    } catch (e) {
+      token = "";
+    }
+    if (plausible(token)) sessionStorage.setItem(TOKEN_KEY, token);
     history.replaceState(null, "", location.pathname + location.search);
   }
 })();
@@ -57,8 +70,13 @@ function showSignIn(message) {
 document.getElementById("login").addEventListener("submit", (e) => {
   e.preventDefault();
   const input = document.getElementById("token");
-  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  const token = input.value.trim();
   input.value = "";
+  if (!plausible(token)) {
+    showSignIn("that is not a token: it is printable characters without spaces");
+    return;
+  }
+  sessionStorage.setItem(TOKEN_KEY, token);
   start();
 });
 
@@ -190,8 +208,8 @@ async function refreshAllocations() {
 
 async function refreshWork() {
   const [running, pending, queue] = await Promise.all([
-    api("/v1/workloads?phase=running&limit=1000"),
-    api("/v1/workloads?phase=pending,stopped&limit=1000"),
+    listed("phase=running"),
+    listed("phase=pending,stopped"),
     api("/v1/queue"),
   ]);
   view.work.clear();
@@ -228,6 +246,19 @@ async function refreshWork() {
       ];
     }),
   );
+}
+
+/// Every workload a listing's `query` selects, page after page (at most 20 pages).
+async function listed(query) {
+  const workloads = [];
+  let before = null;
+  for (let page = 0; page < 20; page++) {
+    const v = await api(`/v1/workloads?${query}&limit=1000${before ? `&before=${before}` : ""}`);
+    workloads.push(...v.workloads);
+    before = v.next_before;
+    if (!before) break;
+  }
+  return { workloads };
 }
 
 function nodeState(n) {
@@ -389,11 +420,19 @@ async function loadEvents() {
 
 async function follow() {
   for (;;) {
+    let reader = null;
     try {
       const res = await fetch(`/v1/events/stream?after=${view.lastSeq}`, { headers: headers() });
+      if (res.status === 401 || res.status === 403) {
+        // The token expired or was revoked: asking again would only be refused again.
+        const problem = await res.json().catch(() => ({}));
+        showSignIn(problem.detail || "sign in again");
+        view.following = false;
+        return;
+      }
       if (!res.ok) throw new Error(`HTTP ${res.status}`);
       setStatus("live", "live");
-      const reader = res.body.getReader();
+      reader = res.body.getReader();
       const decoder = new TextDecoder();
       let buffer = "";
       for (;;) {
@@ -411,12 +450,20 @@ async function follow() {
           }
           if (id === null || !data) continue;
           view.lastSeq = Math.max(view.lastSeq, id);
-          addEvent(id, JSON.parse(data));
+          let envelope = null;
+          try {
+            envelope = JSON.parse(data);
+          } catch (e) {
+            // An event that is not JSON (the ledger keeps what it could not decode): skip it.
+          }
+          if (envelope) addEvent(id, envelope);
           refreshSoon();
         }
       }
     } catch (e) {
       // The stream broke (the server restarted, the network dropped): try again shortly.
+    } finally {
+      if (reader) reader.cancel().catch(() => {});
     }
     setStatus("reconnecting…", "down");
     await new Promise((r) => setTimeout(r, 2000));
@@ -448,12 +495,24 @@ function report(e) {
 document.getElementById("span").addEventListener("change", () => refreshHistory().catch(report));
 document.getElementById("period-apply").addEventListener("click", () => {
   const from = document.getElementById("period-from").value;
-  const to = document.getElementById("period-to").value;
-  view.period = from && to ? { from, to } : null;
+  let to = document.getElementById("period-to").value;
+  // Days are whole: "to" includes its day.
+  if (to) to = new Date(Date.parse(`${to}T00:00:00Z`) + 86_400_000).toISOString().slice(0, 10);
+  view.period = from && to && to > from ? { from, to } : null;
   refreshAllocations().catch(report);
 });
 
 async function start() {
+  if (view.started) {
+    // Signed in again: the loops already run; read everything with the new token.
+    document.getElementById("login").hidden = true;
+    await refreshAll().then(drawChart).catch(report);
+    if (!view.following) {
+      view.following = true;
+      follow();
+    }
+    return;
+  }
   try {
     document.getElementById("login").hidden = true;
     await refreshAll();
@@ -463,6 +522,8 @@ async function start() {
     report(e);
     return;
   }
+  view.started = true;
+  view.following = true;
   setInterval(() => refreshHistory().catch(report), 300_000);
   setInterval(() => refreshAll().then(drawChart).catch(report), 30_000);
   follow();

@@ -29,6 +29,14 @@ pub const GPU_SECONDS_MAX: u64 = 1_500_000_000;
 pub const TIME_LIMIT: Duration = Duration::from_secs(20);
 /// A workload's run when it has no estimate and its allocation finished nothing recently.
 pub const DEFAULT_RUN_MS: u64 = 3_600_000;
+/// The most changes one what-if tries.
+pub const CHANGES_MAX: usize = 100;
+/// The most nodes one what-if adds, over all its changes.
+pub const ADDED_NODES_MAX: u64 = 10_000;
+/// The shortest span a rate of recent submissions is taken over.
+const ARRIVALS_SPAN_MIN_MS: u64 = 3_600_000;
+/// The most resampled arrivals one what-if simulates.
+pub const ARRIVALS_MAX: u64 = 1_000_000;
 /// Rows of recent history read to learn run times and arrivals.
 const HISTORY_ROWS: usize = 50_000;
 
@@ -151,7 +159,15 @@ fn change(i: usize, v: &Value) -> Result<Change, Problem> {
             name: c.policy.name,
             margin: c.policy.margin,
             min_runtime_ms: c.policy.min_runtime_s.map(|s| s.saturating_mul(1000)),
-            grace_ms: c.policy.grace_s.map(|s| s.saturating_mul(1000)),
+            grace_ms: match c.policy.grace_s {
+                Some(s) if s > 86_400 => {
+                    return Err(Problem::invalid(
+                        &field,
+                        "policy.grace_s must be at most a day",
+                    ))
+                }
+                s => s.map(|s| s * 1000),
+            },
             reservations_max: c.policy.reservations_max,
         })
     } else if has("add_nodes") {
@@ -238,7 +254,7 @@ pub(crate) async fn what_if(
         asked.fits(state)?;
         (state.clone(), app.inner.policy.clone())
     };
-    let Ok(_turn) = tokio::time::timeout(
+    let Ok(Ok(turn)) = tokio::time::timeout(
         Duration::from_secs(2),
         app.inner.whatifs.clone().acquire_owned(),
     )
@@ -250,6 +266,9 @@ pub(crate) async fn what_if(
     };
     let kept = app.inner.projection.read().await.kept();
     let answered = tokio::task::spawn_blocking(move || {
+        // The turn is held by the work itself: a client that goes away does not free it while
+        // the what-if still runs.
+        let _turn = turn;
         answer(
             &state,
             &policy,
@@ -337,11 +356,30 @@ impl Asked {
         arrivals: Option<&str>,
         seed: u64,
     ) -> Result<Asked, Problem> {
+        if changes.len() > CHANGES_MAX {
+            return Err(Problem::invalid(
+                "changes",
+                format!("at most {CHANGES_MAX} changes at a time"),
+            ));
+        }
         let changes = changes
             .iter()
             .enumerate()
             .map(|(i, v)| change(i, v))
             .collect::<Result<Vec<_>, _>>()?;
+        let added: u64 = changes
+            .iter()
+            .map(|c| match c {
+                Change::AddNodes { count, .. } => u64::from(*count),
+                _ => 0,
+            })
+            .sum();
+        if added > ADDED_NODES_MAX {
+            return Err(Problem::invalid(
+                "changes",
+                format!("{added} nodes added in all; at most {ADDED_NODES_MAX}"),
+            ));
+        }
         let resampled = match arrivals {
             None | Some("none") => false,
             Some("recent") => true,
@@ -409,7 +447,22 @@ pub fn answer(
     let window_ms = state.config().window_ms;
     let history = History::read(kept, state.last_seq(), from_ms.saturating_sub(window_ms))?;
     let arrivals = if asked.resampled {
-        whatif::resample(&history.recent, window_ms, from_ms, horizon_ms, asked.seed)
+        // The rate over the time the rows cover (a ledger younger than its window, or a window
+        // with more rows than are read, covers less of it), but over an hour at least: a burst
+        // of submissions a moment ago is not a rate to go on at for days.
+        let covered_ms = from_ms
+            .saturating_sub(history.oldest_ms)
+            .clamp(ARRIVALS_SPAN_MIN_MS.min(window_ms), window_ms.max(1));
+        let expected = history.recent.len() as u64 * horizon_ms / covered_ms.max(1);
+        if expected > ARRIVALS_MAX {
+            return Err(Problem::invalid(
+                "horizon_s",
+                format!(
+                    "the recent rate of submissions gives about {expected} arrivals over the horizon, more than {ARRIVALS_MAX}; ask for a shorter horizon"
+                ),
+            ));
+        }
+        whatif::resample(&history.recent, covered_ms, from_ms, horizon_ms, asked.seed)
     } else {
         Vec::new()
     };
@@ -466,6 +519,8 @@ pub fn answer(
 struct History {
     typical_run_ms: BTreeMap<String, u64>,
     recent: Vec<Recent>,
+    /// The submission time of the oldest row read.
+    oldest_ms: u64,
 }
 
 impl History {
@@ -481,8 +536,10 @@ impl History {
                 .workloads(&all, before, 1_000, 1_000)
                 .map_err(|e| Problem::unavailable(e.to_string()))?;
             for row in page.rows {
-                // Submissions come newest first: the window is over at the first older one.
-                if row.submitted_at_ms < since_ms {
+                // Submissions come newest first: the window is over at the first older one. The
+                // limit is counted row by row, so the rows read do not depend on where pages end
+                // (which rows submitted after the fork move).
+                if row.submitted_at_ms < since_ms || rows.len() >= HISTORY_ROWS {
                     break 'pages;
                 }
                 if row.submit_seq > up_to_seq {
@@ -527,9 +584,15 @@ impl History {
                 },
             })
             .collect();
+        let oldest_ms = rows
+            .iter()
+            .map(|r| r.submitted_at_ms)
+            .min()
+            .unwrap_or(since_ms);
         Ok(History {
             typical_run_ms,
             recent,
+            oldest_ms,
         })
     }
 }
