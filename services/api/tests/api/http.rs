@@ -353,7 +353,7 @@ async fn a_what_if_answers_from_the_live_state_and_writes_nothing() {
     assert!(!page.contains("<script"));
     // Too much at once: more than 100 changes, or more than 10,000 nodes added in all.
     let many = vec![r#"{"allocation":"b","weight":2}"#; 101].join(",");
-    let added = vec![r#"{"add_nodes":{"count":6000,"gpus":1,"model":"H100"}}"#; 2].join(",");
+    let added = [r#"{"add_nodes":{"count":6000,"gpus":1,"model":"H100"}}"#; 2].join(",");
     for changes in [many, added] {
         let body = format!(r#"{{"changes":[{changes}],"horizon_s":1}}"#);
         let (status, _, problem) = call(&f, "POST", "/v1/whatif", Some(&body), &[]).await;
