@@ -16,6 +16,15 @@ use std::collections::BTreeMap;
 
 use crate::cluster::Cluster;
 
+/// Nearest-rank percentile `p` (0 to 1) of sorted values.
+pub fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
 /// Running integrals since the ledger began.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
@@ -169,5 +178,19 @@ impl Metrics {
             cancels: end.cancels - start.cancels,
             contract_violations: end.contract_violations - start.contract_violations,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=10).collect();
+        assert_eq!(percentile(&v, 0.5), Some(5));
+        assert_eq!(percentile(&v, 0.9), Some(9));
+        assert_eq!(percentile(&v, 0.99), Some(10));
+        assert_eq!(percentile(&[], 0.5), None);
     }
 }

@@ -420,6 +420,7 @@ fn side(
     let until = from.saturating_add(q.horizon_ms);
     let mut engine = Engine::fork(state.clone(), policy, from, work_ms);
     let start = accrued(&engine.state);
+    let counters = engine.state.counters().clone();
     let mut pending: BTreeMap<WorkloadId, Option<u64>> = engine
         .state
         .workloads()
@@ -441,19 +442,8 @@ fn side(
     let mut waits: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut preemptions: BTreeMap<Option<String>, u64> = BTreeMap::new();
     let (mut starts, mut finished) = (0u64, 0u64);
-    // GPU-ms held and healthy, integrated from one event to the next.
-    let (mut held_ms, mut healthy_ms, mut last_t) = (0.0f64, 0.0f64, from);
-    let (mut held_now, mut healthy_now) = (
-        engine.state.cluster().allocated_gpus,
-        engine.state.cluster().healthy_gpus,
-    );
     let ran = engine.run_while(until, &mut *keep_going, |state, _, env, outcome| {
-        let t = env.occurred_at_ms.clamp(last_t, until);
-        held_ms += (t - last_t) as f64 * held_now as f64;
-        healthy_ms += (t - last_t) as f64 * healthy_now as f64;
-        last_t = t;
-        held_now = state.cluster().allocated_gpus;
-        healthy_now = state.cluster().healthy_gpus;
+        let t = env.occurred_at_ms.min(until);
         if *outcome != Outcome::Applied {
             return;
         }
@@ -490,8 +480,6 @@ fn side(
     if !ran {
         return Err(WhatIfError::Stopped);
     }
-    held_ms += (until - last_t) as f64 * held_now as f64;
-    healthy_ms += (until - last_t) as f64 * healthy_now as f64;
 
     let end = &engine.state;
     let mut allocations = Vec::new();
@@ -526,11 +514,8 @@ fn side(
         allocations,
         cluster: ClusterOutcome {
             healthy_gpus: end.cluster().healthy_gpus,
-            occupancy: if healthy_ms > 0.0 {
-                held_ms / healthy_ms
-            } else {
-                0.0
-            },
+            // The fold's own integrals, as every period's metrics are read.
+            occupancy: crate::metrics::Metrics::between(&counters, end.counters()).occupancy,
             starts,
             finished,
             preemptions: preemptions.values().sum(),
@@ -551,11 +536,7 @@ fn side(
     })
 }
 
-/// The `q`-quantile of sorted waits in ms, in seconds (nearest rank).
+/// The `q`-quantile of sorted waits in ms, in seconds.
 fn percentile_s(sorted_ms: &[u64], q: f64) -> Option<f64> {
-    if sorted_ms.is_empty() {
-        return None;
-    }
-    let rank = ((q * sorted_ms.len() as f64).ceil() as usize).clamp(1, sorted_ms.len());
-    Some(sorted_ms[rank - 1] as f64 / 1000.0)
+    crate::metrics::percentile(sorted_ms, q).map(|ms| ms as f64 / 1000.0)
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use ledger::event::{Event, PreemptionReason};
-use ledger::metrics::{Counters, Metrics};
+use ledger::metrics::{percentile, Counters, Metrics};
 use ledger::{Envelope, Outcome, State, WorkloadId};
 use serde::{Deserialize, Serialize};
 
@@ -307,28 +307,5 @@ impl Collector {
                 seed,
             },
         }
-    }
-}
-
-/// Nearest-rank percentile of sorted values.
-fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    Some(sorted[rank - 1])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let v: Vec<u64> = (1..=10).collect();
-        assert_eq!(percentile(&v, 0.5), Some(5));
-        assert_eq!(percentile(&v, 0.9), Some(9));
-        assert_eq!(percentile(&v, 0.99), Some(10));
-        assert_eq!(percentile(&[], 0.5), None);
     }
 }
