@@ -154,8 +154,7 @@ impl Engine {
         ids.sort_unstable();
         for id in ids {
             let w = &engine.state.workloads[&id];
-            let work = work_ms(w);
-            engine.work_ms.insert(id, work);
+            engine.work_ms.insert(id, work_ms(w));
             if w.phase == Phase::Stopped {
                 engine.schedule(
                     now,
@@ -169,32 +168,37 @@ impl Engine {
             if w.phase != Phase::Running {
                 continue;
             }
-            // Estimates come from outside: a huge one never ends, it does not wrap.
-            let (starts, ends_at) = (
-                w.starts,
-                w.started_at_ms
-                    .saturating_add(work.saturating_sub(w.work_done_ms)),
-            );
-            engine
-                .timers
-                .push(Reverse((ends_at.max(now), Timer::Finish(id, starts))));
-            if let Some(p) = w.preempting {
-                engine.timers.push(Reverse((
-                    p.grace_until_ms.max(now),
-                    Timer::GraceEnds(id, starts),
-                )));
-                continue;
-            }
-            let ends = std::iter::once(w.protected_until_ms)
-                .chain(w.borrowed.map(|b| b.until_ms))
-                .filter(|&end| end > now && ends_at > end);
-            for end in ends {
+            let grace = w.preempting.map(|p| (p.grace_until_ms.max(now), w.starts));
+            engine.arm(id, now);
+            if let Some((at, starts)) = grace {
                 engine
                     .timers
-                    .push(Reverse((end, Timer::ContractEnds(id, starts))));
+                    .push(Reverse((at, Timer::GraceEnds(id, starts))));
             }
         }
         engine
+    }
+
+    /// Sets the timers of `id`'s current run as of `now`: its end, when its work left is done,
+    /// and the ends of its contract and of any borrowing that come before.
+    fn arm(&mut self, id: WorkloadId, now: u64) {
+        let w = &self.state.workloads[&id];
+        let starts = w.starts;
+        // Estimates come from outside: a huge one never ends, it does not wrap.
+        let ends_at = w
+            .started_at_ms
+            .saturating_add(self.work_ms[&id].saturating_sub(w.work_done_ms));
+        // Passes when it may be preempted, and when its borrowed GPUs may be taken back.
+        let ends: Vec<u64> = std::iter::once(w.protected_until_ms)
+            .chain(w.borrowed.map(|b| b.until_ms))
+            .filter(|&end| end > now && ends_at > end)
+            .collect();
+        self.timers
+            .push(Reverse((ends_at.max(now), Timer::Finish(id, starts))));
+        for end in ends {
+            self.timers
+                .push(Reverse((end, Timer::ContractEnds(id, starts))));
+        }
     }
 
     /// Decides at `at_ms` even if nothing happens then (as the live scheduler's tick does).
@@ -378,26 +382,8 @@ impl Engine {
                 }
                 any_applied = true;
                 match decided {
-                    Event::WorkloadStarted(WorkloadStarted {
-                        workload,
-                        protected_until_ms,
-                        borrowed,
-                        ..
-                    }) => {
-                        let w = &self.state.workloads[&workload];
-                        let left = self.work_ms[&workload].saturating_sub(w.work_done_ms);
-                        let ends_at = t.saturating_add(left);
-                        self.timers
-                            .push(Reverse((ends_at, Timer::Finish(workload, w.starts))));
-                        // Passes when it may be preempted, and when its borrowed GPUs may be
-                        // taken back.
-                        let ends = std::iter::once(protected_until_ms)
-                            .chain(borrowed.map(|b| b.until_ms))
-                            .filter(|&end| end > t && ends_at > end);
-                        for end in ends {
-                            self.timers
-                                .push(Reverse((end, Timer::ContractEnds(workload, w.starts))));
-                        }
+                    Event::WorkloadStarted(WorkloadStarted { workload, .. }) => {
+                        self.arm(workload, t)
                     }
                     Event::PreemptionRequested(PreemptionRequested {
                         workload, grace_s, ..
