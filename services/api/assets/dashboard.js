@@ -261,15 +261,6 @@ async function listed(query) {
   return { workloads };
 }
 
-function nodeState(n) {
-  const healthy = n.gpu.filter((g) => g.healthy !== false).length;
-  const held = n.gpu.filter((g) => g.workload).length;
-  if (healthy === 0) return "down";
-  if (n.draining) return held === 0 ? "drain" : "drng";
-  if (held === 0) return "idle";
-  return held >= healthy ? "alloc" : "mix";
-}
-
 async function refreshNodes() {
   const v = await api("/v1/nodes");
   view.capacity = v.nodes.reduce((sum, n) => sum + n.gpus, 0);
@@ -313,7 +304,7 @@ async function refreshNodes() {
       const held = n.gpu.filter((g) => g.workload && typeof g.utilization_pct === "number");
       const util = held.length ? `${Math.round(held.reduce((s, g) => s + g.utilization_pct, 0) / held.length)}%` : "-";
       const down = n.gpu.filter((g) => g.healthy === false).map((g) => g.gpu);
-      return [n.node, n.model, { text: n.gpus, num: true }, { text: n.free_gpus, num: true }, nodeState(n), util, down.length ? down.join(",") : "-"];
+      return [n.node, n.model, { text: n.gpus, num: true }, { text: n.free_gpus, num: true }, n.state, util, down.length ? down.join(",") : "-"];
     }),
   );
 }

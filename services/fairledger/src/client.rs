@@ -992,22 +992,6 @@ pub enum NodesCommand {
     },
 }
 
-/// A node's state as `sinfo` names it: `down` (no healthy GPU), `drain` (drained and empty),
-/// `drng` (drained, work still running), `idle`, `mix` (some healthy GPUs held), `alloc` (all
-/// healthy GPUs held).
-fn node_state(draining: bool, gpus: &[Value]) -> &'static str {
-    let healthy = gpus.iter().filter(|g| g["healthy"] != false).count();
-    let held = gpus.iter().filter(|g| !g["workload"].is_null()).count();
-    match () {
-        _ if healthy == 0 => "down",
-        _ if draining && held == 0 => "drain",
-        _ if draining => "drng",
-        _ if held == 0 => "idle",
-        _ if held >= healthy => "alloc",
-        _ => "mix",
-    }
-}
-
 pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), String> {
     let api = Api::new(args)?;
     match command {
@@ -1064,7 +1048,7 @@ pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), Str
                     text(&n["model"]),
                     text(&n["gpus"]),
                     text(&n["free_gpus"]),
-                    node_state(n["draining"] == true, &gpus).into(),
+                    text(&n["state"]),
                     util,
                     if down.is_empty() {
                         "-".into()

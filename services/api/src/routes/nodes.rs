@@ -35,8 +35,22 @@ pub(crate) struct NodeBody {
     labels: std::collections::BTreeMap<String, String>,
 }
 
+/// A node's state as `sinfo` names it: `down` (no healthy GPU), `drain` (drained and empty),
+/// `drng` (drained, work still running), `idle`, `mix` (some healthy GPUs held), `alloc` (all
+/// healthy GPUs held).
+fn node_state(draining: bool, healthy: u32, held: u32) -> &'static str {
+    match () {
+        _ if healthy == 0 => "down",
+        _ if draining && held == 0 => "drain",
+        _ if draining => "drng",
+        _ if held == 0 => "idle",
+        _ if held >= healthy => "alloc",
+        _ => "mix",
+    }
+}
+
 #[utoipa::path(get, path = "/v1/nodes", tag = "nodes",
-    responses((status = 200, description = "every node: GPUs, model, labels, whether it is drained, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
+    responses((status = 200, description = "every node: GPUs, model, labels, its state (idle, mix, alloc, drng, drain, down), whether it is drained, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
 pub(crate) async fn nodes(State(app): State<App>) -> Response {
     let p = app.inner.projection.read().await;
     let cluster = &p.state().cluster();
@@ -54,12 +68,15 @@ pub(crate) async fn nodes(State(app): State<App>) -> Response {
                     })
                 })
                 .collect();
+            let healthy = (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones();
+            let held = (0..n.gpu_count).filter(|&g| n.holder(g).is_some()).count() as u32;
             json!({
                 "node": n.name,
                 "model": n.model,
                 "labels": n.labels,
                 "gpus": n.gpu_count,
-                "healthy_gpus": (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones(),
+                "state": node_state(n.draining, healthy, held),
+                "healthy_gpus": healthy,
                 "free_gpus": n.free_count(),
                 "draining": n.draining,
                 "gpu": gpus,
