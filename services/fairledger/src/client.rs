@@ -483,9 +483,9 @@ pub fn queue(args: &ClientArgs, allocation: Option<&str>, me: bool) -> Result<()
                     text(&p["allocation"]),
                     text(&p["user"]),
                     format!("{}x{}", text(&p["nodes"]), text(&p["gpus_per_node"])),
-                    p["submitted_at_ms"]
-                        .as_u64()
-                        .map_or("-".into(), |t| span(now_ms().saturating_sub(t) / 1000)),
+                    p["submitted_at_ms"].as_u64().map_or("-".into(), |t| {
+                        span(scheduler::wall_clock_ms().saturating_sub(t) / 1000)
+                    }),
                     text(&p["reason"]["code"]),
                 ]
             })
@@ -533,17 +533,13 @@ pub struct JobsArgs {
     pub limit: usize,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// A time flag as the API reads it: a span (`2h`, `90m`, `1d 12h`) is that long ago; anything
 /// else (a date, a date-time, milliseconds) goes as it is and the API says what is wrong with it.
 fn time_flag(text: &str) -> String {
     match humantime::parse_duration(text.trim()) {
-        Ok(d) => now_ms().saturating_sub(d.as_millis() as u64).to_string(),
+        Ok(d) => scheduler::wall_clock_ms()
+            .saturating_sub(d.as_millis() as u64)
+            .to_string(),
         Err(_) => text.to_owned(),
     }
 }
@@ -1331,7 +1327,7 @@ fn when(ms: &Value) -> String {
         return "-".into();
     };
     let day_and_time = date_time(&Value::from(ms));
-    let now = now_ms();
+    let now = scheduler::wall_clock_ms();
     let relative = if ms >= now {
         format!("in {}", span((ms - now) / 1000))
     } else {
