@@ -262,12 +262,9 @@ fn a_single_node_reservation_lends_its_free_gpus_until_it_is_due() {
     );
 }
 
-#[test]
-fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
-    // Three nodes, a's small jobs on each (n3 holds two GPUs of them). b's and c's 8-GPU jobs fit
-    // nowhere. With two reservations per pass, b (the head) holds n1 and c the node next nearest
-    // to free, n2: a's 6-GPU job goes where it fits, n3, and its 7-GPU jobs borrow n1 from b and
-    // n2 from c. With one, c's job waits for capacity, and n2 goes to a's first 7-GPU job.
+/// Three nodes, a's small jobs on each (n3 holds two GPUs of them); b's and c's 8-GPU jobs,
+/// submitted at `waiting_from`, fit nowhere at 1h; then a's 6-GPU and two 7-GPU jobs.
+fn a_fragments_while_b_and_c_wait(waiting_from: u64) -> Ledger {
     let mut l = cluster(&[("n1", 8, None), ("n2", 8, None), ("n3", 8, None)]);
     for a in ["a", "b", "c"] {
         l.alloc(0, a, 1);
@@ -278,11 +275,21 @@ fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
     l.start(0, wid(2), &[("n2", &[0])], H);
     l.submit(0, wid(3), Some("a"), 2, 1);
     l.start(0, wid(3), &[("n3", &[0, 1])], H);
-    l.submit(H, wid(10), Some("b"), 8, 1);
-    l.submit(H, wid(11), Some("c"), 8, 1);
+    l.submit(waiting_from, wid(10), Some("b"), 8, 1);
+    l.submit(waiting_from, wid(11), Some("c"), 8, 1);
     l.submit(H, wid(12), Some("a"), 6, 1);
     l.submit(H, wid(13), Some("a"), 7, 1);
     l.submit(H, wid(14), Some("a"), 7, 1);
+    l
+}
+
+#[test]
+fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
+    // b's and c's jobs have waited an hour, owed a share and delivered nothing. With two
+    // reservations per pass, b (the head) holds n1 and c, under-served, the node next nearest to
+    // free, n2: a's 6-GPU job goes where it fits, n3, and its 7-GPU jobs borrow n1 from b and n2
+    // from c. With one, c's job waits for capacity, and n2 goes to a's first 7-GPU job.
+    let l = a_fragments_while_b_and_c_wait(0);
     let two = PolicyConfig {
         policy: "fifo",
         min_runtime_ms: 4 * H,
@@ -333,6 +340,23 @@ fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
         [(wid(13), 5 * H, None), (wid(14), 5 * H, Some((wid(10), H)))],
         "n2 is held for no one: the first 7-GPU job takes it outright"
     );
+}
+
+#[test]
+fn a_further_reservation_is_only_for_an_allocation_delivered_less_than_it_was_owed() {
+    // b and c submit just now: neither was owed anything yet over the window, so c is not
+    // under-served and its job waits for capacity; the head's reservation is the only one.
+    let l = a_fragments_while_b_and_c_wait(H);
+    let cfg = PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        reservations_max: 2,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, H, &cfg);
+    let holders: Vec<Uuid> = plan.reservations.iter().map(|r| r.workload).collect();
+    assert_eq!(holders, vec![wid(10)]);
+    assert!(matches!(reason(&plan, wid(11)), Blocked::NoCapacity { .. }));
 }
 
 #[test]

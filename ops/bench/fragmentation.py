@@ -18,11 +18,12 @@ import random
 import sys
 
 
-def write(out, name, nodes, allocations, rows, margin=0.05):
+def write(out, name, nodes, allocations, rows, margin=0.05, reservations=4):
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "scenario.toml"), "w") as f:
-        f.write(f'[policy]\nname = "fairshare"\nmargin = {margin}\n\n')
+        # Whole-node work beside small jobs: a node drains for each under-served team.
+        f.write(f'[policy]\nname = "fairshare"\nmargin = {margin}\nreservations = {reservations}\n\n')
         f.write(f'[[nodes]]\ncount = {nodes}\ngpus = 8\nmodel = "H100"\n')
         for path, weight in allocations:
             f.write(f'\n[[allocations]]\npath = "{path}"\nweight = {weight}\n')

@@ -11,8 +11,9 @@
 //! ([`PreemptionReason::Reclaimed`], no contract violation); nothing else preempts a borrowed
 //! run before its own contract ends, and fair share does not preempt it at all. With
 //! [`PolicyConfig::reservations_max`] above one, the first blocked single-node workload asking
-//! more than one GPU of each further allocation holds a reservation too, on the node nearest to
-//! free, so several nodes drain for whole-node work at once. A blocked
+//! more than one GPU of each further under-served allocation (delivered less than it was owed
+//! over the usage window) holds a reservation too, on the node nearest to free, so several
+//! nodes drain for whole-node work at once. A blocked
 //! workload of an under-served allocation may preempt post-contract work of allocations ranked
 //! above it by more than the hysteresis margin, choosing victims that lose the fewest
 //! GPU-hours. Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
@@ -94,7 +95,8 @@ pub struct PolicyConfig {
     /// pass (each look costs a scan of the cluster).
     pub preemptors_per_pass_max: u32,
     /// The most reservations per pass: the head of the queue's, then one for the first blocked
-    /// single-node workload of each further allocation. Several nodes drain at once for
+    /// single-node workload of each further allocation delivered less than it was owed over the
+    /// usage window. Several nodes drain at once for
     /// whole-node work instead of one, lending their free GPUs meanwhile, so work of an
     /// allocation whose small jobs fill every gap does not keep them fragmented.
     pub reservations_max: u32,
@@ -451,9 +453,9 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         let head = plan.reservations.is_empty() && deferred.holders.is_empty();
         let further = !head
             && drains_for((w.gpus_per_node, w.nodes))
-            && w.allocation.is_some()
             && reservations_open(&plan, &deferred, cfg)
-            && !served.contains(&w.allocation);
+            && w.allocation
+                .is_some_and(|a| !served.contains(&Some(a)) && rank.under_served(a));
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
@@ -620,7 +622,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // nodes when visited.
             if !leaves_waiting.contains(&leaf) {
                 let here = State::queue_key(w);
-                let may_hold = further_open && !served.contains(&Some(leaf));
+                let may_hold =
+                    further_open && !served.contains(&Some(leaf)) && rank.under_served(leaf);
                 let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
                     shapes
                         .iter()

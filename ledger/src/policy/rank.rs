@@ -287,6 +287,13 @@ impl<'s> Rank<'s> {
         self.state
     }
 
+    /// Whether an allocation was delivered less than it was owed over the usage window,
+    /// whatever the policy's key.
+    pub fn under_served(&self, id: AllocId) -> bool {
+        let u = &self.usage[id as usize];
+        u.delivered_w < u.owed_w
+    }
+
     /// The current key of an allocation.
     pub fn key(&self, id: AllocId) -> f64 {
         self.key[id as usize]
