@@ -6,7 +6,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::cluster::{Hold, Tenant};
-use crate::event::WorkloadId;
 use crate::state::{Contracts, Phase, QueueKey, State};
 
 impl State {
@@ -113,14 +112,27 @@ impl State {
         if self.preempting != preempting {
             return Err("the index of preempting work drifted".into());
         }
-        let borrowed: BTreeSet<WorkloadId> = self
-            .running
-            .iter()
-            .filter(|id| self.workloads[*id].borrowed.is_some())
-            .copied()
-            .collect();
-        if self.borrowed != borrowed {
-            return Err("the index of borrowed placements drifted".into());
+        let mut lent = BTreeSet::new();
+        let mut leaving_nodes: BTreeMap<u32, u32> = BTreeMap::new();
+        for id in &self.running {
+            let w = &self.workloads[id];
+            for p in &w.placement {
+                if let Some(b) = w.borrowed {
+                    if w.preempting.is_none() {
+                        lent.insert((b.until_ms, p.node, *id));
+                    }
+                }
+                let holds = u32::from(w.borrowed.is_some()) + u32::from(w.preempting.is_some());
+                if holds > 0 {
+                    *leaving_nodes.entry(p.node).or_default() += holds;
+                }
+            }
+        }
+        if self.lent != lent {
+            return Err("the index of borrowed placements by term drifted".into());
+        }
+        if self.leaving_nodes != leaving_nodes {
+            return Err("the index of nodes with work leaving or borrowed drifted".into());
         }
         // Queues: pending work only, counted by shape overall and split by shape per leaf.
         type ByShape = BTreeMap<(u32, u32), BTreeSet<QueueKey>>;

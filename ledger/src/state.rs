@@ -323,8 +323,13 @@ pub struct State {
     pub(crate) contracts: Contracts,
     /// Running workloads with a preemption under way.
     pub(crate) preempting: BTreeSet<WorkloadId>,
-    /// Running workloads on borrowed GPUs (see [`Workload::borrowed_for`]).
-    pub(crate) borrowed: BTreeSet<WorkloadId>,
+    /// Running workloads on borrowed GPUs (see [`Workload::borrowed_for`]) and not leaving, by
+    /// the borrowing's term, with each node they hold: the head of the queue finds those whose
+    /// term is over without looking workloads up.
+    pub(crate) lent: BTreeSet<(u64, crate::cluster::NodeIdx, WorkloadId)>,
+    /// Each node holding work that is leaving or on borrowed GPUs, with how many such holds
+    /// (one per workload and reason) it has: what a reservation times first.
+    pub(crate) leaving_nodes: std::collections::BTreeMap<crate::cluster::NodeIdx, u32>,
     /// GPUs held by running unallocated workloads (healthy or not).
     pub(crate) unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
@@ -367,7 +372,8 @@ impl State {
             running: BTreeSet::new(),
             contracts: Contracts::default(),
             preempting: BTreeSet::new(),
-            borrowed: BTreeSet::new(),
+            lent: BTreeSet::new(),
+            leaving_nodes: std::collections::BTreeMap::new(),
             unallocated_held_gpus: 0,
             unallocated_delivering_gpus: 0,
             counters: Counters::default(),
@@ -1397,8 +1403,11 @@ impl State {
         w.started_at_ms = now;
         w.protected_until_ms = e.protected_until_ms;
         w.borrowed = e.borrowed;
-        if e.borrowed.is_some() {
-            self.borrowed.insert(id);
+        if let Some(b) = e.borrowed {
+            for p in &w.placement {
+                self.lent.insert((b.until_ms, p.node, id));
+                *self.leaving_nodes.entry(p.node).or_default() += 1;
+            }
         }
         w.starts += 1;
         self.contracts.insert(w);
@@ -1449,6 +1458,12 @@ impl State {
         let w = self.workloads.get_mut(&e.workload).expect("checked");
         self.contracts.remove(w);
         self.preempting.insert(w.id);
+        for p in &w.placement {
+            if let Some(b) = w.borrowed {
+                self.lent.remove(&(b.until_ms, p.node, w.id));
+            }
+            *self.leaving_nodes.entry(p.node).or_default() += 1;
+        }
         let grace_until_ms = now.saturating_add(e.grace_s.saturating_mul(1000));
         w.preempting = Some(Preempting {
             requested_at_ms: now,
@@ -1486,14 +1501,28 @@ impl State {
         let now = self.now_ms;
         let w = self.workloads.get_mut(&id).expect("caller checked");
         let parts = std::mem::take(&mut w.placement);
-        if w.borrowed.take().is_some() {
-            self.borrowed.remove(&id);
-        }
+        let borrowed = w.borrowed.take();
         w.work_done_ms += now - w.started_at_ms;
-        if w.preempting.take().is_some() {
+        let leaving = w.preempting.take().is_some();
+        if leaving {
             self.preempting.remove(&id);
         } else {
             self.contracts.remove(w);
+        }
+        for p in &parts {
+            if let Some(b) = borrowed {
+                if !leaving {
+                    self.lent.remove(&(b.until_ms, p.node, id));
+                }
+            }
+            let holds = u32::from(borrowed.is_some()) + u32::from(leaving);
+            if holds > 0 {
+                let n = self.leaving_nodes.get_mut(&p.node).expect("indexed");
+                *n -= holds;
+                if *n == 0 {
+                    self.leaving_nodes.remove(&p.node);
+                }
+            }
         }
         let (alloc, gpus) = (w.allocation, w.gpus());
         let mut healthy_held = 0u64;

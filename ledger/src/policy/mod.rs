@@ -851,11 +851,10 @@ impl VictimSearch {
 /// The nodes of borrowed placements whose term is over and that are not leaving already.
 fn lent_due_nodes(state: &State, now_ms: u64) -> Vec<u32> {
     let mut nodes: Vec<u32> = state
-        .borrowed
+        .lent
         .iter()
-        .map(|id| &state.workloads[id])
-        .filter(|w| w.preempting.is_none() && w.borrowed.is_some_and(|b| b.until_ms <= now_ms))
-        .flat_map(|w| w.placement.iter().map(|p| p.node))
+        .take_while(|&&(until_ms, _, _)| until_ms <= now_ms)
+        .map(|&(_, node, _)| node)
         .collect();
     nodes.sort_unstable();
     nodes.dedup();

@@ -527,15 +527,7 @@ impl<'s> Scratch<'s> {
         };
         // Nodes with a workload leaving or on borrowed GPUs, whatever their group.
         let leaving: Vec<NodeIdx> = if only_leaving || nearest {
-            let mut nodes: Vec<NodeIdx> = state
-                .preempting
-                .iter()
-                .chain(&state.borrowed)
-                .flat_map(|id| state.workloads[id].placement.iter().map(|p| p.node))
-                .collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            nodes
+            state.leaving_nodes.keys().copied().collect()
         } else {
             Vec::new()
         };

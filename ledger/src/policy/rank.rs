@@ -63,6 +63,8 @@ pub struct Rank<'s> {
     key: Vec<f64>,
     /// Per allocation: leaves in its subtree with candidates left this pass.
     left: Vec<u32>,
+    /// Per allocation: how many ancestors it has.
+    depth: Vec<u32>,
     /// Per leaf: how far the pass has come through its queue (read lazily: a pass that stops
     /// early costs nothing for the workloads it never reaches).
     /// Each holds the next key and the range after it.
@@ -85,6 +87,7 @@ impl<'s> Rank<'s> {
             usage: vec![Usage::default(); n],
             key: vec![0.0; n],
             left: vec![0; n],
+            depth: vec![0; n],
             version: 0,
             queue: (0..n).map(|_| None).collect(),
             flat: Vec::new().into_iter(),
@@ -95,7 +98,13 @@ impl<'s> Rank<'s> {
         let owed = state.owed_now();
         // A pass later than the last event extends the current rates to `now_ms`.
         let gap_ms = now_ms.saturating_sub(state.now_ms) as f64;
-        // Leaves first, then sums up the tree (children always have higher ids than parents).
+        // Parents first (children always have higher ids than parents).
+        for id in 0..n {
+            if let Some(p) = tree.nodes[id].parent {
+                r.depth[id] = r.depth[p as usize] + 1;
+            }
+        }
+        // Leaves first, then sums up the tree.
         for id in (0..n).rev() {
             let a = &tree.nodes[id];
             if a.removed {
@@ -310,14 +319,7 @@ impl<'s> Rank<'s> {
         margin: f64,
     ) -> bool {
         let tree = &state.allocations;
-        let depth = |mut a: AllocId| {
-            let mut d = 0;
-            while let Some(p) = tree.node(a).parent {
-                a = p;
-                d += 1;
-            }
-            d
-        };
+        let depth = |a: AllocId| self.depth[a as usize];
         let (mut b, mut v) = (beneficiary, victim);
         let (mut db, mut dv) = (depth(b), depth(v));
         // Climb to equal depth, then together until the parents agree.
