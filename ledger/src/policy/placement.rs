@@ -37,23 +37,39 @@ struct FreeIndex {
     buckets: Vec<Vec<NodeIdx>>,
 }
 
+/// One bit per node.
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn new(n: usize) -> Self {
+        Bits(vec![0; n.div_ceil(64)])
+    }
+
+    fn get(&self, i: NodeIdx) -> bool {
+        self.0[i as usize / 64] & (1 << (i % 64)) != 0
+    }
+
+    fn set(&mut self, i: NodeIdx) {
+        self.0[i as usize / 64] |= 1 << (i % 64);
+    }
+}
+
 /// The free GPUs of every node as this pass sees them.
 pub struct Scratch<'s> {
     cluster: &'s Cluster,
     topology_label: &'s str,
     free: Vec<u64>,
     /// Each node's healthy GPUs, as the ledger has them.
-    healthy: Vec<u64>,
-    withheld: Vec<bool>,
+    healthy: &'s [u64],
+    /// Withheld nodes, one bit each.
+    withheld: Bits,
     /// The withheld nodes, in the order they were withheld.
     withheld_list: Vec<NodeIdx>,
     /// For whom each of `withheld_list` is withheld.
     withheld_for: Vec<WorkloadId>,
-    /// Withheld nodes whose free GPUs may be lent (see [`Self::lend_nodes`]).
-    lendable: Vec<bool>,
-    /// Position of each indexed node in its bucket.
-    pos: Vec<u32>,
-    model: Vec<u32>,
+    /// Withheld nodes whose free GPUs may be lent (see [`Self::lend_nodes`]), one bit each.
+    lendable: Bits,
+    model: &'s [u32],
     groups: Vec<FreeIndex>,
     /// Topology group of each node (`u32::MAX` when unlabeled), read when a gang is placed.
     rack: OnceCell<Vec<u32>>,
@@ -64,19 +80,20 @@ pub struct Scratch<'s> {
 impl<'s> Scratch<'s> {
     /// Reads the cluster.
     pub fn new(state: &'s State, topology_label: &'s str) -> Self {
+        // A pass runs after every event: it copies only what it changes (the free GPUs), and
+        // keeps a bit per node for what it marks.
         let c = &state.cluster;
         let n = c.nodes.len();
         let mut s = Scratch {
             cluster: c,
             topology_label,
             free: c.free_masks.clone(),
-            healthy: c.healthy_masks.clone(),
-            withheld: vec![false; n],
+            healthy: &c.healthy_masks,
+            withheld: Bits::new(n),
             withheld_list: Vec::new(),
             withheld_for: Vec::new(),
-            lendable: vec![false; n],
-            pos: vec![0; n],
-            model: c.model_of.clone(),
+            lendable: Bits::new(n),
+            model: &c.model_of,
             // Sized from the cluster's own count of nodes by free GPUs.
             groups: state
                 .cluster
@@ -97,11 +114,9 @@ impl<'s> Scratch<'s> {
         s.free_total = c.healthy_gpus - c.allocated_gpus;
         // Every node with a free GPU into its bucket, in index order (the buckets were sized
         // from the cluster's own counts).
-        for (idx, (&free, &model)) in s.free.iter().zip(&s.model).enumerate() {
+        for (idx, (&free, &model)) in s.free.iter().zip(s.model).enumerate() {
             if free != 0 {
-                let bucket = &mut s.groups[model as usize].buckets[free.count_ones() as usize];
-                s.pos[idx] = bucket.len() as u32;
-                bucket.push(idx as NodeIdx);
+                s.groups[model as usize].buckets[free.count_ones() as usize].push(idx as NodeIdx);
             }
         }
         s
@@ -134,7 +149,6 @@ impl<'s> Scratch<'s> {
         if g.buckets.len() <= k {
             g.buckets.resize_with(k + 1, Vec::new);
         }
-        self.pos[node as usize] = g.buckets[k].len() as u32;
         g.buckets[k].push(node);
     }
 
@@ -143,12 +157,11 @@ impl<'s> Scratch<'s> {
         if k == 0 {
             return;
         }
+        // A few nodes leave the index in a pass: finding them costs less than keeping every
+        // node's position.
         let bucket = &mut self.groups[self.model[node as usize] as usize].buckets[k];
-        let at = self.pos[node as usize] as usize;
+        let at = bucket.iter().position(|&n| n == node).expect("indexed");
         bucket.swap_remove(at);
-        if let Some(&moved) = bucket.get(at) {
-            self.pos[moved as usize] = at as u32;
-        }
     }
 
     /// Whether `nodes` nodes of some one model have `gpus_per_node` free GPUs each: withheld
@@ -159,7 +172,7 @@ impl<'s> Scratch<'s> {
                 self.withheld_list
                     .iter()
                     .filter(|&&i| {
-                        (backfill || self.lendable[i as usize])
+                        (backfill || self.lendable.get(i))
                             && self.model[i as usize] as usize == g
                             && self.free[i as usize].count_ones() >= gpus_per_node
                     })
@@ -184,9 +197,9 @@ impl<'s> Scratch<'s> {
     /// Takes nodes out of the index, holding their free GPUs for someone.
     pub fn withhold_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
         for &n in nodes {
-            if !self.withheld[n as usize] {
+            if !self.withheld.get(n) {
                 self.unindex(n);
-                self.withheld[n as usize] = true;
+                self.withheld.set(n);
                 self.withheld_list.push(n);
                 self.withheld_for.push(holder);
             }
@@ -198,7 +211,7 @@ impl<'s> Scratch<'s> {
     pub fn lend_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
         self.withhold_nodes(nodes, holder);
         for &n in nodes {
-            self.lendable[n as usize] = true;
+            self.lendable.set(n);
         }
     }
 
@@ -214,7 +227,7 @@ impl<'s> Scratch<'s> {
             .iter()
             .zip(&self.withheld_for)
             .filter(|&(&i, _)| {
-                self.lendable[i as usize] && w.model.is_none_or(|m| m == self.model[i as usize])
+                self.lendable.get(i) && w.model.is_none_or(|m| m == self.model[i as usize])
             })
             .map(|(&i, &holder)| (self.free[i as usize].count_ones(), i, holder))
             .filter(|&(k, _, _)| k >= w.gpus_per_node)
@@ -228,7 +241,7 @@ impl<'s> Scratch<'s> {
     }
 
     fn take(&mut self, node: NodeIdx, mask: u64) {
-        let indexed = !self.withheld[node as usize];
+        let indexed = !self.withheld.get(node);
         if indexed {
             self.unindex(node);
         }
@@ -424,7 +437,7 @@ impl<'s> Scratch<'s> {
     /// Whether node `i` is indexed, of model group `group`, with enough healthy GPUs for one
     /// member of `w`.
     fn eligible(&self, w: &Workload, group: usize, i: NodeIdx) -> bool {
-        !self.withheld[i as usize]
+        !self.withheld.get(i)
             && self.model[i as usize] as usize == group
             && self.healthy[i as usize].count_ones() >= w.gpus_per_node
     }
