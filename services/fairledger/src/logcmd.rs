@@ -245,9 +245,11 @@ pub fn project(
                 .map_err(|e| e.to_string())?;
             p = shared.into_inner();
         }
-        let stats = p.stats();
+        let (stats, last_seq) = (p.stats(), p.last_seq());
         let digest = p.digest().map_err(|e| e.to_string())?;
-        let reached = Reached::new(p.last_seq(), digest, stats, started);
+        drop(p);
+        settle(&dir)?;
+        let reached = Reached::new(last_seq, digest, stats, started);
         print_reached(&format!("projected into {}", dir.display()), &reached, json);
         Ok(())
     })
@@ -328,6 +330,10 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
                 Err(e) => return Err(format!("import stopped after {written} events: {e}; running the import again goes on from there")),
             }
         }
+        drop(log);
+        if log_args.nats.is_none() {
+            settle(&log_args.data.join("log"))?;
+        }
         eprintln!(
             "imported {written} events ({duplicates} already present) into {} in {:.2} s",
             log_args.describe(),
@@ -335,6 +341,11 @@ pub fn import(log_args: &LogArgs, events: &Path, batch: usize) -> Result<(), Str
         );
         Ok(())
     })
+}
+
+/// [`eventlog::embedded::settle`], after a bulk write to the sled database in `dir`.
+fn settle(dir: &Path) -> Result<(), String> {
+    eventlog::embedded::settle(dir).map_err(|e| format!("cannot reopen {}: {e}", dir.display()))
 }
 
 /// The ids of the events the log holds (none for a new log: the common import).
