@@ -283,6 +283,16 @@ fn a_fragments_while_b_and_c_wait(waiting_from: u64) -> Ledger {
     l
 }
 
+/// Fifo (which preempts nothing for fair share), contracts of 4h, two reservations per pass.
+fn two_reservations() -> PolicyConfig {
+    PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        reservations_max: 2,
+        ..PolicyConfig::default()
+    }
+}
+
 #[test]
 fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
     // b's and c's jobs have waited an hour, owed a share and delivered nothing. With two
@@ -290,12 +300,7 @@ fn further_reservations_drain_one_node_per_allocation_and_lend_it_meanwhile() {
     // free, n2: a's 6-GPU job goes where it fits, n3, and its 7-GPU jobs borrow n1 from b and n2
     // from c. With one, c's job waits for capacity, and n2 goes to a's first 7-GPU job.
     let l = a_fragments_while_b_and_c_wait(0);
-    let two = PolicyConfig {
-        policy: "fifo",
-        min_runtime_ms: 4 * H,
-        reservations_max: 2,
-        ..PolicyConfig::default()
-    };
+    let two = two_reservations();
     let plan = decide(&l.state, H, &two);
     let held: Vec<(Uuid, Vec<String>)> = plan
         .reservations
@@ -347,12 +352,7 @@ fn a_further_reservation_is_only_for_an_allocation_delivered_less_than_it_was_ow
     // b and c submit just now: neither was owed anything yet over the window, so c is not
     // under-served and its job waits for capacity; the head's reservation is the only one.
     let l = a_fragments_while_b_and_c_wait(H);
-    let cfg = PolicyConfig {
-        policy: "fifo",
-        min_runtime_ms: 4 * H,
-        reservations_max: 2,
-        ..PolicyConfig::default()
-    };
+    let cfg = two_reservations();
     let plan = decide(&l.state, H, &cfg);
     let holders: Vec<Uuid> = plan.reservations.iter().map(|r| r.workload).collect();
     assert_eq!(holders, vec![wid(10)]);
