@@ -48,8 +48,13 @@ fn run(l: &Ledger, q: &Question) -> Result<ledger::whatif::Answer, WhatIfError> 
     )
 }
 
+/// GPU-hours delivered to every allocation on one side.
+fn delivered(side: &ledger::whatif::Side) -> f64 {
+    side.allocations.iter().map(|a| a.delivered_gpu_hours).sum()
+}
+
 fn share_of(side: &ledger::whatif::Side, path: &str) -> f64 {
-    let total: f64 = side.allocations.iter().map(|a| a.delivered_gpu_hours).sum();
+    let total = delivered(side);
     let mine = side
         .allocations
         .iter()
@@ -70,13 +75,7 @@ fn no_change_is_the_baseline_and_the_same_question_the_same_answer() {
     );
     assert_eq!(baseline, changed);
     // Work went on: about 12 h of 16 GPUs delivered, split evenly, and the queue moved.
-    let delivered: f64 = answer
-        .baseline
-        .allocations
-        .iter()
-        .map(|a| a.delivered_gpu_hours)
-        .sum();
-    approx(delivered, 16.0 * 12.0);
+    approx(delivered(&answer.baseline), 16.0 * 12.0);
     assert!(
         (share_of(&answer.baseline, "a") - 0.5).abs() < 0.05,
         "{baseline}"
@@ -165,9 +164,6 @@ fn capacity_changes_show_in_the_cluster() {
     .unwrap();
     assert_eq!(answer.baseline.cluster.healthy_gpus, 16);
     assert_eq!(answer.changed.cluster.healthy_gpus, 16 + 16 - 1);
-    let delivered = |side: &ledger::whatif::Side| -> f64 {
-        side.allocations.iter().map(|a| a.delivered_gpu_hours).sum()
-    };
     assert!(delivered(&answer.changed) > delivered(&answer.baseline) * 1.5);
     // The failed GPU's workload stopped for the hardware, which breaks no contract.
     assert_eq!(answer.changed.cluster.contract_violations, 0);
@@ -301,13 +297,10 @@ fn stopped_work_is_requeued_and_huge_estimates_do_not_wrap() {
     let answer = run(&l, &ask(Vec::new(), 2 * HOUR)).unwrap();
     assert_eq!(answer.baseline.cluster.starts, 1, "{answer:?}");
     assert_eq!(answer.baseline.cluster.finished, 1, "{answer:?}");
-    let delivered: f64 = answer
-        .baseline
-        .allocations
-        .iter()
-        .map(|a| a.delivered_gpu_hours)
-        .sum();
     // The huge one held 4 GPUs for the whole 2 h; the requeued one 4 GPUs for the 30 min of
     // its estimate less the half second its first run had done.
-    approx(delivered, 4.0 * 2.0 + 4.0 * (1800.0 - 0.5) / 3600.0);
+    approx(
+        delivered(&answer.baseline),
+        4.0 * 2.0 + 4.0 * (1800.0 - 0.5) / 3600.0,
+    );
 }
