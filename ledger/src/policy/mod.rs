@@ -19,6 +19,7 @@
 //! GPU-hours. Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
 //! job pending" answers.
 
+mod bits;
 pub mod fairshare;
 pub mod fairtree;
 pub mod fifo;
@@ -35,6 +36,7 @@ use crate::event::{
     Borrowed, Event, PlacedNode, PreemptionReason, PreemptionRequested, WorkloadId, WorkloadStarted,
 };
 use crate::state::{State, Workload};
+use bits::Bits;
 use placement::Scratch;
 use rank::{Ranking, Usage};
 
@@ -455,7 +457,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             && drains_for((w.gpus_per_node, w.nodes))
             && reservations_open(&plan, &deferred, cfg)
             && w.allocation
-                .is_some_and(|a| !served.contains(&Some(a)) && rank.under_served(a));
+                .is_some_and(|a| may_drain_for(&served, &rank, a));
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
@@ -622,8 +624,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // nodes when visited.
             if !leaves_waiting.contains(&leaf) {
                 let here = State::queue_key(w);
-                let may_hold =
-                    further_open && !served.contains(&Some(leaf)) && rank.under_served(leaf);
+                let may_hold = further_open && may_drain_for(&served, &rank, leaf);
                 let next = state.queue_shapes.get(&leaf).and_then(|shapes| {
                     shapes
                         .iter()
@@ -647,6 +648,12 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
 /// work asking more than one GPU, which fragmentation keeps waiting (one GPU fits in any gap).
 fn drains_for((gpus_per_node, nodes): (u32, u32)) -> bool {
     nodes == 1 && gpus_per_node > 1
+}
+
+/// Whether allocation `leaf` may hold a further reservation: none of this pass is for it yet,
+/// and it was delivered less than it was owed over the window.
+fn may_drain_for(served: &FxHashSet<Option<u32>>, rank: &rank::Rank, leaf: u32) -> bool {
+    !served.contains(&Some(leaf)) && rank.under_served(leaf)
 }
 
 /// Whether the pass may take one more reservation, counting those not worked out yet.
@@ -683,10 +690,10 @@ struct VictimSearch {
     failed_shapes: FxHashSet<(Option<u32>, u32, u32)>,
     /// Every search that failed: what it might take (see [`takes`]), the model it was held to,
     /// GPUs per node and nodes.
-    failed: Vec<(Vec<u64>, Option<u32>, u32, u32)>,
+    failed: Vec<(Bits, Option<u32>, u32, u32)>,
     /// What each beneficiary allocation may take (see [`takes`]), with the ranking's version it
     /// was worked out at.
-    takes: FxHashMap<Option<u32>, (u64, Vec<u64>)>,
+    takes: FxHashMap<Option<u32>, (u64, Bits)>,
     claimed: FxHashSet<WorkloadId>,
 }
 
@@ -700,7 +707,7 @@ impl VictimSearch {
         policy: &dyn Policy,
         cfg: &PolicyConfig,
         beneficiary: Option<u32>,
-    ) -> Vec<u64> {
+    ) -> Bits {
         let version = rank.version();
         match self.takes.get(&beneficiary) {
             Some((v, bits)) if *v == version => bits.clone(),
@@ -755,7 +762,7 @@ impl VictimSearch {
                 model.is_none_or(|m| w.model == Some(m))
                     && w.gpus_per_node >= *gpus_per_node
                     && w.nodes >= *nodes
-                    && mine.iter().zip(theirs).all(|(m, t)| m & !t == 0)
+                    && mine.is_subset_of(theirs)
             })
     }
 
@@ -987,24 +994,23 @@ fn may_take_from<'a>(
 
 /// The allocations whose work `may_take` allows taking, as a bit set: bit 0 for unallocated
 /// work, bit `a + 1` for allocation `a`.
-fn takes(state: &State, may_take: &mut impl FnMut(Option<u32>) -> bool) -> Vec<u64> {
+fn takes(state: &State, may_take: &mut impl FnMut(Option<u32>) -> bool) -> Bits {
     let n = state.allocations.nodes.len() + 1;
-    let mut bits = vec![0u64; n.div_ceil(64)];
+    let mut bits = Bits::new(n);
     for (bit, victim) in std::iter::once(None)
         .chain((0..n as u32 - 1).map(Some))
         .enumerate()
     {
         if may_take(victim) {
-            bits[bit / 64] |= 1 << (bit % 64);
+            bits.set(bit);
         }
     }
     bits
 }
 
 /// Whether the bit set of [`takes`] holds `victim`.
-fn has(bits: &[u64], victim: Option<u32>) -> bool {
-    let bit = victim.map_or(0, |v| v as usize + 1);
-    bits[bit / 64] >> (bit % 64) & 1 == 1
+fn has(bits: &Bits, victim: Option<u32>) -> bool {
+    bits.get(victim.map_or(0, |v| v as usize + 1))
 }
 
 /// Whether work of allocation `beneficiary` may take post-contract work of allocation `victim`:

@@ -12,6 +12,7 @@ use std::cmp::Reverse;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::bits::Bits;
 use crate::cluster::{Cluster, Hold, NodeIdx, Tenant};
 use crate::event::WorkloadId;
 use crate::state::{Part, State, Workload};
@@ -35,23 +36,6 @@ struct FreeIndex {
     /// asks for at least one GPU per node, so full nodes are never looked up (on a busy cluster,
     /// most nodes).
     buckets: Vec<Vec<NodeIdx>>,
-}
-
-/// One bit per node.
-struct Bits(Vec<u64>);
-
-impl Bits {
-    fn new(n: usize) -> Self {
-        Bits(vec![0; n.div_ceil(64)])
-    }
-
-    fn get(&self, i: NodeIdx) -> bool {
-        self.0[i as usize / 64] & (1 << (i % 64)) != 0
-    }
-
-    fn set(&mut self, i: NodeIdx) {
-        self.0[i as usize / 64] |= 1 << (i % 64);
-    }
 }
 
 /// The free GPUs of every node as this pass sees them.
@@ -172,7 +156,7 @@ impl<'s> Scratch<'s> {
                 self.withheld_list
                     .iter()
                     .filter(|&&i| {
-                        (backfill || self.lendable.get(i))
+                        (backfill || self.lendable.get(i as usize))
                             && self.model[i as usize] as usize == g
                             && self.free[i as usize].count_ones() >= gpus_per_node
                     })
@@ -197,9 +181,9 @@ impl<'s> Scratch<'s> {
     /// Takes nodes out of the index, holding their free GPUs for someone.
     pub fn withhold_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
         for &n in nodes {
-            if !self.withheld.get(n) {
+            if !self.withheld.get(n as usize) {
                 self.unindex(n);
-                self.withheld.set(n);
+                self.withheld.set(n as usize);
                 self.withheld_list.push(n);
                 self.withheld_for.push(holder);
             }
@@ -211,7 +195,7 @@ impl<'s> Scratch<'s> {
     pub fn lend_nodes(&mut self, nodes: &[NodeIdx], holder: WorkloadId) {
         self.withhold_nodes(nodes, holder);
         for &n in nodes {
-            self.lendable.set(n);
+            self.lendable.set(n as usize);
         }
     }
 
@@ -227,7 +211,7 @@ impl<'s> Scratch<'s> {
             .iter()
             .zip(&self.withheld_for)
             .filter(|&(&i, _)| {
-                self.lendable.get(i) && w.model.is_none_or(|m| m == self.model[i as usize])
+                self.lendable.get(i as usize) && w.model.is_none_or(|m| m == self.model[i as usize])
             })
             .map(|(&i, &holder)| (self.free[i as usize].count_ones(), i, holder))
             .filter(|&(k, _, _)| k >= w.gpus_per_node)
@@ -241,7 +225,7 @@ impl<'s> Scratch<'s> {
     }
 
     fn take(&mut self, node: NodeIdx, mask: u64) {
-        let indexed = !self.withheld.get(node);
+        let indexed = !self.withheld.get(node as usize);
         if indexed {
             self.unindex(node);
         }
@@ -437,7 +421,7 @@ impl<'s> Scratch<'s> {
     /// Whether node `i` is indexed, of model group `group`, with enough healthy GPUs for one
     /// member of `w`.
     fn eligible(&self, w: &Workload, group: usize, i: NodeIdx) -> bool {
-        !self.withheld.get(i)
+        !self.withheld.get(i as usize)
             && self.model[i as usize] as usize == group
             && self.healthy[i as usize].count_ones() >= w.gpus_per_node
     }
