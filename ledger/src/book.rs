@@ -174,12 +174,18 @@ pub struct Preemptions {
     /// Borrowed GPUs taken back for the reservation they were lent from, once the borrower's
     /// shorter contract was over.
     pub reclaimed: u64,
+    /// Moved off a node assembled for whole-node work of an under-served allocation.
+    pub defragment: u64,
 }
 
 impl Preemptions {
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.fair_share + self.opportunistic + self.hardware_failure + self.reclaimed
+        self.fair_share
+            + self.opportunistic
+            + self.hardware_failure
+            + self.reclaimed
+            + self.defragment
     }
 
     fn count(&mut self, reason: PreemptionReason) {
@@ -188,6 +194,7 @@ impl Preemptions {
             PreemptionReason::Opportunistic => self.opportunistic += 1,
             PreemptionReason::HardwareFailure => self.hardware_failure += 1,
             PreemptionReason::Reclaimed => self.reclaimed += 1,
+            PreemptionReason::Defragment => self.defragment += 1,
             PreemptionReason::UserCancelled => {}
         }
     }
@@ -198,6 +205,7 @@ impl Preemptions {
             opportunistic: self.opportunistic - start.opportunistic,
             hardware_failure: self.hardware_failure - start.hardware_failure,
             reclaimed: self.reclaimed - start.reclaimed,
+            defragment: self.defragment - start.defragment,
         }
     }
 
@@ -207,6 +215,7 @@ impl Preemptions {
         self.opportunistic += other.opportunistic;
         self.hardware_failure += other.hardware_failure;
         self.reclaimed += other.reclaimed;
+        self.defragment += other.defragment;
     }
 }
 

@@ -408,6 +408,10 @@ pub enum PreemptionReason {
     /// It runs on GPUs borrowed from a reservation ([`WorkloadStarted::borrowed`]), whose
     /// workload now needs them, and the borrowing's term is over.
     Reclaimed,
+    /// Its node is assembled into a whole one for blocked multi-GPU work of an under-served
+    /// allocation ranked below its own, while other nodes have room for it to start again at
+    /// once (`defragment` in the policy's configuration). Past its contract only.
+    Defragment,
 }
 
 /// A running workload was asked to stop within a grace period.

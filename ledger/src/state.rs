@@ -1434,7 +1434,8 @@ impl State {
             PreemptionReason::UserCancelled => false,
             PreemptionReason::FairShare
             | PreemptionReason::Opportunistic
-            | PreemptionReason::Reclaimed => w.allocation.is_some(),
+            | PreemptionReason::Reclaimed
+            | PreemptionReason::Defragment => w.allocation.is_some(),
         };
         // Borrowed GPUs are taken back on the borrowing's term; anything else waits for the
         // contract.

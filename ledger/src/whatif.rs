@@ -65,6 +65,8 @@ pub struct PolicyChange {
     pub grace_ms: Option<u64>,
     /// The most reservations per pass.
     pub reservations_max: Option<u32>,
+    /// Whether whole nodes are assembled for under-served multi-GPU work.
+    pub defragment: Option<bool>,
 }
 
 /// What to try, and for how long.
@@ -324,6 +326,9 @@ pub fn what_if(
                 }
                 if let Some(n) = p.reservations_max {
                     changed_policy.reservations_max = n;
+                }
+                if let Some(on) = p.defragment {
+                    changed_policy.defragment = on;
                 }
             }
             Change::AddNodes {

@@ -359,6 +359,124 @@ fn a_further_reservation_is_only_for_an_allocation_delivered_less_than_it_was_ow
     assert!(matches!(reason(&plan, wid(11)), Blocked::NoCapacity { .. }));
 }
 
+/// a (weight 1) holds 16 of 24 GPUs: two 1-GPU jobs on n1 past their contracts at 2 h, the whole
+/// of n2 and six GPUs of n3 (`n3_full`: all eight) under contract until 6 h. b (weight 1) has
+/// waited since 0 with two 8-GPU jobs: owed 12 GPUs of 24, delivered none. n1's six free GPUs
+/// and n3's two are stranded: no node has eight.
+fn b_waits_for_a_whole_node(n3_full: bool) -> Ledger {
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None), ("n3", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 1, 1);
+    l.start(0, wid(1), &[("n1", &[0])], H);
+    l.submit(0, wid(2), Some("a"), 1, 1);
+    l.start(0, wid(2), &[("n1", &[1])], H);
+    l.submit(0, wid(3), Some("a"), 8, 1);
+    assert!(matches!(
+        l.start(0, wid(3), &[("n2", &[0, 1, 2, 3, 4, 5, 6, 7])], 6 * H),
+        Outcome::Applied
+    ));
+    let n3: &[u32] = if n3_full {
+        &[0, 1, 2, 3, 4, 5, 6, 7]
+    } else {
+        &[0, 1, 2, 3, 4, 5]
+    };
+    l.submit(0, wid(4), Some("a"), n3.len() as u32, 1);
+    assert!(matches!(
+        l.start(0, wid(4), &[("n3", n3)], 6 * H),
+        Outcome::Applied
+    ));
+    l.submit(0, wid(10), Some("b"), 8, 1);
+    l.submit(0, wid(11), Some("b"), 8, 1);
+    l
+}
+
+/// Fair share with a margin no key gap reaches here: only defragmentation preempts.
+fn defragmenting() -> PolicyConfig {
+    PolicyConfig {
+        margin: 5.0,
+        defragment: true,
+        ..PolicyConfig::default()
+    }
+}
+
+#[test]
+fn defragmentation_moves_post_contract_work_off_a_node_a_whole_node_job_can_have() {
+    let l = b_waits_for_a_whole_node(false);
+    let cfg = defragmenting();
+    // a's 1-GPU jobs leave n1 for b's first job, and fit in n3's two free GPUs meanwhile.
+    let plan = decide(&l.state, 2 * H, &cfg);
+    let preemptions: Vec<(Uuid, PreemptionReason, Option<Uuid>)> = plan
+        .preemptions()
+        .map(|d| match d {
+            Decision::Preempt {
+                workload,
+                reason,
+                beneficiary,
+                ..
+            } => (*workload, *reason, *beneficiary),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(
+        preemptions,
+        vec![
+            (wid(1), PreemptionReason::Defragment, Some(wid(10))),
+            (wid(2), PreemptionReason::Defragment, Some(wid(10))),
+        ]
+    );
+    assert!(matches!(
+        reason(&plan, wid(10)),
+        Blocked::WaitingForPreemption { victims: 2, .. }
+    ));
+    // The fold accepts them: past the contract.
+    assert!(matches!(
+        try_preempt(&l, 2 * H, wid(1), PreemptionReason::Defragment),
+        Outcome::Applied
+    ));
+    let terse = decide(
+        &l.state,
+        2 * H,
+        &PolicyConfig {
+            explain: false,
+            ..cfg.clone()
+        },
+    );
+    assert_eq!(terse.decisions, plan.decisions);
+    // Off by default.
+    assert!(decide(
+        &l.state,
+        2 * H,
+        &PolicyConfig {
+            margin: 5.0,
+            ..PolicyConfig::default()
+        }
+    )
+    .preemptions()
+    .next()
+    .is_none());
+}
+
+#[test]
+fn defragmentation_keeps_contracts_and_moves_nothing_that_cannot_start_again() {
+    let cfg = defragmenting();
+    // Inside a's contracts: b holds the reservation and waits.
+    let l = b_waits_for_a_whole_node(false);
+    let plan = decide(&l.state, H / 2, &cfg);
+    assert!(plan.preemptions().next().is_none());
+    assert!(matches!(
+        reason(&plan, wid(10)),
+        Blocked::HoldsReservation { .. }
+    ));
+    assert!(matches!(
+        try_preempt(&l, H / 2, wid(1), PreemptionReason::Defragment),
+        Outcome::Rejected(_)
+    ));
+    // n3 full: a's 1-GPU jobs would have nowhere to start again; nothing moves.
+    let l = b_waits_for_a_whole_node(true);
+    assert!(decide(&l.state, 2 * H, &cfg).preemptions().next().is_none());
+}
+
 #[test]
 fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_contract() {
     // n1 runs a's long job on 4 GPUs; under fifo nothing may be preempted for b's 8-GPU job, so

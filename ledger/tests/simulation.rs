@@ -191,6 +191,7 @@ fn scenario(seed: u64) -> Scenario {
         margin: rng.random_range(0.0..0.2),
         explain: rng.random_bool(0.5),
         reservations_max: rng.random_range(1..=4),
+        defragment: rng.random_bool(0.5),
         ..PolicyConfig::default()
     };
     let state_config = StateConfig {
@@ -668,7 +669,8 @@ fn hostile(rng: &mut ChaCha8Rng, state: &State, t: u64) -> Envelope {
                 PreemptionReason::Opportunistic,
                 PreemptionReason::HardwareFailure,
                 PreemptionReason::UserCancelled,
-            ][rng.random_range(0..4)],
+                PreemptionReason::Defragment,
+            ][rng.random_range(0..5)],
             beneficiary: None,
             grace_s: 0,
         }),

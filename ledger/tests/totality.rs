@@ -128,7 +128,8 @@ fn event() -> impl Strategy<Value = Event> {
                 PreemptionReason::FairShare,
                 PreemptionReason::HardwareFailure,
                 PreemptionReason::UserCancelled,
-                PreemptionReason::Opportunistic
+                PreemptionReason::Opportunistic,
+                PreemptionReason::Defragment
             ]),
             0u64..600
         )

@@ -22,8 +22,12 @@ def write(out, name, nodes, allocations, rows, margin=0.05, reservations=4):
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "scenario.toml"), "w") as f:
-        # Whole-node work beside small jobs: a node drains for each under-served team.
-        f.write(f'[policy]\nname = "fairshare"\nmargin = {margin}\nreservations = {reservations}\n\n')
+        # Whole-node work beside small jobs: a node drains for each under-served team, and
+        # post-contract small work of teams ranked above moves off a node one of them can have.
+        f.write(
+            f'[policy]\nname = "fairshare"\nmargin = {margin}\nreservations = {reservations}\n'
+            "defragment = true\n\n"
+        )
         f.write(f'[[nodes]]\ncount = {nodes}\ngpus = 8\nmodel = "H100"\n')
         for path, weight in allocations:
             f.write(f'\n[[allocations]]\npath = "{path}"\nweight = {weight}\n')

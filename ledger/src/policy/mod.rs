@@ -16,7 +16,10 @@
 //! nodes drain for whole-node work at once. A blocked
 //! workload of an under-served allocation may preempt post-contract work of allocations ranked
 //! above it by more than the hysteresis margin, choosing victims that lose the fewest
-//! GPU-hours. Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
+//! GPU-hours. With [`PolicyConfig::defragment`], such a holder that finds no victims that way
+//! may still move smaller post-contract work of allocations ranked above it (by any amount) off
+//! one node, where other nodes have room for that work to start again at once
+//! ([`PreemptionReason::Defragment`]). Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
 //! job pending" answers.
 
 mod bits;
@@ -102,6 +105,14 @@ pub struct PolicyConfig {
     /// whole-node work instead of one, lending their free GPUs meanwhile, so work of an
     /// allocation whose small jobs fill every gap does not keep them fragmented.
     pub reservations_max: u32,
+    /// Assemble whole nodes for the blocked multi-GPU work of under-served allocations: the head
+    /// of the queue or a further reservation's holder may preempt, on one node, post-contract
+    /// single-node work of smaller shape from allocations ranked above its own (by any amount,
+    /// not only the margin), when other nodes have room for every victim to start again at
+    /// once. Free GPUs stranded on several nodes become one node's worth; no capacity is lost
+    /// but the victims' work since their last checkpoint. Off by default: each pass looks at
+    /// every node with preemptible work once more.
+    pub defragment: bool,
     /// Node label whose equal values mean "close" (same rack) for gang placement.
     pub topology_label: String,
     /// Explain every pending workload. Without explanations a pass may stop early, once nothing
@@ -118,6 +129,7 @@ impl Default for PolicyConfig {
             margin: 0.05,
             preemptors_per_pass_max: 16,
             reservations_max: 1,
+            defragment: false,
             topology_label: "rack".to_string(),
             explain: true,
         }
@@ -338,6 +350,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed_shapes: FxHashSet::default(),
         failed: Vec::new(),
         takes: FxHashMap::default(),
+        defragmented: false,
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -458,6 +471,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             && reservations_open(&plan, &deferred, cfg)
             && w.allocation
                 .is_some_and(|a| may_drain_for(&served, &rank, a));
+        // Whether the victims found below assemble a node ([`VictimSearch::defragment`]).
+        let mut defragmenting = false;
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
             (None, Some(&(victims, until_ms, ref nodes))) => {
@@ -516,6 +531,15 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                 })
                 .flatten()
                 .or_else(|| {
+                    ((head || further) && cfg.defragment && policy.preempts_for_fair_share())
+                        .then(|| {
+                            deferred.settle(&mut plan, &mut scratch, &rank);
+                            search.defragment(state, &scratch, &rank, w, now_ms)
+                        })
+                        .flatten()
+                        .inspect(|_| defragmenting = true)
+                })
+                .or_else(|| {
                     search
                         .worth_searching(state, &rank, policy, cfg, w)
                         .then(|| {
@@ -530,6 +554,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         let victim = &state.workloads[v];
                         let reason = if victim.borrowed.is_some() {
                             PreemptionReason::Reclaimed
+                        } else if defragmenting {
+                            PreemptionReason::Defragment
                         } else if victim.allocation.is_none() {
                             PreemptionReason::Opportunistic
                         } else {
@@ -695,6 +721,8 @@ struct VictimSearch {
     /// was worked out at.
     takes: FxHashMap<Option<u32>, (u64, Bits)>,
     claimed: FxHashSet<WorkloadId>,
+    /// Whether this pass has looked for a defragmentation ([`Self::defragment`]).
+    defragmented: bool,
 }
 
 impl VictimSearch {
@@ -812,6 +840,64 @@ impl VictimSearch {
                 None
             }
         }
+    }
+
+    /// Defragmentation for blocked single-node `w` of an under-served allocation: victims on one
+    /// node whose preemption makes room for it, when the rest of the cluster has free GPUs
+    /// enough for them to start again at once. Victims: post-contract work of allocations
+    /// ranked above `w`'s (by any amount), or unallocated work; never borrowed work. Capacity is
+    /// not lost, only moved: stranded free GPUs are assembled into a node.
+    fn defragment(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        w: &Workload,
+        now_ms: u64,
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        let leaf = w.allocation?;
+        if self.defragmented || w.nodes != 1 || w.gpus_per_node < 2 || !rank.under_served(leaf) {
+            return None;
+        }
+        let need = u64::from(w.gpus_per_node);
+        if scratch.free_total() < need {
+            return None;
+        }
+        self.defragmented = true;
+        let nodes = self.nodes.get_or_insert_with(|| {
+            (0..state.cluster.nodes.len() as u32)
+                .filter(|&i| {
+                    state.cluster.nodes[i as usize]
+                        .tenants
+                        .iter()
+                        .any(|t| preemptible(&t.hold, now_ms))
+                })
+                .collect()
+        });
+        let (nodes, victims) = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+                preemptible(&t.hold, now_ms)
+                    && t.hold.borrowed_until_ms.is_none()
+                    && t.hold.allocation.is_none_or(|v| {
+                        !rank.under_served(v) && rank.outranks_by(state, leaf, v, 0.0)
+                    })
+            })
+            .ok()?;
+        let node = *nodes.first()?;
+        let mut sizes: Vec<u32> = Vec::with_capacity(victims.len());
+        for v in &victims {
+            let v = &state.workloads[v];
+            if v.nodes != 1 || v.gpus_per_node >= w.gpus_per_node {
+                return None;
+            }
+            sizes.push(v.gpus_per_node);
+        }
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        if !scratch.could_rehome(node, &sizes) {
+            return None;
+        }
+        self.claimed.extend(victims.iter().copied());
+        Some((nodes, victims))
     }
 
     /// For blocked `w` at the head of the queue: victims that make room for it now on `due`, the

@@ -168,6 +168,25 @@ impl<'s> Scratch<'s> {
         })
     }
 
+    /// Whether single-node work of `sizes` GPUs (largest first) could start at once on nodes of
+    /// `node`'s model other than `node` that are not withheld, each on one node, best fit.
+    pub fn could_rehome(&self, node: NodeIdx, sizes: &[u32]) -> bool {
+        let g = &self.groups[self.model[node as usize] as usize];
+        let mut count: Vec<usize> = g.buckets.iter().map(Vec::len).collect();
+        let own = self.free[node as usize].count_ones() as usize;
+        if !self.withheld.get(node as usize) && own > 0 {
+            count[own] -= 1;
+        }
+        sizes.iter().all(|&s| {
+            let Some(k) = (s as usize..count.len()).find(|&k| count[k] > 0) else {
+                return false;
+            };
+            count[k] -= 1;
+            count[k - s as usize] += 1;
+            true
+        })
+    }
+
     /// Free GPUs of node `n` in this pass.
     pub fn free_on(&self, n: NodeIdx) -> u32 {
         self.free[n as usize].count_ones()

@@ -730,7 +730,7 @@ pub struct WhatIfArgs {
     /// Remove an allocation (repeat for more).
     #[arg(long = "remove-allocation", value_name = "PATH")]
     pub remove_allocation: Vec<String>,
-    /// Change the policy: `name=fifo,margin=0.2,min_runtime=2h,grace=5m,reservations_max=4`.
+    /// Change the policy: `name=fifo,margin=0.2,min_runtime=2h,grace=5m,reservations_max=4,defragment=true`.
     #[arg(long)]
     pub policy: Option<String>,
     /// Add nodes: `count=2,gpus=8,model=H100[,rack=r9]` (other keys are labels).
@@ -819,9 +819,14 @@ fn changes(w: &WhatIfArgs) -> Result<Vec<Value>, String> {
                     policy[format!("{k}_s")] = json!(seconds(&v).map_err(|e| format!("--policy: {e}"))?)
                 }
                 "reservations_max" => policy[k.as_str()] = number("--policy", &v)?,
+                "defragment" => {
+                    policy["defragment"] = json!(v.parse::<bool>().map_err(|_| format!(
+                        "--policy: defragment {v:?} is not true or false"
+                    ))?)
+                }
                 other => {
                     return Err(format!(
-                        "--policy: {other:?} is not name, margin, min_runtime, grace or reservations_max"
+                        "--policy: {other:?} is not name, margin, min_runtime, grace, reservations_max or defragment"
                     ))
                 }
             }

@@ -29,6 +29,9 @@ pub struct WorkloadCounts {
     /// Of the preemptions, those that took back GPUs lent to a borrowed placement for the
     /// reservation they were lent from, once the borrower's shorter contract was over.
     pub reclaimed: u64,
+    /// Of the preemptions, those that moved work off a node assembled for whole-node work of an
+    /// under-served allocation (`defragment` in the policy).
+    pub defragmented: u64,
     /// Runs started on borrowed GPUs (see [`ledger::event::WorkloadStarted::borrowed`]).
     pub borrowed_starts: u64,
     /// Stops before the contract ended, other than hardware failures.
@@ -156,6 +159,7 @@ pub struct Collector {
     waits: BTreeMap<String, Vec<(u64, u64)>>,
     started: u64,
     reclaimed: u64,
+    defragmented: u64,
     borrowed_starts: u64,
     last_event_ms: u64,
     /// Idle GPUs pending work would fit on, since `idle_since_ms`, and the integral before.
@@ -197,9 +201,11 @@ impl Collector {
                     }
                 }
             }
-            Event::PreemptionRequested(p) if p.reason == PreemptionReason::Reclaimed => {
-                self.reclaimed += 1;
-            }
+            Event::PreemptionRequested(p) => match p.reason {
+                PreemptionReason::Reclaimed => self.reclaimed += 1,
+                PreemptionReason::Defragment => self.defragmented += 1,
+                _ => {}
+            },
             Event::WorkloadFinished(_) => self.finished += 1,
             _ => {}
         }
@@ -280,6 +286,7 @@ impl Collector {
                 finished: self.finished,
                 preemptions: state.counters().preemptions,
                 reclaimed: self.reclaimed,
+                defragmented: self.defragmented,
                 borrowed_starts: self.borrowed_starts,
                 contract_violations: state.counters().contract_violations,
             },

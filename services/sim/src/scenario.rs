@@ -9,6 +9,7 @@
 //! grace_s = 300             # time to checkpoint after a preemption request
 //! margin = 0.05             # hysteresis on the ranking key
 //! reservations = 4          # most nodes-drained-for-it reservations per pass (1 to 64)
+//! defragment = true         # assemble whole nodes for under-served multi-GPU work
 //! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
@@ -102,6 +103,8 @@ pub struct PolicySection {
     pub heartbeat_timeout_s: u64,
     /// The most reservations per pass (see `PolicyConfig::reservations_max`).
     pub reservations: u32,
+    /// Assemble whole nodes for under-served multi-GPU work (see `PolicyConfig::defragment`).
+    pub defragment: bool,
 }
 
 impl Default for PolicySection {
@@ -116,6 +119,7 @@ impl Default for PolicySection {
             margin: 0.05,
             heartbeat_timeout_s: ledger::health::DEFAULT_TIMEOUT_MS / 1000,
             reservations: PolicyConfig::default().reservations_max,
+            defragment: PolicyConfig::default().defragment,
         }
     }
 }
@@ -405,6 +409,7 @@ impl Scenario {
                 grace_ms: p.grace_s * 1000,
                 margin: p.margin,
                 reservations_max: p.reservations,
+                defragment: p.defragment,
                 // Reports need decisions, not the reasons of every waiting workload.
                 explain: false,
                 ..PolicyConfig::default()

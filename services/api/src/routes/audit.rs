@@ -360,6 +360,7 @@ pub(crate) async fn cluster_metrics(
             "opportunistic": preemptions.opportunistic,
             "hardware_failure": preemptions.hardware_failure,
             "reclaimed": preemptions.reclaimed,
+            "defragment": preemptions.defragment,
         },
         "cancels": m.cancels,
         "contract_violations": m.contract_violations,

@@ -46,7 +46,7 @@ const HISTORY_ROWS: usize = 50_000;
 pub(crate) struct WhatIfRequest {
     /// The changes, tried together: `{"allocation": PATH, "weight": W, "max_gpus": N}` (set or
     /// create), `{"remove_allocation": PATH}`, `{"policy": {"name", "margin", "min_runtime_s",
-    /// "grace_s", "reservations_max"}}`, `{"add_nodes": {"count", "gpus", "model", "labels"}}`,
+    /// "grace_s", "reservations_max", "defragment"}}`, `{"add_nodes": {"count", "gpus", "model", "labels"}}`,
     /// `{"remove_nodes": [NODE]}` (drained), `{"fail_gpus": [{"node", "gpu"}]}`.
     #[serde(default)]
     #[schema(value_type = Vec<Object>)]
@@ -90,6 +90,8 @@ struct PolicyBody {
     grace_s: Option<u64>,
     #[serde(default)]
     reservations_max: Option<u32>,
+    #[serde(default)]
+    defragment: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -169,6 +171,7 @@ fn change(i: usize, v: &Value) -> Result<Change, Problem> {
                 s => s.map(|s| s * 1000),
             },
             reservations_max: c.policy.reservations_max,
+            defragment: c.policy.defragment,
         })
     } else if has("add_nodes") {
         let c: AddNodes = serde_json::from_value(v.clone()).map_err(read)?;
