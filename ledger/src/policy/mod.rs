@@ -107,7 +107,7 @@ pub struct PolicyConfig {
     pub reservations_max: u32,
     /// Assemble whole nodes for the blocked multi-GPU work of under-served allocations: the head
     /// of the queue or a further reservation's holder may preempt, on one node, post-contract
-    /// single-node work of smaller shape from allocations ranked above its own (by any amount,
+    /// single-node work asking fewer GPUs from allocations ranked above its own (by any amount,
     /// not only the margin), when other nodes have room for every victim to start again at
     /// once. Free GPUs stranded on several nodes become one node's worth; no capacity is lost
     /// but the victims' work since their last checkpoint. Off by default: each pass looks at
@@ -843,10 +843,11 @@ impl VictimSearch {
     }
 
     /// Defragmentation for blocked single-node `w` of an under-served allocation: victims on one
-    /// node whose preemption makes room for it, when the rest of the cluster has free GPUs
-    /// enough for them to start again at once. Victims: post-contract work of allocations
-    /// ranked above `w`'s (by any amount), or unallocated work; never borrowed work. Capacity is
-    /// not lost, only moved: stranded free GPUs are assembled into a node.
+    /// node whose preemption makes room for it, when the other nodes have free GPUs for each of
+    /// them to start again at once. Victims: post-contract single-node work asking fewer GPUs
+    /// than `w`, of allocations ranked above `w`'s (by any amount), or unallocated; never
+    /// borrowed work. Capacity is not lost, only moved: stranded free GPUs are assembled into a
+    /// node. Once a pass.
     fn defragment(
         &mut self,
         state: &State,
@@ -878,20 +879,18 @@ impl VictimSearch {
             .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
                 preemptible(&t.hold, now_ms)
                     && t.hold.borrowed_until_ms.is_none()
-                    && t.hold.allocation.is_none_or(|v| {
-                        !rank.under_served(v) && rank.outranks_by(state, leaf, v, 0.0)
-                    })
+                    && t.total_gpus < need
+                    && u64::from(t.gpus.count_ones()) == t.total_gpus
+                    && t.hold
+                        .allocation
+                        .is_none_or(|v| rank.outranks_by(state, leaf, v, 0.0))
             })
             .ok()?;
         let node = *nodes.first()?;
-        let mut sizes: Vec<u32> = Vec::with_capacity(victims.len());
-        for v in &victims {
-            let v = &state.workloads[v];
-            if v.nodes != 1 || v.gpus_per_node >= w.gpus_per_node {
-                return None;
-            }
-            sizes.push(v.gpus_per_node);
-        }
+        let mut sizes: Vec<u32> = victims
+            .iter()
+            .map(|v| state.workloads[v].gpus_per_node)
+            .collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         if !scratch.could_rehome(node, &sizes) {
             return None;
