@@ -75,8 +75,8 @@ struct AllocationExpect {
 fn render(r: &Report) -> String {
     let w = &r.workloads;
     let mut out = format!(
-        "policy {}\nworkloads submitted {} rejected {} started {} finished {} preemptions {} reclaimed {} borrowed_starts {} contract_violations {}\n",
-        r.policy, w.submitted, w.rejected, w.started, w.finished, w.preemptions, w.reclaimed, w.borrowed_starts, w.contract_violations
+        "policy {}\nworkloads submitted {} rejected {} started {} finished {} preemptions {} reclaimed {} defragmented {} borrowed_starts {} contract_violations {}\n",
+        r.policy, w.submitted, w.rejected, w.started, w.finished, w.preemptions, w.reclaimed, w.defragmented, w.borrowed_starts, w.contract_violations
     );
     out += &format!(
         "availability {:.4} occupancy {:.4} impact {:.4} delivered_over_owed {:.4}\n",
