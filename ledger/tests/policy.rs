@@ -475,6 +475,42 @@ fn defragmentation_keeps_contracts_and_moves_nothing_that_cannot_start_again() {
     // n3 full: a's 1-GPU jobs would have nowhere to start again; nothing moves.
     let l = b_waits_for_a_whole_node(true);
     assert!(decide(&l.state, 2 * H, &cfg).preemptions().next().is_none());
+    // A policy that does not preempt for fair share does not defragment either.
+    let fifo = PolicyConfig {
+        policy: "fifo",
+        ..cfg.clone()
+    };
+    let l = b_waits_for_a_whole_node(false);
+    assert!(decide(&l.state, 2 * H, &fifo)
+        .preemptions()
+        .next()
+        .is_none());
+}
+
+#[test]
+fn defragmentation_moves_only_work_of_allocations_ranked_above() {
+    // The same cluster, but the 1-GPU jobs on n1 are b's own: b's job may not move them, and
+    // a's work under contract elsewhere stays too.
+    let mut l = cluster(&[("n1", 8, None), ("n2", 8, None), ("n3", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for (id, node, gpus, until) in [
+        (1, "n1", &[0u32][..], H),
+        (2, "n1", &[1][..], H),
+        (3, "n2", &[0, 1, 2, 3, 4, 5, 6, 7][..], 6 * H),
+        (4, "n3", &[0, 1, 2, 3, 4, 5][..], 6 * H),
+    ] {
+        let owner = if id <= 2 { "b" } else { "a" };
+        l.submit(0, wid(id), Some(owner), gpus.len() as u32, 1);
+        assert!(matches!(
+            l.start(0, wid(id), &[(node, gpus)], until),
+            Outcome::Applied
+        ));
+    }
+    l.submit(0, wid(10), Some("b"), 8, 1);
+    l.submit(0, wid(11), Some("b"), 8, 1);
+    let plan = decide(&l.state, 2 * H, &defragmenting());
+    assert!(plan.preemptions().next().is_none());
 }
 
 #[test]
