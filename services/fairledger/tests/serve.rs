@@ -647,6 +647,21 @@ fn a_config_file_sets_the_cluster_and_the_contract() {
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 
+/// The server runs without transparent huge pages (see `without_huge_pages`): the kernel says
+/// so for the process.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_server_runs_without_transparent_huge_pages() {
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--data", data.path().to_str().unwrap()]);
+    let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap();
+    let thp = status
+        .lines()
+        .find_map(|l| l.strip_prefix("THP_enabled:"))
+        .map(str::trim);
+    assert_eq!(thp, Some("0"), "{status}");
+}
+
 #[test]
 fn the_shipped_example_cluster_loads() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/cluster.toml");
