@@ -19,8 +19,8 @@
 //! GPU-hours. With [`PolicyConfig::defragment`], such a holder that finds no victims that way
 //! may still move smaller post-contract work of allocations ranked above it (by any amount) off
 //! one node, where other nodes have room for that work to start again at once
-//! ([`PreemptionReason::Defragment`]). Every workload left waiting gets a [`Blocked`] reason, which is what "why is my
-//! job pending" answers.
+//! ([`PreemptionReason::Defragment`]). Every workload left waiting gets a [`Blocked`] reason,
+//! which is what "why is my job pending" answers.
 
 mod bits;
 pub mod fairshare;
@@ -809,16 +809,7 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        let nodes = self.nodes.get_or_insert_with(|| {
-            (0..state.cluster.nodes.len() as u32)
-                .filter(|&i| {
-                    state.cluster.nodes[i as usize]
-                        .tenants
-                        .iter()
-                        .any(|t| preemptible(&t.hold, now_ms))
-                })
-                .collect()
-        });
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
             // Borrowed GPUs go back to the reservation that lent them, not to fair share (see
             // `reclaim`): work filling a reservation's gaps is not churned.
@@ -865,16 +856,7 @@ impl VictimSearch {
             return None;
         }
         self.defragmented = true;
-        let nodes = self.nodes.get_or_insert_with(|| {
-            (0..state.cluster.nodes.len() as u32)
-                .filter(|&i| {
-                    state.cluster.nodes[i as usize]
-                        .tenants
-                        .iter()
-                        .any(|t| preemptible(&t.hold, now_ms))
-                })
-                .collect()
-        });
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
         let (nodes, victims) = scratch
             .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
                 preemptible(&t.hold, now_ms)
@@ -938,6 +920,21 @@ impl VictimSearch {
         self.claimed.extend(victims.iter().copied());
         Some((nodes, victims))
     }
+}
+
+/// The nodes holding work that could be preempted at all, gathered into `cache` the first time
+/// a pass needs them.
+fn preemptible_nodes<'a>(cache: &'a mut Option<Vec<u32>>, state: &State, now_ms: u64) -> &'a [u32] {
+    cache.get_or_insert_with(|| {
+        (0..state.cluster.nodes.len() as u32)
+            .filter(|&i| {
+                state.cluster.nodes[i as usize]
+                    .tenants
+                    .iter()
+                    .any(|t| preemptible(&t.hold, now_ms))
+            })
+            .collect()
+    })
 }
 
 /// The nodes of borrowed placements whose term is over and that are not leaving already.
