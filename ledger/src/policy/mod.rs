@@ -16,10 +16,10 @@
 //! nodes drain for whole-node work at once. A blocked
 //! workload of an under-served allocation may preempt post-contract work of allocations ranked
 //! above it by more than the hysteresis margin, choosing victims that lose the fewest
-//! GPU-hours. With [`PolicyConfig::defragment`], such a holder that finds no victims that way
-//! may still move smaller post-contract work of allocations ranked above it (by any amount) off
-//! one node, where other nodes have room for that work to start again at once
-//! ([`PreemptionReason::Defragment`]). Every workload left waiting gets a [`Blocked`] reason,
+//! GPU-hours. With [`PolicyConfig::defragment`], the head of the queue or a further
+//! reservation's holder first looks to move smaller post-contract work of allocations ranked
+//! above it (by any amount) off one node, where other nodes have room for that work to start
+//! again at once ([`PreemptionReason::Defragment`]), and only then for victims by fair share. Every workload left waiting gets a [`Blocked`] reason,
 //! which is what "why is my job pending" answers.
 
 mod bits;
@@ -471,7 +471,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             && reservations_open(&plan, &deferred, cfg)
             && w.allocation
                 .is_some_and(|a| may_drain_for(&served, &rank, a));
-        // Whether the victims found below assemble a node ([`VictimSearch::defragment`]).
+        // Whether the victims found below assemble a node ([`VictimSearch::defragment`]): looked
+        // for before fair share's, whose victims would not start again at once.
         let mut defragmenting = false;
         let blocked = match (blocked, incoming.get(&id)) {
             (Some(b), _) => b,
