@@ -1,12 +1,14 @@
 //! The projector: folds the ledger log into a sled projection, exactly once.
 //!
-//! The projection is one sled tree of rows in five key spaces:
+//! The projection is one sled tree of rows in these key spaces:
 //!
 //! - `m/…` meta: the fold settings, the last applied sequence and the counts of applied, rejected, duplicate and
 //!   malformed events;
 //! - `w/<id>` one row per workload (phase, allocation, placement, protection, name, runs), in
-//!   postcard; ids are UUIDv7 (the API's, the simulator's), so key order is submission order
+//!   postcard; ids are UUIDv7 (the API's, the simulator's), so id order is submission order
 //!   and listings read it backwards;
+//! - `x/<first id>` the same rows of ended workloads, a few dozen to a key (the `pack` module:
+//!   sled's memory grows with its keys, and ended workloads are most of history);
 //! - `a/<path>` one row per allocation (weight, owed and delivered GPU-hours, preemptions);
 //! - `r/<seq>` one row per event the fold rejected or could not decode;
 //! - `i/<key>` the workload the first submission with an idempotency key created, and that
@@ -15,7 +17,7 @@
 //!   ISO week and month, per allocation and for the cluster ([`ledger::book`]), written once
 //!   when the period closes and read by [`Kept`] without holding up the fold.
 //!
-//! The folded state lends its ended workloads (their `w/` rows) and used idempotency keys
+//! The folded state lends its ended workloads (their rows) and used idempotency keys
 //! (`i/`) to the projection ([`ledger::Archive`]) once each batch is written, so what it holds
 //! in memory, and checkpoints, is bounded by live work rather than by history.
 //!
@@ -31,10 +33,12 @@
 //! log, and projecting resumes after that prefix: nothing skipped, nothing applied twice. The
 //! in-memory state resumes from the checkpoint and refolds the few events after it.
 //!
-//! The digest is a SHA-256 over every row, in key order: two projections of
-//! the same log prefix have the same digest however the work was split into batches, which is
-//! how tests prove the incrementally maintained projection equals a full replay.
+//! The digest is a SHA-256 over every row, in key order (workload rows in id order, packed or
+//! not): two projections of the same log prefix have the same digest however the work was split
+//! into batches, which is how tests prove the incrementally maintained projection equals a full
+//! replay.
 
+mod pack;
 pub mod verify;
 
 use std::collections::BTreeMap;
@@ -361,6 +365,17 @@ pub struct Projector {
     archive: std::sync::Arc<RowArchive>,
     /// The checkpoint being written beside the fold, if one is.
     checkpointing: std::sync::Mutex<Option<std::thread::JoinHandle<Result<(), String>>>>,
+    /// Held by listings while they read rows in order; packing takes it when free, never
+    /// waiting.
+    layout: std::sync::Arc<std::sync::RwLock<()>>,
+    /// Ended rows written past the packing position since packing last ran.
+    endings: usize,
+    /// Live workloads submitted this many events ago no longer hold packing back; `None`: no
+    /// packing.
+    pack_lag: Option<u64>,
+    /// Rows read from packs in the batch being folded (an event about them was refused), with
+    /// their packs' keys: they are written back there.
+    from_packs: BTreeMap<WorkloadId, Vec<u8>>,
 }
 
 /// Writes `state` and `book`, with their sequence, in one batch of the checkpoint's tree.
@@ -375,12 +390,14 @@ fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Resu
 }
 
 /// The projection's rows as the folded state's [`ledger::Archive`]: an ended workload is its
-/// `w/` row in a final phase, a used key its `i/` row. A read that fails is remembered, and the
+/// row in a final phase (single or packed), a used key its `i/` row. A read that fails is remembered, and the
 /// batch folded meanwhile is not written (the fold cannot wait on an error); a reader's failed
 /// read between folds only makes its answer a "not found".
 struct RowArchive {
     tree: sled::Tree,
     failed: std::sync::atomic::AtomicBool,
+    /// Where packing has reached: rows past it are not looked for in packs.
+    through: std::sync::Mutex<Option<WorkloadId>>,
 }
 
 impl RowArchive {
@@ -391,11 +408,25 @@ impl RowArchive {
             None
         })
     }
+
+    fn through(&self) -> Option<WorkloadId> {
+        *self.through.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Workload `id`'s stored row and where it is.
+    fn find(&self, id: WorkloadId) -> Result<Option<(Vec<u8>, pack::Place)>, pack::Fault> {
+        pack::find(&self.tree, id, Some(self.through()))
+    }
 }
 
 impl ledger::Archive for RowArchive {
     fn ended(&self, id: WorkloadId, as_of: u64) -> Option<Phase> {
-        let row: WorkloadRow = postcard::from_bytes(&self.get(&workload_key(id))?).ok()?;
+        let found = self.find(id).unwrap_or_else(|e| {
+            tracing::error!(error = ?e, "reading the projection's archive");
+            self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+            None
+        });
+        let row: WorkloadRow = postcard::from_bytes(&found?.0).ok()?;
         if row.ended_at_ms.is_none() || row.last_seq > as_of {
             return None;
         }
@@ -601,9 +632,11 @@ impl Projector {
                 stats.total()
             )));
         }
+        let through = pack::through(&tree).map_err(|e| e.into_error(dir))?;
         let archive = std::sync::Arc::new(RowArchive {
             tree: tree.clone(),
             failed: false.into(),
+            through: through.into(),
         });
         state.archive_in(archive.clone());
         Ok(Projector {
@@ -624,7 +657,26 @@ impl Projector {
             trails: Default::default(),
             archive,
             checkpointing: Default::default(),
+            layout: Default::default(),
+            endings: 0,
+            pack_lag: Some(pack::PACK_LAG),
+            from_packs: BTreeMap::new(),
         })
+    }
+
+    /// Packs ended workload rows with live workloads submitted more than `lag` events ago no
+    /// longer holding packing back (`None`: no packing). For tests of how rows are stored.
+    #[doc(hidden)]
+    pub fn pack_lag(mut self, lag: Option<u64>) -> Self {
+        self.pack_lag = lag;
+        self
+    }
+
+    /// How many workload rows are stored one to a key, and how many packs hold the others.
+    /// For tests of how rows are stored.
+    #[doc(hidden)]
+    pub fn stored_rows(&self) -> Result<(usize, usize), ProjectionError> {
+        pack::count(&self.tree).map_err(|e| self.fault(e))
     }
 
     /// Writes a checkpoint every `n` events (at least 1).
@@ -679,6 +731,7 @@ impl Projector {
         Kept {
             tree: self.tree.clone(),
             dir: self.dir.clone(),
+            layout: self.layout.clone(),
         }
     }
 
@@ -695,16 +748,20 @@ impl Projector {
 
     /// One workload's row.
     pub fn workload(&self, id: WorkloadId) -> Result<Option<WorkloadRow>, ProjectionError> {
-        match self
-            .tree
-            .get(workload_key(id))
-            .map_err(|e| self.storage(e))?
-        {
-            None => Ok(None),
-            Some(v) => postcard::from_bytes(&v)
-                .map(Some)
-                .map_err(|e| self.corrupt(&format!("workload row {id}: {e}"))),
-        }
+        Ok(self.stored_row(id)?.map(|(row, _)| row))
+    }
+
+    /// One workload's stored row and where it is.
+    fn stored_row(
+        &self,
+        id: WorkloadId,
+    ) -> Result<Option<(WorkloadRow, pack::Place)>, ProjectionError> {
+        let Some((bytes, place)) = self.archive.find(id).map_err(|e| self.fault(e))? else {
+            return Ok(None);
+        };
+        postcard::from_bytes(&bytes)
+            .map(|row| Some((row, place)))
+            .map_err(|e| self.corrupt(&format!("workload row {id}: {e}")))
     }
 
     /// One allocation's row.
@@ -741,15 +798,29 @@ impl Projector {
         }
     }
 
-    /// SHA-256 over every row (the checkpoint is not one), in key order, as hex.
+    /// SHA-256 over every row (the checkpoint is not one), in key order, as hex: workload rows
+    /// as `w/<id>` in id order whether packed or not, and nothing of where they are stored.
     pub fn digest(&self) -> Result<String, ProjectionError> {
-        let mut hash = Sha256::new();
-        for entry in self.tree.iter() {
-            let (k, v) = entry.map_err(|e| self.storage(e))?;
+        fn add(hash: &mut Sha256, k: &[u8], v: &[u8]) {
             hash.update((k.len() as u64).to_be_bytes());
-            hash.update(&k);
+            hash.update(k);
             hash.update((v.len() as u64).to_be_bytes());
-            hash.update(&v);
+            hash.update(v);
+        }
+        let mut hash = Sha256::new();
+        for entry in self.tree.range(..pack::SINGLE) {
+            let (k, v) = entry.map_err(|e| self.storage(e))?;
+            if *k != *pack::THROUGH {
+                add(&mut hash, &k, &v);
+            }
+        }
+        for row in pack::Rows::ascending(&self.tree) {
+            let (id, v) = row.map_err(|e| self.fault(e))?;
+            add(&mut hash, &pack::single_key(id), &v);
+        }
+        for entry in self.tree.range(pack::AFTER_ROWS..) {
+            let (k, v) = entry.map_err(|e| self.storage(e))?;
+            add(&mut hash, &k, &v);
         }
         Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
     }
@@ -931,7 +1002,12 @@ impl Projector {
     ) -> Result<(), ProjectionError> {
         let row = match rows.remove(&id) {
             Some(row) => Some(row),
-            None => self.workload(id)?,
+            None => self.stored_row(id)?.map(|(row, place)| {
+                if let pack::Place::Packed(key) = place {
+                    self.from_packs.insert(id, key);
+                }
+                row
+            }),
         };
         // A refused submission of a new id has no row to note it on.
         let Some(mut row) = row else {
@@ -960,11 +1036,22 @@ impl Projector {
         mut batch: sled::Batch,
         rows: &BTreeMap<WorkloadId, WorkloadRow>,
     ) -> Result<(), ProjectionError> {
+        let through = self.archive.through();
+        let mut repacked: BTreeMap<Vec<u8>, Vec<(WorkloadId, Vec<u8>)>> = BTreeMap::new();
         for (id, row) in rows {
-            batch.insert(
-                workload_key(*id),
-                postcard::to_stdvec(row).expect("rows always serialize"),
-            );
+            let bytes = postcard::to_stdvec(row).expect("rows always serialize");
+            if let Some(key) = self.from_packs.remove(id) {
+                repacked.entry(key).or_default().push((*id, bytes));
+                continue;
+            }
+            if row.ended_at_ms.is_some() && through.is_none_or(|t| *id > t) {
+                self.endings += 1;
+            }
+            batch.insert(pack::single_key(*id), bytes);
+        }
+        self.from_packs.clear();
+        for (key, rows) in &repacked {
+            pack::rewrite(&self.tree, key, rows, &mut batch).map_err(|e| self.fault(e))?;
         }
         for a in &self.state.allocations().nodes {
             let row = AllocationRow {
@@ -1002,6 +1089,9 @@ impl Projector {
             return Err(self.storage(e));
         }
         self.state.archived();
+        if self.endings >= pack::ENDINGS_PER_RUN {
+            self.pack()?;
+        }
         if self.since_checkpoint >= self.checkpoint_every
             && self.last_checkpoint.elapsed() >= self.checkpoint_gap
             && self
@@ -1009,6 +1099,41 @@ impl Projector {
                 .inspect_err(|_| self.poisoned = true)?
         {
             self.start_checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Gathers ended rows into packs, unless a listing is reading rows in order.
+    fn pack(&mut self) -> Result<(), ProjectionError> {
+        let Some(lag) = self.pack_lag else {
+            return Ok(());
+        };
+        let layout = self.layout.clone();
+        let Ok(_layout) = layout.try_write() else {
+            return Ok(());
+        };
+        self.endings = 0;
+        let through = self.archive.through();
+        let Some(packing) =
+            pack::gather(&self.tree, through, self.last_seq, lag).map_err(|e| self.fault(e))?
+        else {
+            return Ok(());
+        };
+        // The position moves first: a reader between the two finds a row in its single or,
+        // looking further than it needs, in its pack, never in neither.
+        *self
+            .archive
+            .through
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(packing.through);
+        if let Err(e) = self.tree.apply_batch(packing.batch) {
+            self.poisoned = true;
+            return Err(self.storage(e));
+        }
+        tracing::trace!(rows = packing.packed, "packed ended workload rows");
+        if packing.more {
+            // Again with the next batch.
+            self.endings = pack::ENDINGS_PER_RUN;
         }
         Ok(())
     }
@@ -1203,6 +1328,10 @@ impl Projector {
             dir: self.dir.clone(),
             reason: reason.to_owned(),
         }
+    }
+
+    fn fault(&self, f: pack::Fault) -> ProjectionError {
+        f.into_error(&self.dir)
     }
 }
 
@@ -1487,6 +1616,8 @@ pub struct WorkloadPage {
 pub struct Kept {
     tree: sled::Tree,
     dir: PathBuf,
+    /// Held while a listing reads rows in order, so packing does not move them meanwhile.
+    layout: std::sync::Arc<std::sync::RwLock<()>>,
 }
 
 impl Kept {
@@ -1531,24 +1662,20 @@ impl Kept {
         limit: usize,
         budget: usize,
     ) -> Result<WorkloadPage, ProjectionError> {
-        let storage = |e: sled::Error| ProjectionError::Storage {
-            dir: self.dir.clone(),
-            reason: e.to_string(),
-        };
         let corrupt = |reason: String| ProjectionError::Corrupt {
             dir: self.dir.clone(),
             reason,
         };
-        // Every `w/` key is `w/` and 16 bytes: `w0` is past the last of them.
-        let end = before.map_or_else(|| b"w0".to_vec(), workload_key);
+        let _layout = self.layout.read().unwrap_or_else(|e| e.into_inner());
+        let fault = |f: pack::Fault| f.into_error(&self.dir);
         let mut page = WorkloadPage::default();
-        for entry in self.tree.range(b"w/".to_vec()..end).rev() {
+        for entry in pack::Rows::descending(&self.tree, before) {
             if page.rows.len() >= limit || page.scanned >= budget {
                 break;
             }
-            let (k, v) = entry.map_err(storage)?;
-            let row: WorkloadRow = postcard::from_bytes(&v)
-                .map_err(|e| corrupt(format!("workload row {k:?}: {e}")))?;
+            let (id, v) = entry.map_err(fault)?;
+            let row: WorkloadRow =
+                postcard::from_bytes(&v).map_err(|e| corrupt(format!("workload row {id}: {e}")))?;
             page.scanned += 1;
             page.next = Some(row.id);
             if filter.admits(&row) {
@@ -1557,12 +1684,7 @@ impl Kept {
         }
         // Nothing left before the last row read: no next page.
         if let Some(next) = page.next {
-            let more = self
-                .tree
-                .range(b"w/".to_vec()..workload_key(next))
-                .next_back()
-                .is_some();
-            if !more {
+            if !pack::any_before(&self.tree, next).map_err(fault)? {
                 page.next = None;
             }
         }
@@ -1589,10 +1711,6 @@ impl Kept {
                 reason: e.to_string(),
             })
     }
-}
-
-fn workload_key(id: WorkloadId) -> Vec<u8> {
-    prefixed(b"w/", id.as_bytes())
 }
 
 fn idempotency_key(key: &str) -> Vec<u8> {

@@ -684,3 +684,243 @@ async fn workloads_are_listed_newest_first_in_pages_with_their_runs() {
     };
     assert_eq!(ids(&kept.workloads(&window, None, 10, 100).unwrap()), [a]);
 }
+
+/// Every workload the ledger of `events` submits, in id order.
+fn submitted(events: &[Envelope]) -> Vec<uuid::Uuid> {
+    let mut ids: Vec<uuid::Uuid> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            ledger::Event::WorkloadSubmitted(s) => Some(s.workload),
+            _ => None,
+        })
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// `a` and `b` answer the same for every workload: its row, the phase the fold knows it ended
+/// in, and every listing page (in pages of several sizes, with and without filters).
+fn same_rows(a: &Projector, b: &Projector, ids: &[uuid::Uuid], how: &str) {
+    use projector::WorkloadFilter;
+    assert_eq!(a.digest().unwrap(), b.digest().unwrap(), "{how}: digests");
+    for &id in ids {
+        assert_eq!(
+            a.workload(id).unwrap(),
+            b.workload(id).unwrap(),
+            "{how}: {id}"
+        );
+        assert_eq!(
+            a.state().ended_phase(id),
+            b.state().ended_phase(id),
+            "{how}: {id}"
+        );
+    }
+    let filters = [
+        WorkloadFilter::default(),
+        WorkloadFilter {
+            phases: vec!["finished".into(), "pending".into()],
+            ..Default::default()
+        },
+        WorkloadFilter {
+            since_ms: Some(1_000 * ids.len() as u64),
+            ..Default::default()
+        },
+    ];
+    for filter in &filters {
+        for (limit, budget) in [(7, 20), (100, 1_000), (1_000, 100)] {
+            let (mut before, mut pages) = (None, 0);
+            loop {
+                let pa = a.kept().workloads(filter, before, limit, budget).unwrap();
+                let pb = b.kept().workloads(filter, before, limit, budget).unwrap();
+                assert_eq!(pa, pb, "{how}: {filter:?} before {before:?}");
+                pages += 1;
+                match pa.next {
+                    Some(next) => before = Some(next),
+                    None => break,
+                }
+            }
+            assert!(pages > 1, "{how}: one page of {limit}");
+        }
+    }
+}
+
+/// Ended workloads' rows are packed a few dozen to a key as the fold goes (sled's memory grows
+/// with its keys), and every read answers as from rows one to a key; an event refused about a
+/// packed workload is noted on its row where it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_rows_read_as_rows_one_to_a_key() {
+    let mut events = alibaba_events();
+    let ids = submitted(&events);
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &events).await;
+    let mut plain = Projector::open(&dir.path().join("plain"), config(), &log)
+        .await
+        .unwrap()
+        .pack_lag(None);
+    plain.catch_up(&log).await.unwrap();
+    assert_eq!(plain.stored_rows().unwrap(), (ids.len(), 0));
+    // Packing at many points: in uneven batches, reopened along the way.
+    let path = dir.path().join("packed");
+    let mut step = 1;
+    let packed = loop {
+        let mut p = Projector::open(&path, config(), &log).await.unwrap();
+        for _ in 0..5 {
+            step = step * 7 % 1013 + 1;
+            p.project_next(&log, step).await.unwrap();
+        }
+        if p.last_seq() == events.len() as u64 {
+            break p;
+        }
+    };
+    let (singles, packs) = packed.stored_rows().unwrap();
+    assert!(
+        packs > 0 && singles < ids.len(),
+        "{singles} singles and {packs} packs for {} workloads",
+        ids.len()
+    );
+    same_rows(&plain, &packed, &ids, "packed as it went");
+
+    // The first workloads ran for most of the trace and held packing back (the trace is
+    // shorter than the lag): what is left is packed with the next batches. Here they are late
+    // events about the first workload, long ended and packed, each refused and noted on its
+    // row in its pack.
+    let first = ids[0];
+    let mut packed = packed;
+    for k in 1..=4 {
+        let late = Envelope::new(
+            uuid::Uuid::from_u128(u128::MAX - k),
+            events.last().unwrap().occurred_at_ms,
+            "t",
+            finished(first),
+        );
+        write_all(&log, std::slice::from_ref(&late)).await;
+        events.push(late);
+        packed.catch_up(&log).await.unwrap();
+    }
+    plain.catch_up(&log).await.unwrap();
+    let row = packed.workload(first).unwrap().unwrap();
+    let n = events.len() as u64;
+    assert_eq!(
+        row.rejected[row.rejected.len() - 4..],
+        [n - 3, n - 2, n - 1, n]
+    );
+    let (singles, packs) = packed.stored_rows().unwrap();
+    assert!(
+        singles * 20 < ids.len() && packs * 64 >= ids.len() - singles,
+        "{singles} singles and {packs} packs for {} workloads",
+        ids.len()
+    );
+    same_rows(&plain, &packed, &ids, "after refused events");
+}
+
+/// A workload that waits long does not hold packing back for ever: past `lag` events packing
+/// goes on beyond it, its row stays one to a key, and it reads right before and after it ends.
+#[tokio::test]
+async fn a_long_wait_holds_packing_back_only_so_long() {
+    use ledger::event::*;
+    use ledger::Event;
+    let waiting = uuid::Uuid::from_u128(1);
+    let mut events = vec![Event::WorkloadSubmitted(WorkloadSubmitted::new(
+        waiting,
+        Some("lab".into()),
+        2,
+        1,
+    ))];
+    for k in 2..=301u64 {
+        let id = uuid::Uuid::from_u128(k.into());
+        events.extend([
+            Event::WorkloadSubmitted(WorkloadSubmitted::new(id, Some("lab".into()), 1, 1)),
+            Event::WorkloadStarted(WorkloadStarted {
+                workload: id,
+                placement: vec![PlacedNode {
+                    node: "n".into(),
+                    gpus: vec![0],
+                }],
+                // Events are a second apart from the epoch: this one is at 3k - 2 s.
+                protected_until_ms: 3_000 * k + 60_000,
+                borrowed: None,
+            }),
+            finished(id),
+        ]);
+    }
+    let cancel = Event::WorkloadCancelled(WorkloadCancelled {
+        workload: waiting,
+        reason: None,
+    });
+    let events = one_a_second(lab_and_node().into_iter().chain(events).chain([cancel]));
+    let ids = submitted(&events);
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &events).await;
+    let stored = log.read(1, 10_000).await.unwrap();
+    let (before_cancel, cancel) = stored.split_at(stored.len() - 1);
+    let open = |name: &str, lag| {
+        let path = dir.path().join(name);
+        let log = &log;
+        async move {
+            Projector::open(&path, config(), log)
+                .await
+                .unwrap()
+                .pack_lag(lag)
+        }
+    };
+    let mut plain = open("plain", None).await;
+    let mut held = open("held", Some(1_000_000)).await;
+    let mut passed = open("passed", Some(100)).await;
+    for chunk in before_cancel.chunks(50) {
+        for p in [&mut plain, &mut held, &mut passed] {
+            p.apply(chunk).unwrap();
+        }
+    }
+    assert_eq!(
+        plain.stats().rejected,
+        0,
+        "{:?}",
+        plain.rejected().unwrap().first()
+    );
+    // The waiting workload is the first row: within the lag nothing is packed.
+    assert_eq!(held.stored_rows().unwrap(), (301, 0));
+    let (singles, packs) = passed.stored_rows().unwrap();
+    assert!(
+        packs >= 4 && singles < 64,
+        "{singles} singles, {packs} packs"
+    );
+    let row = passed.workload(waiting).unwrap().unwrap();
+    assert_eq!(row.phase, "pending");
+    same_rows(&plain, &held, &ids, "held back");
+    same_rows(&plain, &passed, &ids, "passed");
+    for p in [&mut plain, &mut held, &mut passed] {
+        p.apply(cancel).unwrap();
+    }
+    assert_eq!(
+        passed.workload(waiting).unwrap().unwrap().phase,
+        "cancelled"
+    );
+    same_rows(&plain, &passed, &ids, "the long wait ended");
+    // An event about a packed workload is refused and noted on its row, which stays in its
+    // pack.
+    let second = uuid::Uuid::from_u128(2);
+    let late = Envelope::new(
+        uuid::Uuid::from_u128(u128::MAX),
+        1_000 * events.len() as u64,
+        "t",
+        finished(second),
+    );
+    write_all(&log, std::slice::from_ref(&late)).await;
+    let late = log.read(stored.len() as u64 + 1, 1).await.unwrap();
+    let before = passed.stored_rows().unwrap();
+    for p in [&mut plain, &mut passed] {
+        p.apply(&late).unwrap();
+    }
+    assert_eq!(passed.stored_rows().unwrap(), before);
+    let row = passed.workload(second).unwrap().unwrap();
+    assert_eq!(row.rejected, [late[0].seq]);
+    same_rows(&plain, &passed, &ids, "a refused event about a packed row");
+    // Reopened, where packing reached is read back, and the rows with it.
+    drop(passed);
+    let passed = open("passed", Some(100)).await;
+    assert_eq!(passed.stored_rows().unwrap().1, packs);
+    same_rows(&plain, &passed, &ids, "reopened");
+}
