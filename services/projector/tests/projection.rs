@@ -924,3 +924,91 @@ async fn a_long_wait_holds_packing_back_only_so_long() {
     assert_eq!(passed.stored_rows().unwrap().1, packs);
     same_rows(&plain, &passed, &ids, "reopened");
 }
+
+/// The checkpoint a shared projection refolds beside its fold (from the checkpoint before and
+/// the log, so the fold never waits for a copy of its state) is the fold's own state and book
+/// at that sequence.
+async fn checkpoint_beside_is_the_folds(p: &Projector, log: &EmbeddedLog, how: &str) {
+    p.checkpoint_beside(log).unwrap();
+    let (state, book) = p.stored_checkpoint().unwrap().expect("a checkpoint");
+    assert_eq!(state.last_seq(), p.last_seq(), "{how}");
+    assert!(
+        state == *p.state(),
+        "{how}: the refolded state differs from the fold's at {}",
+        p.last_seq()
+    );
+    assert!(
+        book == *p.book(),
+        "{how}: the refolded book differs from the fold's at {}",
+        p.last_seq()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_refolded_beside_the_fold_is_the_folds_state() {
+    use ledger::event::*;
+    use ledger::Event;
+    // A simulated run, in uneven batches, with rows packed meanwhile.
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    write_all(&log, &alibaba_events()).await;
+    let mut p = Projector::open(&dir.path().join("sim"), config(), &log)
+        .await
+        .unwrap()
+        .checkpoint_every(u64::MAX)
+        .pack_lag(Some(500));
+    let mut checkpoints = 0;
+    for size in [1, 2_999, 7, 5_003, 1_500].into_iter().cycle() {
+        if p.project_next(&log, size).await.unwrap() == 0 {
+            break;
+        }
+        checkpoint_beside_is_the_folds(&p, &log, "simulated run").await;
+        checkpoints += 1;
+    }
+    assert!(checkpoints > 4, "{checkpoints} checkpoints");
+    assert!(p.stored_rows().unwrap().1 > 0, "nothing was packed");
+
+    // Late events about ended workloads and a key used again, refolded from a checkpoint that
+    // is older than the rows that answer for them.
+    let dir = tempfile::tempdir().unwrap();
+    let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
+    let a = uuid::Uuid::from_u128(1);
+    let keyed = |id| {
+        let mut s = WorkloadSubmitted::new(id, Some("lab".into()), 1, 1);
+        s.idempotency_key = Some("t/k1".into());
+        Event::WorkloadSubmitted(s)
+    };
+    let events = lab_and_node().into_iter().chain([
+        keyed(a),
+        Event::WorkloadStarted(WorkloadStarted {
+            workload: a,
+            placement: vec![PlacedNode {
+                node: "n".into(),
+                gpus: vec![0],
+            }],
+            protected_until_ms: 10_000,
+            borrowed: None,
+        }),
+        finished(a),
+        keyed(uuid::Uuid::from_u128(2)),
+        Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: a,
+            reason: None,
+        }),
+        finished(a),
+    ]);
+    write_all(&log, &one_a_second(events)).await;
+    let stored = log.read(1, 100).await.unwrap();
+    for first in 1..stored.len() {
+        let mut p = Projector::open(&dir.path().join(format!("p{first}")), config(), &log)
+            .await
+            .unwrap()
+            .checkpoint_every(u64::MAX);
+        p.apply(&stored[..first]).unwrap();
+        checkpoint_beside_is_the_folds(&p, &log, &format!("first at {first}")).await;
+        p.apply(&stored[first..]).unwrap();
+        checkpoint_beside_is_the_folds(&p, &log, &format!("then from {first}")).await;
+        assert_eq!(p.stats().rejected, 3);
+    }
+}
