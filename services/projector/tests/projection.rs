@@ -66,6 +66,41 @@ fn finished(id: uuid::Uuid) -> ledger::Event {
     })
 }
 
+/// Workload `a` submitted with key `t/k1`, run and finished; then (6) `b` submitted with the
+/// same key, a duplicate; (7) `a` submitted again; (8, 9) `a` cancelled and finished late.
+fn late_about_an_ended_workload(a: uuid::Uuid, b: uuid::Uuid) -> Vec<ledger::Event> {
+    use ledger::event::*;
+    use ledger::Event;
+    let keyed = |id| {
+        let mut s = WorkloadSubmitted::new(id, Some("lab".into()), 1, 1);
+        s.idempotency_key = Some("t/k1".into());
+        Event::WorkloadSubmitted(s)
+    };
+    lab_and_node()
+        .into_iter()
+        .chain([
+            keyed(a),
+            Event::WorkloadStarted(WorkloadStarted {
+                workload: a,
+                placement: vec![PlacedNode {
+                    node: "n".into(),
+                    gpus: vec![0],
+                }],
+                protected_until_ms: 10_000,
+                borrowed: None,
+            }),
+            finished(a),
+            keyed(b),
+            Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
+            Event::WorkloadCancelled(WorkloadCancelled {
+                workload: a,
+                reason: None,
+            }),
+            finished(a),
+        ])
+        .collect()
+}
+
 fn config() -> StateConfig {
     StateConfig::default()
 }
@@ -458,38 +493,11 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
 /// and when refolding from a checkpoint older than the rows.
 #[tokio::test]
 async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
-    use ledger::event::*;
-    use ledger::{Event, Phase};
+    use ledger::Phase;
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
     let (a, b) = (uuid::Uuid::from_u128(1), uuid::Uuid::from_u128(2));
-    let keyed = |id| {
-        let mut s = WorkloadSubmitted::new(id, Some("lab".into()), 1, 1);
-        s.idempotency_key = Some("t/k1".into());
-        Event::WorkloadSubmitted(s)
-    };
-    let events = lab_and_node().into_iter().chain([
-        keyed(a),
-        Event::WorkloadStarted(WorkloadStarted {
-            workload: a,
-            placement: vec![PlacedNode {
-                node: "n".into(),
-                gpus: vec![0],
-            }],
-            protected_until_ms: 10_000,
-            borrowed: None,
-        }),
-        finished(a),
-        // 6: a duplicate of the first; 7: the ended id again; 8 and 9: late endings.
-        keyed(b),
-        Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
-        Event::WorkloadCancelled(WorkloadCancelled {
-            workload: a,
-            reason: None,
-        }),
-        finished(a),
-    ]);
-    let envelopes = one_a_second(events);
+    let envelopes = one_a_second(late_about_an_ended_workload(a, b));
     write_all(&log, &envelopes).await;
     let stored = log.read(1, 100).await.unwrap();
     let mut fresh = ledger::State::new(config());
@@ -946,8 +954,6 @@ async fn checkpoint_beside_is_the_folds(p: &Projector, log: &EmbeddedLog, how: &
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_refolded_beside_the_fold_is_the_folds_state() {
-    use ledger::event::*;
-    use ledger::Event;
     // A simulated run, in uneven batches, with rows packed meanwhile.
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
@@ -972,33 +978,8 @@ async fn a_checkpoint_refolded_beside_the_fold_is_the_folds_state() {
     // is older than the rows that answer for them.
     let dir = tempfile::tempdir().unwrap();
     let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
-    let a = uuid::Uuid::from_u128(1);
-    let keyed = |id| {
-        let mut s = WorkloadSubmitted::new(id, Some("lab".into()), 1, 1);
-        s.idempotency_key = Some("t/k1".into());
-        Event::WorkloadSubmitted(s)
-    };
-    let events = lab_and_node().into_iter().chain([
-        keyed(a),
-        Event::WorkloadStarted(WorkloadStarted {
-            workload: a,
-            placement: vec![PlacedNode {
-                node: "n".into(),
-                gpus: vec![0],
-            }],
-            protected_until_ms: 10_000,
-            borrowed: None,
-        }),
-        finished(a),
-        keyed(uuid::Uuid::from_u128(2)),
-        Event::WorkloadSubmitted(WorkloadSubmitted::new(a, Some("lab".into()), 1, 1)),
-        Event::WorkloadCancelled(WorkloadCancelled {
-            workload: a,
-            reason: None,
-        }),
-        finished(a),
-    ]);
-    write_all(&log, &one_a_second(events)).await;
+    let (a, b) = (uuid::Uuid::from_u128(1), uuid::Uuid::from_u128(2));
+    write_all(&log, &one_a_second(late_about_an_ended_workload(a, b))).await;
     let stored = log.read(1, 100).await.unwrap();
     for first in 1..stored.len() {
         let mut p = Projector::open(&dir.path().join(format!("p{first}")), config(), &log)
