@@ -391,6 +391,17 @@ fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Resu
     tree.apply_batch(batch)
 }
 
+/// Folds `events` (ascending) up to sequence `to` into `state` and `book`, in memory only, as
+/// the projection folded them: an event that does not decode is skipped, its sequence counted.
+pub(crate) fn refold(state: &mut State, book: &mut Book, events: &[Stored], to: u64) {
+    for e in events.iter().take_while(|e| e.seq <= to) {
+        if let Ok(env) = decode(&e.payload) {
+            book.apply(state, e.seq, &env);
+        }
+        state.skip(e.seq);
+    }
+}
+
 /// The stored checkpoint in `checkpoints` refolded with `log`'s events after it up to `to`, and
 /// written there ([`Projector::checkpoint_beside`]).
 fn refold_checkpoint<L: EventLog>(
@@ -428,12 +439,7 @@ fn refold_checkpoint<L: EventLog>(
                 from - 1
             ));
         }
-        for e in events.iter().take_while(|e| e.seq <= to) {
-            if let Ok(env) = decode(&e.payload) {
-                book.apply(&mut state, e.seq, &env);
-            }
-            state.skip(e.seq);
-        }
+        refold(&mut state, &mut book, &events, to);
         // Written by the fold already.
         book.take_closed();
     }
@@ -555,12 +561,7 @@ impl Projector {
                     ),
                 });
             }
-            for e in events.iter().take_while(|e| e.seq <= p.last_seq) {
-                if let Ok(env) = decode(&e.payload) {
-                    p.book.apply(&mut p.state, e.seq, &env);
-                }
-                p.state.skip(e.seq);
-            }
+            refold(&mut p.state, &mut p.book, &events, p.last_seq);
         }
         if p.archive.failed.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(ProjectionError::Storage {

@@ -8,7 +8,7 @@ use eventlog::EventLog;
 use ledger::book::{Book, Granularity, Row};
 use ledger::state::{State, StateConfig};
 
-use crate::{decode, kept_key, Kept, ProjectionError};
+use crate::{kept_key, Kept, ProjectionError};
 
 /// Which rows to compare.
 #[derive(Clone, Debug, Default)]
@@ -79,12 +79,7 @@ pub async fn verify<L: EventLog>(
         let Some(end) = events.last().map(|e| e.seq) else {
             break;
         };
-        for e in events.iter().filter(|e| e.seq <= up_to) {
-            if let Ok(env) = decode(&e.payload) {
-                book.apply(&mut state, e.seq, &env);
-            }
-            state.skip(e.seq);
-        }
+        crate::refold(&mut state, &mut book, &events, up_to);
         for row in book.take_closed().into_iter().filter(|r| scope.holds(r)) {
             refold.insert(kept_key(&row), row);
         }
