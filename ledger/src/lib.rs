@@ -72,4 +72,4 @@ pub mod window;
 
 pub use event::{Envelope, Event, WorkloadId};
 pub use rejection::Rejection;
-pub use state::{Archive, Outcome, Phase, State, StateConfig, Workload};
+pub use state::{Archive, Outcome, Phase, State, StateConfig, SteppedMap, Workload};

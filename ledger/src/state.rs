@@ -10,6 +10,14 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
+/// A hash map for what grows with the number of workloads (live workloads, recently ended ones,
+/// idempotency keys): once full it moves a few entries to its doubled table at each insert,
+/// where a standard map would move them all in one insert. At a million live workloads that
+/// one insert held the fold, and every acknowledgement waiting on it, for hundreds of
+/// milliseconds. Iteration order is a function of the inserts and removals, as with
+/// [`FxHashMap`]; nothing in the fold depends on it.
+pub type SteppedMap<K, V> = griddle::HashMap<K, V, rustc_hash::FxBuildHasher>;
+
 use crate::alloc::{AllocId, AllocationTree};
 use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, Tenant, GPUS_PER_NODE_MAX};
 use crate::event::*;
@@ -292,13 +300,13 @@ pub struct State {
     /// Nodes and GPUs.
     pub(crate) cluster: Cluster,
     /// Live workloads (pending, running, stopped).
-    pub(crate) workloads: FxHashMap<WorkloadId, Workload>,
+    pub(crate) workloads: SteppedMap<WorkloadId, Workload>,
     /// Phase of every workload that ended, so late events are rejected with the right reason
     /// (with an archive, only those that ended after `archived_through`).
-    pub(crate) ended: FxHashMap<WorkloadId, Phase>,
+    pub(crate) ended: SteppedMap<WorkloadId, Phase>,
     /// Idempotency keys seen, with the workload each created (with an archive, only those
     /// used after `archived_through`).
-    pub(crate) idempotency: FxHashMap<String, WorkloadId>,
+    pub(crate) idempotency: SteppedMap<String, WorkloadId>,
     /// The last sequence whose ended workloads and keys the archive holds.
     archived_through: u64,
     #[serde(skip)]
@@ -358,9 +366,9 @@ impl State {
             now_ms: 0,
             allocations: AllocationTree::default(),
             cluster: Cluster::default(),
-            workloads: FxHashMap::default(),
-            ended: FxHashMap::default(),
-            idempotency: FxHashMap::default(),
+            workloads: SteppedMap::default(),
+            ended: SteppedMap::default(),
+            idempotency: SteppedMap::default(),
             archived_through: 0,
             archive: Lent(None),
             queues: FxHashMap::default(),
@@ -444,14 +452,14 @@ impl State {
 
     /// Live workloads (pending, running, stopped) by id; see [`State::ended_phase`] for the
     /// others.
-    pub fn workloads(&self) -> &FxHashMap<WorkloadId, Workload> {
+    pub fn workloads(&self) -> &SteppedMap<WorkloadId, Workload> {
         &self.workloads
     }
 
     /// The ended workloads the state holds, with the phase each ended in: every one when it
     /// lends to no archive, else those that ended since it last lent them
     /// ([`State::ended_phase`] looks in both).
-    pub fn ended(&self) -> &FxHashMap<WorkloadId, Phase> {
+    pub fn ended(&self) -> &SteppedMap<WorkloadId, Phase> {
         &self.ended
     }
 
@@ -486,8 +494,8 @@ impl State {
         if self.archive.0.is_some() {
             self.archived_through = self.last_seq;
             // Dropped, not cleared: a refold may have grown them large.
-            self.ended = FxHashMap::default();
-            self.idempotency = FxHashMap::default();
+            self.ended = SteppedMap::default();
+            self.idempotency = SteppedMap::default();
         }
     }
 

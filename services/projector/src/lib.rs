@@ -360,7 +360,7 @@ pub struct Projector {
     poisoned: bool,
     /// Trails of live workloads, so a row's history need not be read back from sled (a
     /// workload missing here, after a restart, is read once).
-    trails: rustc_hash::FxHashMap<WorkloadId, Trail>,
+    trails: ledger::SteppedMap<WorkloadId, Trail>,
     /// The rows the state lends its ended workloads and keys to.
     archive: std::sync::Arc<RowArchive>,
     /// The checkpoint being written beside the fold, if one is.
