@@ -10,13 +10,18 @@
 #   - submissions alone, then submissions while 8 connections query the audit;
 #   - `audit verify` of the whole log, offline.
 # Usage: ops/bench/audit.sh [WORK_DIR]   (needs wrk, python3; keeps WORK_DIR for reruns)
+#   BIN=path/to/fairledger measures that build instead of building this checkout's;
+#   SERVE_LOG=debug also lists the folds that held the projection (and every waiting
+#   acknowledgement) over 40 ms, in ms.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${1:-$(mktemp -d)}
 PORT=${PORT:-18080}
-BIN=target/release/fairledger
 URL=http://127.0.0.1:$PORT
-cargo build --release -p fairledger
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -p fairledger
+  BIN=target/release/fairledger
+fi
 if [ ! -f "$WORK/events.jsonl" ]; then
   FAIRLEDGER_BENCH_LOAD=${FAIRLEDGER_BENCH_LOAD:-0.97} FAIRLEDGER_BENCH_KEEP="$WORK/year" \
     cargo bench -p sim --bench year
@@ -29,7 +34,7 @@ echo "== projection rebuild"
 /usr/bin/time -f "%e s, %M KB max resident" $BIN project --once --data "$WORK/data"
 
 start=$(date +%s.%N)
-$BIN serve --data "$WORK/data" --config "$WORK/year/year.toml" --no-agents \
+FAIRLEDGER_LOG=${SERVE_LOG:-info} $BIN serve --data "$WORK/data" --config "$WORK/year/year.toml" --no-agents \
   --heartbeat-timeout-s 86400 --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null || true' EXIT
@@ -50,18 +55,22 @@ AUDIT="$URL/v1/audit/ledger?from=$FROM&granularity=day"
 METRICS="$URL/v1/metrics/cluster?from=$FROM"
 curl -sf -H "Authorization: Bearer $FAIRLEDGER_TOKEN" "$AUDIT" | python3 -c 'import json,sys; d=json.load(sys.stdin); print("audit rows:", len(d["rows"]))'
 echo "== audit, 30 days by day, 8 connections"
-wrk -t1 -c8 -d10s --latency -s ops/bench/get.lua "$AUDIT" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+wrk -t1 -c8 -d10s --timeout 10s --latency -s ops/bench/get.lua "$AUDIT" | grep -E "Latency|50%|90%|99%|99.9%|Requests/sec|Non-2xx"
 echo "== cluster metrics, 30 days, 8 connections"
-wrk -t1 -c8 -d10s --latency -s ops/bench/get.lua "$METRICS" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+wrk -t1 -c8 -d10s --timeout 10s --latency -s ops/bench/get.lua "$METRICS" | grep -E "Latency|50%|90%|99%|99.9%|Requests/sec|Non-2xx"
 echo "== submissions, 64 connections"
-wrk -t1 -c64 -d10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+wrk -t1 -c64 -d10s --timeout 10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|99.9%|Requests/sec|Non-2xx"
 echo "== submissions, 64 connections, while 8 connections query the audit"
-wrk -t1 -c8 -d12s --latency -s ops/bench/get.lua "$AUDIT" >"$WORK/auditors.txt" &
+wrk -t1 -c8 -d12s --timeout 10s --latency -s ops/bench/get.lua "$AUDIT" >"$WORK/auditors.txt" &
 AUDITORS=$!
-wrk -t1 -c64 -d10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|Requests/sec|Non-2xx"
+wrk -t1 -c64 -d10s --timeout 10s --latency -s ops/bench/submit.lua "$URL/v1/workloads" | grep -E "Latency|50%|90%|99%|99.9%|Requests/sec|Non-2xx"
 wait $AUDITORS
 echo "   (the auditors meanwhile:)"; grep -E "99%|Requests/sec" "$WORK/auditors.txt"
 echo "== resident after: $(ps -o rss= -p $SERVE) KB"
+if [ "${SERVE_LOG:-}" = debug ]; then
+  echo "== folds that held the projection over 40 ms: $( (grep "held the projection long" "$WORK/serve.log" || true) |
+    grep -o "held_ms=[0-9]*" | cut -d= -f2 | sort -n | tr '\n' ' ')"
+fi
 kill $SERVE; wait $SERVE || true
 echo "== audit verify of the whole log"
 /usr/bin/time -f "%e s, %M KB max resident" $BIN audit verify --data "$WORK/data"
