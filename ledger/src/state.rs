@@ -10,6 +10,13 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
+use crate::alloc::{AllocId, AllocationTree};
+use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, Tenant, GPUS_PER_NODE_MAX};
+use crate::event::*;
+use crate::metrics::Counters;
+use crate::rejection::Rejection;
+use crate::window::WindowShape;
+
 /// A hash map for what grows with the number of workloads (live workloads, recently ended ones,
 /// idempotency keys): once full it moves a few entries to its doubled table at each insert,
 /// where a standard map would move them all in one insert. At a million live workloads that
@@ -17,13 +24,6 @@ use rustc_hash::FxHashMap;
 /// milliseconds. Iteration order is a function of the inserts and removals, as with
 /// [`FxHashMap`]; nothing in the fold depends on it.
 pub type SteppedMap<K, V> = griddle::HashMap<K, V, rustc_hash::FxBuildHasher>;
-
-use crate::alloc::{AllocId, AllocationTree};
-use crate::cluster::{mask_of, Cluster, Hold, NodeIdx, Tenant, GPUS_PER_NODE_MAX};
-use crate::event::*;
-use crate::metrics::Counters;
-use crate::rejection::Rejection;
-use crate::window::WindowShape;
 
 /// Settings of the fold that are fixed for a deployment.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
