@@ -380,6 +380,58 @@ pub struct Projector {
     from_packs: BTreeMap<WorkloadId, Vec<u8>>,
 }
 
+/// A failed read of the projection's stored rows or checkpoint.
+#[derive(Debug)]
+pub(crate) enum Fault {
+    Storage(sled::Error),
+    Corrupt(String),
+}
+
+impl Fault {
+    pub(crate) fn into_error(self, dir: &Path) -> ProjectionError {
+        match self {
+            Fault::Storage(e) => ProjectionError::Storage {
+                dir: dir.to_owned(),
+                reason: e.to_string(),
+            },
+            Fault::Corrupt(reason) => ProjectionError::Corrupt {
+                dir: dir.to_owned(),
+                reason,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fault::Storage(e) => e.fmt(f),
+            Fault::Corrupt(reason) => f.write_str(reason),
+        }
+    }
+}
+
+impl From<sled::Error> for Fault {
+    fn from(e: sled::Error) -> Self {
+        Fault::Storage(e)
+    }
+}
+
+/// The stored checkpoint's state and book, if there is one.
+fn read_checkpoint(checkpoints: &sled::Tree) -> Result<Option<(State, Book)>, Fault> {
+    let Some(state) = checkpoints.get(CHECKPOINT_STATE)? else {
+        return Ok(None);
+    };
+    let state: State =
+        postcard::from_bytes(&state).map_err(|e| Fault::Corrupt(format!("checkpoint: {e}")))?;
+    let book = checkpoints
+        .get(CHECKPOINT_BOOK)?
+        .ok_or_else(|| Fault::Corrupt("the checkpoint has no book".into()))?;
+    let book: Book =
+        postcard::from_bytes(&book).map_err(|e| Fault::Corrupt(format!("checkpoint book: {e}")))?;
+    Ok(Some((state, book)))
+}
+
 /// Writes `state` and `book`, with their sequence, in one batch of the checkpoint's tree.
 fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Result<()> {
     let mut batch = sled::Batch::default();
@@ -412,17 +464,9 @@ fn refold_checkpoint<L: EventLog>(
     log: &L,
     to: u64,
 ) -> Result<(), String> {
-    let stored = |key: &[u8]| checkpoints.get(key).map_err(|e| e.to_string());
-    let (mut state, mut book) = match stored(CHECKPOINT_STATE)? {
-        None => (State::new(config), Book::new()),
-        Some(state) => {
-            let book = stored(CHECKPOINT_BOOK)?.ok_or("the checkpoint has no book")?;
-            (
-                postcard::from_bytes::<State>(&state).map_err(|e| format!("checkpoint: {e}"))?,
-                postcard::from_bytes::<Book>(&book).map_err(|e| format!("checkpoint book: {e}"))?,
-            )
-        }
-    };
+    let (mut state, mut book) = read_checkpoint(checkpoints)
+        .map_err(|f| f.to_string())?
+        .unwrap_or_else(|| (State::new(config), Book::new()));
     if state.last_seq() >= to {
         return Ok(());
     }
@@ -475,7 +519,7 @@ impl RowArchive {
     }
 
     /// Workload `id`'s stored row and where it is.
-    fn find(&self, id: WorkloadId) -> Result<Option<(Vec<u8>, pack::Place)>, pack::Fault> {
+    fn find(&self, id: WorkloadId) -> Result<Option<(Vec<u8>, pack::Place)>, Fault> {
         pack::find(&self.tree, id, Some(self.through()))
     }
 }
@@ -653,11 +697,11 @@ impl Projector {
             None => Stats::default(),
             Some(v) => serde_json::from_slice(&v).map_err(|e| corrupt(format!("stats: {e}")))?,
         };
-        let (mut state, book) = match checkpoints.get(CHECKPOINT_STATE).map_err(storage)? {
+        let (mut state, book) = match read_checkpoint(&checkpoints)
+            .map_err(|f| f.into_error(dir))?
+        {
             None => (State::new(config), Book::new()),
-            Some(v) => {
-                let state: State =
-                    postcard::from_bytes(&v).map_err(|e| corrupt(format!("checkpoint: {e}")))?;
+            Some((state, book)) => {
                 let seq = checkpoints
                     .get(CHECKPOINT_SEQ)
                     .map_err(storage)?
@@ -673,12 +717,6 @@ impl Projector {
                         dir: dir.to_owned(),
                     });
                 }
-                let book = checkpoints
-                    .get(CHECKPOINT_BOOK)
-                    .map_err(storage)?
-                    .ok_or_else(|| corrupt("the checkpoint has no book".into()))?;
-                let book: Book = postcard::from_bytes(&book)
-                    .map_err(|e| corrupt(format!("checkpoint book: {e}")))?;
                 (state, book)
             }
         };
@@ -1281,21 +1319,7 @@ impl Projector {
     #[doc(hidden)]
     pub fn stored_checkpoint(&self) -> Result<Option<(State, Book)>, ProjectionError> {
         self.settle_checkpoint(true)?;
-        let Some(state) = self
-            .checkpoints
-            .get(CHECKPOINT_STATE)
-            .map_err(|e| self.storage(e))?
-        else {
-            return Ok(None);
-        };
-        let book = self
-            .checkpoints
-            .get(CHECKPOINT_BOOK)
-            .map_err(|e| self.storage(e))?
-            .ok_or_else(|| self.corrupt("the checkpoint has no book"))?;
-        let state = postcard::from_bytes(&state).map_err(|e| self.corrupt(&e.to_string()))?;
-        let book = postcard::from_bytes(&book).map_err(|e| self.corrupt(&e.to_string()))?;
-        Ok(Some((state, book)))
+        read_checkpoint(&self.checkpoints).map_err(|f| self.fault(f))
     }
 
     /// Whether no checkpoint is being written any more (`wait`: waits until none is), or the
@@ -1465,7 +1489,7 @@ impl Projector {
         }
     }
 
-    fn fault(&self, f: pack::Fault) -> ProjectionError {
+    fn fault(&self, f: Fault) -> ProjectionError {
         f.into_error(&self.dir)
     }
 }
@@ -1823,7 +1847,7 @@ impl Kept {
             reason,
         };
         let _layout = self.layout.read().unwrap_or_else(|e| e.into_inner());
-        let fault = |f: pack::Fault| f.into_error(&self.dir);
+        let fault = |f: Fault| f.into_error(&self.dir);
         let mut page = WorkloadPage::default();
         for entry in pack::Rows::descending(&self.tree, before) {
             if page.rows.len() >= limit || page.scanned >= budget {

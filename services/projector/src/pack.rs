@@ -24,7 +24,7 @@ use std::ops::Bound;
 use ledger::WorkloadId;
 use serde::{Deserialize, Serialize};
 
-use crate::WorkloadRow;
+use crate::{Fault, WorkloadRow};
 
 /// Prefix of single rows.
 pub(crate) const SINGLE: &[u8] = b"w/";
@@ -55,34 +55,6 @@ const SKIPS_PER_PACK: usize = 16;
 const PACKS_PER_RUN: usize = 64;
 /// Rows looked at by one packing at most (it runs while the fold waits).
 const ROWS_PER_RUN: usize = 8192;
-
-/// A failed read of the stored rows.
-#[derive(Debug)]
-pub(crate) enum Fault {
-    Storage(sled::Error),
-    Corrupt(String),
-}
-
-impl Fault {
-    pub(crate) fn into_error(self, dir: &std::path::Path) -> crate::ProjectionError {
-        match self {
-            Fault::Storage(e) => crate::ProjectionError::Storage {
-                dir: dir.to_owned(),
-                reason: e.to_string(),
-            },
-            Fault::Corrupt(reason) => crate::ProjectionError::Corrupt {
-                dir: dir.to_owned(),
-                reason,
-            },
-        }
-    }
-}
-
-impl From<sled::Error> for Fault {
-    fn from(e: sled::Error) -> Self {
-        Fault::Storage(e)
-    }
-}
 
 /// A pack as stored: its rows' ids, ascending, and their bytes.
 #[derive(Serialize, Deserialize)]
@@ -116,10 +88,7 @@ fn packed_key(id: WorkloadId) -> Vec<u8> {
 }
 
 fn key(prefix: &[u8], id: WorkloadId) -> Vec<u8> {
-    let mut k = Vec::with_capacity(prefix.len() + 16);
-    k.extend_from_slice(prefix);
-    k.extend_from_slice(id.as_bytes());
-    k
+    crate::prefixed(prefix, id.as_bytes())
 }
 
 fn id_of(key: &[u8]) -> Result<WorkloadId, Fault> {
