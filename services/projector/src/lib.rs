@@ -33,11 +33,16 @@
 //! log, and projecting resumes after that prefix: nothing skipped, nothing applied twice. The
 //! in-memory state resumes from the checkpoint and refolds the few events after it.
 //!
+//! Catching up with what the log already holds (a rebuild, a restart), batches are larger and
+//! written to sled by a thread of their own while the fold goes on (the `behind` module); a
+//! projection interrupted meanwhile is still the fold of a prefix of the log.
+//!
 //! The digest is a SHA-256 over every row, in key order (workload rows in id order, packed or
 //! not): two projections of the same log prefix have the same digest however the work was split
 //! into batches, which is how tests prove the incrementally maintained projection equals a full
 //! replay.
 
+mod behind;
 mod pack;
 pub mod verify;
 
@@ -53,8 +58,12 @@ use ledger::{Envelope, Event, WorkloadId};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Events folded per sled batch when catching up.
+/// Events folded per sled batch when following the log.
 pub const BATCH: usize = 1024;
+/// Events folded per sled batch when catching up, with nobody waiting: a workload submitted
+/// and ended within one batch is written once, straight into its pack (about a day of a busy
+/// cluster's events).
+pub const CATCH_UP_BATCH: usize = 64 * BATCH;
 /// A checkpoint is written after this many events by default.
 pub const CHECKPOINT_EVERY: u64 = 100_000;
 
@@ -378,6 +387,14 @@ pub struct Projector {
     /// Rows read from packs in the batch being folded (an event about them was refused), with
     /// their packs' keys: they are written back there.
     from_packs: BTreeMap<WorkloadId, Vec<u8>>,
+    /// Folding what the log already holds, with no one waiting: packing is not bounded.
+    catching_up: bool,
+    /// Catching up, the thread writing batches behind the fold.
+    writer: Option<behind::Writer>,
+    /// Catching up, the keys the batch being folded uses (for the overlay).
+    keys: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Events folded per batch when catching up.
+    catch_up_batch: usize,
 }
 
 /// A failed read of the projection's stored rows or checkpoint.
@@ -503,15 +520,31 @@ struct RowArchive {
     failed: std::sync::atomic::AtomicBool,
     /// Where packing has reached: rows past it are not looked for in packs.
     through: std::sync::Arc<std::sync::Mutex<Option<WorkloadId>>>,
+    /// What the batch being written behind a catching-up fold holds: read before the tree.
+    overlay: std::sync::Mutex<behind::Overlay>,
+    /// The greatest id with a row: ids are mostly submitted in order, and a new one past it is
+    /// not looked for in the tree.
+    newest: std::sync::Arc<std::sync::Mutex<Option<WorkloadId>>>,
 }
 
 impl RowArchive {
     fn get(&self, key: &[u8]) -> Option<sled::IVec> {
+        if let Some(v) = self.overlay().keys.get(key) {
+            return Some(v.as_slice().into());
+        }
         self.tree.get(key).unwrap_or_else(|e| {
             tracing::error!(error = %e, "reading the projection's archive");
             self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
             None
         })
+    }
+
+    fn overlay(&self) -> std::sync::MutexGuard<'_, behind::Overlay> {
+        self.overlay.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn newest(&self) -> Option<WorkloadId> {
+        *self.newest.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn through(&self) -> Option<WorkloadId> {
@@ -520,6 +553,12 @@ impl RowArchive {
 
     /// Workload `id`'s stored row and where it is.
     fn find(&self, id: WorkloadId) -> Result<Option<(Vec<u8>, pack::Place)>, Fault> {
+        if let Some(found) = self.overlay().rows.get(&id) {
+            return Ok(Some(found.clone()));
+        }
+        if self.newest().is_none_or(|newest| id > newest) {
+            return Ok(None);
+        }
         pack::find(&self.tree, id, Some(self.through()))
     }
 }
@@ -727,10 +766,17 @@ impl Projector {
             )));
         }
         let through = pack::through(&tree).map_err(|e| e.into_error(dir))?;
+        let newest = pack::Rows::descending(&tree, None)
+            .next()
+            .transpose()
+            .map_err(|e| e.into_error(dir))?
+            .map(|(id, _)| id);
         let archive = std::sync::Arc::new(RowArchive {
             tree: tree.clone(),
             failed: false.into(),
             through: std::sync::Arc::new(through.into()),
+            overlay: Default::default(),
+            newest: std::sync::Arc::new(newest.into()),
         });
         state.archive_in(archive.clone());
         Ok(Projector {
@@ -754,9 +800,21 @@ impl Projector {
             checkpoint_due: false,
             layout: Default::default(),
             endings: 0,
+            catching_up: false,
+            writer: None,
+            keys: Vec::new(),
+            catch_up_batch: CATCH_UP_BATCH,
             pack_lag: Some(pack::PACK_LAG),
             from_packs: BTreeMap::new(),
         })
+    }
+
+    /// Folds `n` events per batch when catching up ([`CATCH_UP_BATCH`]). For tests that cross
+    /// many batches with few events.
+    #[doc(hidden)]
+    pub fn catch_up_batch(mut self, n: usize) -> Self {
+        self.catch_up_batch = n.max(1);
+        self
     }
 
     /// Packs ended workload rows with live workloads submitted more than `lag` events ago no
@@ -1010,7 +1068,11 @@ impl Projector {
                                 ..
                             }) = &env.event
                             {
-                                batch.insert(idempotency_key(key), key_row(*workload, e.seq));
+                                let (key, row) = (idempotency_key(key), key_row(*workload, e.seq));
+                                if self.writer.is_some() {
+                                    self.keys.push((key.clone(), row.clone()));
+                                }
+                                batch.insert(key, row);
                             }
                             if let Some(id) = about {
                                 // Its trail so far: kept in memory while it lives, else the
@@ -1140,22 +1202,102 @@ impl Projector {
         mut batch: sled::Batch,
         rows: &BTreeMap<WorkloadId, WorkloadRow>,
     ) -> Result<(), ProjectionError> {
+        // Catching up, the batch before is being written behind: what follows reads the tree.
+        if let Some(writer) = &self.writer {
+            if let Err(reason) = writer.settle() {
+                return Err(self.behind_failed(reason));
+            }
+        }
+        // What this batch writes, for the fold's lookups while it is written behind.
+        let mut overlay = self.writer.as_ref().map(|_| behind::Overlay {
+            keys: std::mem::take(&mut self.keys).into_iter().collect(),
+            ..Default::default()
+        });
         let through = self.archive.through();
         let mut repacked: BTreeMap<Vec<u8>, Vec<(WorkloadId, Vec<u8>)>> = BTreeMap::new();
+        let mut fresh: BTreeMap<WorkloadId, pack::Fresh> = BTreeMap::new();
         for (id, row) in rows {
             let bytes = postcard::to_stdvec(row).expect("rows always serialize");
             if let Some(key) = self.from_packs.remove(id) {
                 repacked.entry(key).or_default().push((*id, bytes));
                 continue;
             }
-            if row.ended_at_ms.is_some() && through.is_none_or(|t| *id > t) {
+            let ended = row.ended_at_ms.is_some();
+            if ended && through.is_none_or(|t| *id > t) {
                 self.endings += 1;
             }
-            batch.insert(pack::single_key(*id), bytes);
+            fresh.insert(
+                *id,
+                pack::Fresh {
+                    bytes,
+                    ended,
+                    submit_seq: row.submit_seq,
+                },
+            );
+        }
+        // Before the rows land, like the packing position: looking further is harmless.
+        if let Some((&last, _)) = fresh.last_key_value() {
+            let mut newest = self
+                .archive
+                .newest
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if newest.is_none_or(|n| last > n) {
+                *newest = Some(last);
+            }
+        }
+        // Packing goes in the same batch, taking this batch's ended rows straight into packs,
+        // unless a listing is reading rows in order (it never waits for one).
+        let layout = self.layout.clone();
+        let packing_lock = match self.pack_lag {
+            Some(lag) if self.endings >= pack::ENDINGS_PER_RUN => {
+                layout.try_write().ok().map(|guard| (guard, lag))
+            }
+            _ => None,
+        };
+        if let Some((_, lag)) = &packing_lock {
+            self.endings = 0;
+            let at = pack::At {
+                through,
+                last_seq: self.last_seq,
+                lag: *lag,
+                bounded: !self.catching_up,
+            };
+            if let Some(packing) =
+                pack::gather(&self.tree, at, &mut fresh, &mut batch, overlay.as_mut())
+                    .map_err(|e| self.fault(e))?
+            {
+                // The position moves first: a reader between the two finds a row in its
+                // single or, looking further than it needs, in its pack, never in neither.
+                *self
+                    .archive
+                    .through
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(packing.through);
+                tracing::trace!(rows = packing.packed, "packed ended workload rows");
+                if packing.more {
+                    // Again with the next batch.
+                    self.endings = pack::ENDINGS_PER_RUN;
+                }
+            }
+        }
+        for (id, f) in fresh {
+            if let Some(overlay) = &mut overlay {
+                overlay
+                    .rows
+                    .insert(id, (f.bytes.clone(), pack::Place::Single));
+            }
+            batch.insert(pack::single_key(id), f.bytes);
         }
         self.from_packs.clear();
         for (key, rows) in &repacked {
             pack::rewrite(&self.tree, key, rows, &mut batch).map_err(|e| self.fault(e))?;
+            if let Some(overlay) = &mut overlay {
+                for (id, bytes) in rows {
+                    let place = pack::Place::Packed(key.clone());
+                    overlay.rows.insert(*id, (bytes.clone(), place));
+                }
+            }
         }
         for a in &self.state.allocations().nodes {
             let row = AllocationRow {
@@ -1188,14 +1330,17 @@ impl Projector {
                 reason: "a read of the projection's own rows failed while folding".into(),
             });
         }
-        if let Err(e) = self.tree.apply_batch(batch) {
+        if let (Some(writer), Some(overlay)) = (&mut self.writer, overlay) {
+            // The batch before is written (settled above): the lookups need only this one.
+            *self.archive.overlay() = overlay;
+            if let Err(reason) = writer.send(self.last_seq, batch) {
+                return Err(self.behind_failed(reason));
+            }
+        } else if let Err(e) = self.tree.apply_batch(batch) {
             self.poisoned = true;
             return Err(self.storage(e));
         }
         self.state.archived();
-        if self.endings >= pack::ENDINGS_PER_RUN {
-            self.pack()?;
-        }
         if self.since_checkpoint >= self.checkpoint_every
             && self.last_checkpoint.elapsed() >= self.checkpoint_gap
             && self
@@ -1205,41 +1350,6 @@ impl Projector {
             self.since_checkpoint = 0;
             self.last_checkpoint = std::time::Instant::now();
             self.checkpoint_due = true;
-        }
-        Ok(())
-    }
-
-    /// Gathers ended rows into packs, unless a listing is reading rows in order.
-    fn pack(&mut self) -> Result<(), ProjectionError> {
-        let Some(lag) = self.pack_lag else {
-            return Ok(());
-        };
-        let layout = self.layout.clone();
-        let Ok(_layout) = layout.try_write() else {
-            return Ok(());
-        };
-        self.endings = 0;
-        let through = self.archive.through();
-        let Some(packing) =
-            pack::gather(&self.tree, through, self.last_seq, lag).map_err(|e| self.fault(e))?
-        else {
-            return Ok(());
-        };
-        // The position moves first: a reader between the two finds a row in its single or,
-        // looking further than it needs, in its pack, never in neither.
-        *self
-            .archive
-            .through
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(packing.through);
-        if let Err(e) = self.tree.apply_batch(packing.batch) {
-            self.poisoned = true;
-            return Err(self.storage(e));
-        }
-        tracing::trace!(rows = packing.packed, "packed ended workload rows");
-        if packing.more {
-            // Again with the next batch.
-            self.endings = pack::ENDINGS_PER_RUN;
         }
         Ok(())
     }
@@ -1257,9 +1367,16 @@ impl Projector {
             "copied the state for a checkpoint"
         );
         let tree = self.checkpoints.clone();
+        // Written behind the fold, the rows it follows may still be on their way.
+        let rows = self.writer.as_ref().map(behind::Writer::progress);
         let writing = std::thread::Builder::new()
             .name("checkpoint".into())
-            .spawn(move || write_checkpoint(&tree, &state, &book).map_err(|e| e.to_string()))
+            .spawn(move || {
+                if let Some(rows) = rows {
+                    rows.wait(state.last_seq())?;
+                }
+                write_checkpoint(&tree, &state, &book).map_err(|e| e.to_string())
+            })
             .map_err(|e| ProjectionError::Storage {
                 dir: self.dir.clone(),
                 reason: format!("cannot start the checkpoint's thread: {e}"),
@@ -1285,6 +1402,8 @@ impl Projector {
             tree: self.tree.clone(),
             failed: false.into(),
             through: self.archive.through.clone(),
+            overlay: Default::default(),
+            newest: self.archive.newest.clone(),
         });
         let config = *self.state.config();
         let log = log.clone();
@@ -1371,7 +1490,8 @@ impl Projector {
         self.apply(&events)
     }
 
-    /// Folds everything the log holds now, in batches of [`BATCH`], from one subscription.
+    /// Folds everything the log holds now, in batches of [`CATCH_UP_BATCH`] written behind the fold
+    /// (the `behind` module), from one subscription.
     /// Returns the last applied sequence.
     pub async fn catch_up<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
         // A subscription that ends early (a reconnection, a reader that lost its place) is
@@ -1397,9 +1517,11 @@ impl Projector {
         // Reading (decoding the wire) and folding (writing sled) overlap: a task reads batches
         // ahead while this one folds.
         let mut events = log.subscribe(self.last_seq + 1).await?;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Decoded>, LogError>>(4);
+        // One batch waiting while one is folded: each may hold tens of megabytes.
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Decoded>, LogError>>(1);
+        let size = self.catch_up_batch;
         let reader = tokio::spawn(async move {
-            let mut batch = Vec::with_capacity(BATCH);
+            let mut batch = Vec::with_capacity(size);
             while let Some(event) = events.next().await {
                 let event = match event {
                     Ok(e) => e,
@@ -1410,14 +1532,24 @@ impl Projector {
                 };
                 let done = event.seq >= target;
                 batch.push(Decoded::from(&event));
-                if batch.len() >= BATCH || done {
-                    let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                if batch.len() >= size || done {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(size));
                     if tx.send(Ok(full)).await.is_err() || done {
                         return;
                     }
                 }
             }
         });
+        self.catching_up = true;
+        self.writer = Some(
+            behind::Writer::start(self.tree.clone(), self.last_seq).map_err(|e| {
+                ProjectionError::Storage {
+                    dir: self.dir.clone(),
+                    reason: format!("cannot start the projection's writer: {e}"),
+                }
+            })?,
+        );
+        let mut folded = Ok(self.last_seq);
         while self.last_seq < target {
             let Some(batch) = rx.recv().await else {
                 break;
@@ -1426,12 +1558,20 @@ impl Projector {
                 .map_err(ProjectionError::from)
                 .and_then(|b| self.apply_decoded(&b))
             {
-                reader.abort();
-                return Err(e);
+                folded = Err(e);
+                break;
             }
         }
+        self.catching_up = false;
         reader.abort();
-        Ok(self.last_seq)
+        let written = self.writer.take().map_or(Ok(()), behind::Writer::finish);
+        *self.archive.overlay() = behind::Overlay::default();
+        self.keys.clear();
+        if let Err(reason) = written {
+            let failed = self.behind_failed(reason);
+            return Err(folded.err().unwrap_or(failed));
+        }
+        folded.map(|_| self.last_seq)
     }
 
     /// The row of live workload `id`, as of the event at `seq`.
@@ -1473,6 +1613,15 @@ impl Projector {
             run_ms: 0,
             ran_on: Vec::new(),
         })
+    }
+
+    /// The writer behind a catching-up fold failed: the projection is poisoned.
+    fn behind_failed(&mut self, reason: String) -> ProjectionError {
+        self.poisoned = true;
+        ProjectionError::Storage {
+            dir: self.dir.clone(),
+            reason: format!("writing a batch: {reason}"),
+        }
     }
 
     fn storage(&self, e: sled::Error) -> ProjectionError {

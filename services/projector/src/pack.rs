@@ -6,7 +6,8 @@
 //! (about 48 bytes a workload: 151 MB at 3.4 million). Rows are therefore written as singles
 //! (`w/<id>`, the row's postcard) and, once a run of them has ended, gathered into packs
 //! (`x/<first id>`, the ids and the same rows' bytes, at most [`PACK_ROWS`] or about
-//! [`PACK_BYTES`]). A position, `through`, divides the two: past it every row is a single;
+//! [`PACK_BYTES`]); a row that ends in the batch that packs its run goes straight into its pack
+//! (catching up, in large batches, most rows are written once). A position, `through`, divides the two: past it every row is a single;
 //! up to it every ended row is in a pack, except those still live when packing went past them
 //! (a workload waiting longer than [`PACK_LAG`] events does not hold packing back), which stay
 //! singles when they end. A packed row changes only when an event about it is refused, in
@@ -18,7 +19,7 @@
 //! removal of the singles it takes and the new position, so a crash leaves each row in exactly
 //! one place.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Bound;
 
 use ledger::WorkloadId;
@@ -299,41 +300,99 @@ pub(crate) fn count(tree: &sled::Tree) -> Result<(usize, usize), Fault> {
     Ok((keys(SINGLE, SINGLE_END)?, keys(PACKED, PACKED_END)?))
 }
 
+/// A row the batch being folded is about to write, past the packing position.
+pub(crate) struct Fresh {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) ended: bool,
+    pub(crate) submit_seq: u64,
+}
+
+/// A gathered row's bytes: a stored single's, or a fresh row's, borrowed.
+enum Bytes<'a> {
+    Stored(sled::IVec),
+    Fresh(&'a [u8]),
+}
+
+impl std::ops::Deref for Bytes<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Stored(v) => v,
+            Bytes::Fresh(b) => b,
+        }
+    }
+}
+
 /// A pack being gathered.
 #[derive(Default)]
-struct Gathering {
+struct Gathering<'a> {
     ids: Vec<WorkloadId>,
-    rows: Vec<sled::IVec>,
+    rows: Vec<Bytes<'a>>,
+    /// Whether each row is stored as a single (to be removed), not only fresh.
+    stored: Vec<bool>,
     bytes: usize,
     /// Live rows passed since it was begun.
     skipped: usize,
 }
 
-impl Gathering {
+impl Gathering<'_> {
     fn full(&self) -> bool {
         self.ids.len() >= PACK_ROWS || self.bytes >= PACK_BYTES
     }
 
-    /// Writes the pack and the removal of its singles into `batch`.
-    fn close(&mut self, batch: &mut sled::Batch) {
+    /// Writes the pack and the removal of its stored singles into `batch`; notes the fresh
+    /// rows it took in `taken`.
+    fn close(
+        &mut self,
+        batch: &mut sled::Batch,
+        taken: &mut Vec<WorkloadId>,
+        overlay: Option<&mut crate::behind::Overlay>,
+    ) {
         let gathered = std::mem::take(self);
+        let key = packed_key(gathered.ids[0]);
+        if let Some(overlay) = overlay {
+            for (id, row) in gathered.ids.iter().zip(&gathered.rows) {
+                let place = Place::Packed(key.clone());
+                overlay.rows.insert(*id, (row.to_vec(), place));
+            }
+        }
+        for (id, stored) in gathered.ids.iter().zip(&gathered.stored) {
+            if *stored {
+                batch.remove(single_key(*id));
+            }
+        }
+        // Fresh rows are the newer ones: a stored single they replace was never fresh.
+        taken.extend(
+            gathered
+                .ids
+                .iter()
+                .zip(&gathered.rows)
+                .filter(|(_, r)| matches!(r, Bytes::Fresh(_)))
+                .map(|(id, _)| *id),
+        );
         let pack = Pack {
             ids: gathered.ids,
             rows: gathered.rows.iter().map(|r| &r[..]).collect(),
         };
-        for id in &pack.ids {
-            batch.remove(single_key(*id));
-        }
         batch.insert(
-            packed_key(pack.ids[0]),
+            key,
             postcard::to_stdvec(&pack).expect("packs always serialize"),
         );
     }
 }
 
-/// What one packing would write: the batch and the new position.
+/// Where a packing starts: the position, the fold's sequence, the lag, and whether the run is
+/// bounded.
+pub(crate) struct At {
+    pub(crate) through: Option<WorkloadId>,
+    pub(crate) last_seq: u64,
+    pub(crate) lag: u64,
+    pub(crate) bounded: bool,
+}
+
+/// What one packing wrote: the new position.
 pub(crate) struct Packing {
-    pub(crate) batch: sled::Batch,
     pub(crate) through: WorkloadId,
     /// Rows moved into packs.
     pub(crate) packed: usize,
@@ -342,41 +401,85 @@ pub(crate) struct Packing {
     pub(crate) more: bool,
 }
 
-/// Gathers the ended rows past `through` into packs, as of the fold at `last_seq`: up to the
-/// first live workload submitted within `lag` events ([`PACK_LAG`]; older live ones are passed
-/// and stay singles), and within a run's bounds. `None` when the position would not move.
+/// Gathers the ended rows past `through` into packs, as of the fold at `last_seq`, adding them
+/// to `batch`: the stored singles merged with the `fresh` rows the batch is about to write
+/// (which replace stored ones of the same id, and which go straight into packs, taken out of
+/// `fresh`, rather than be written as singles and moved later). It goes up to the first live
+/// workload submitted within `lag` events ([`PACK_LAG`]; older live ones are passed and stay
+/// singles) and, when `bounded` (a fold others wait on), within a run's bounds. `None` when
+/// the position would not move.
 pub(crate) fn gather(
     tree: &sled::Tree,
-    through: Option<WorkloadId>,
-    last_seq: u64,
-    lag: u64,
+    at: At,
+    fresh: &mut BTreeMap<WorkloadId, Fresh>,
+    batch: &mut sled::Batch,
+    mut overlay: Option<&mut crate::behind::Overlay>,
 ) -> Result<Option<Packing>, Fault> {
+    let At {
+        through,
+        last_seq,
+        lag,
+        bounded,
+    } = at;
     let start = match through {
         Some(id) => Bound::Excluded(single_key(id)),
         None => Bound::Included(SINGLE.to_vec()),
     };
-    let mut batch = sled::Batch::default();
-    let mut gathering = Gathering::default();
-    let mut moved = through;
-    let (mut packs, mut packed, mut more) = (0, 0, false);
-    for (looked, entry) in tree
+    let mut stored = tree
         .range((start, Bound::Excluded(SINGLE_END.to_vec())))
-        .enumerate()
-    {
-        if looked >= ROWS_PER_RUN || packs >= PACKS_PER_RUN {
+        .peekable();
+    let past = match through {
+        Some(id) => Bound::Excluded(id),
+        None => Bound::Unbounded,
+    };
+    let mut fresh_rows = fresh.range((past, Bound::Unbounded)).peekable();
+    let mut gathering = Gathering::default();
+    let mut taken = Vec::new();
+    let mut moved = through;
+    let (mut looked, mut packs, mut packed, mut more) = (0, 0, 0, false);
+    loop {
+        if bounded && (looked >= ROWS_PER_RUN || packs >= PACKS_PER_RUN) {
             more = true;
             break;
         }
-        let (k, v) = entry?;
-        let id = id_of(&k)?;
-        let row: WorkloadRow = postcard::from_bytes(&v)
-            .map_err(|e| Fault::Corrupt(format!("workload row {id}: {e}")))?;
-        let close = if row.ended_at_ms.is_some() {
-            gathering.bytes += v.len();
+        // The next row in id order, fresh before stored of the same id.
+        let stored_id = match stored.peek() {
+            None => None,
+            Some(Ok((k, _))) => Some(id_of(k)?),
+            Some(Err(_)) => return Err(stored.next().expect("peeked").unwrap_err().into()),
+        };
+        let fresh_id = fresh_rows.peek().map(|(id, _)| **id);
+        let (id, bytes, ended, submit_seq, was_stored) = match (stored_id, fresh_id) {
+            (None, None) => break,
+            (Some(s), f) if f.is_none_or(|f| s < f) => {
+                let (_, v) = stored.next().expect("peeked")?;
+                let row: WorkloadRow = postcard::from_bytes(&v)
+                    .map_err(|e| Fault::Corrupt(format!("workload row {s}: {e}")))?;
+                (
+                    s,
+                    Bytes::Stored(v),
+                    row.ended_at_ms.is_some(),
+                    row.submit_seq,
+                    true,
+                )
+            }
+            (s, _) => {
+                let (id, f) = fresh_rows.next().expect("peeked");
+                let replaces = s == Some(*id);
+                if replaces {
+                    stored.next();
+                }
+                (*id, Bytes::Fresh(&f.bytes), f.ended, f.submit_seq, replaces)
+            }
+        };
+        looked += 1;
+        let close = if ended {
+            gathering.bytes += bytes.len();
             gathering.ids.push(id);
-            gathering.rows.push(v);
+            gathering.rows.push(bytes);
+            gathering.stored.push(was_stored);
             gathering.full()
-        } else if last_seq.saturating_sub(row.submit_seq) > lag {
+        } else if last_seq.saturating_sub(submit_seq) > lag {
             if gathering.ids.is_empty() {
                 moved = Some(id);
                 false
@@ -389,17 +492,20 @@ pub(crate) fn gather(
         };
         if close {
             packed += gathering.ids.len();
-            gathering.close(&mut batch);
+            gathering.close(batch, &mut taken, overlay.as_deref_mut());
             packs += 1;
             moved = Some(id);
         }
+    }
+    drop(gathering);
+    for id in &taken {
+        fresh.remove(id);
     }
     let Some(to) = moved.filter(|&m| Some(m) != through) else {
         return Ok(None);
     };
     batch.insert(THROUGH, to.as_bytes());
     Ok(Some(Packing {
-        batch,
         through: to,
         packed,
         more,

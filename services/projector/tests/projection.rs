@@ -533,6 +533,15 @@ async fn ended_workloads_and_used_keys_are_kept_in_rows_not_in_memory() {
         }
         same_verdicts(&p, &format!("batches of {split}"));
         digests.push(p.digest().unwrap());
+        // Caught up in batches written behind the fold: while a batch is on its way its rows
+        // and keys answer the fold's lookups.
+        let mut p = Projector::open(&dir.path().join(format!("b{split}")), config(), &log)
+            .await
+            .unwrap()
+            .catch_up_batch(split);
+        p.catch_up(&log).await.unwrap();
+        same_verdicts(&p, &format!("caught up in batches of {split}"));
+        digests.push(p.digest().unwrap());
     }
     assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
 
@@ -789,6 +798,24 @@ async fn packed_rows_read_as_rows_one_to_a_key() {
         ids.len()
     );
     same_rows(&plain, &packed, &ids, "packed as it went");
+    // Caught up in batches written behind the fold, packing as it goes, with checkpoints
+    // taken while batches are on their way: the same rows, and it opens again from them.
+    let behind_path = dir.path().join("behind");
+    let mut behind = Projector::open(&behind_path, config(), &log)
+        .await
+        .unwrap()
+        .catch_up_batch(313)
+        .checkpoint_every(500);
+    behind.catch_up(&log).await.unwrap();
+    assert!(behind.stored_rows().unwrap().1 > 0, "nothing was packed");
+    same_rows(&plain, &behind, &ids, "caught up behind the fold");
+    drop(behind);
+    let mut behind = Projector::open(&behind_path, config(), &log)
+        .await
+        .unwrap()
+        .catch_up_batch(313);
+    assert!(behind.checkpoint_seq().unwrap() > Some(10_000));
+    same_rows(&plain, &behind, &ids, "reopened");
 
     // The first workloads ran for most of the trace and held packing back (the trace is
     // shorter than the lag): what is left is packed with the next batches. Here they are late
@@ -806,6 +833,7 @@ async fn packed_rows_read_as_rows_one_to_a_key() {
         write_all(&log, std::slice::from_ref(&late)).await;
         events.push(late);
         packed.catch_up(&log).await.unwrap();
+        behind.catch_up(&log).await.unwrap();
     }
     plain.catch_up(&log).await.unwrap();
     let row = packed.workload(first).unwrap().unwrap();
@@ -821,6 +849,7 @@ async fn packed_rows_read_as_rows_one_to_a_key() {
         ids.len()
     );
     same_rows(&plain, &packed, &ids, "after refused events");
+    same_rows(&plain, &behind, &ids, "after refused events, behind");
 }
 
 /// A workload that waits long does not hold packing back for ever: past `lag` events packing
