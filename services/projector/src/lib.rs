@@ -387,9 +387,8 @@ pub struct Projector {
     /// Rows read from packs in the batch being folded (an event about them was refused), with
     /// their packs' keys: they are written back there.
     from_packs: BTreeMap<WorkloadId, Vec<u8>>,
-    /// Folding what the log already holds, with no one waiting: packing is not bounded.
-    catching_up: bool,
-    /// Catching up, the thread writing batches behind the fold.
+    /// Catching up (folding what the log already holds, with no one waiting), the thread
+    /// writing batches behind the fold; packing is not bounded meanwhile.
     writer: Option<behind::Writer>,
     /// Catching up, the keys the batch being folded uses (for the overlay).
     keys: Vec<(Vec<u8>, Vec<u8>)>,
@@ -800,7 +799,6 @@ impl Projector {
             checkpoint_due: false,
             layout: Default::default(),
             endings: 0,
-            catching_up: false,
             writer: None,
             keys: Vec::new(),
             catch_up_batch: CATCH_UP_BATCH,
@@ -1261,7 +1259,7 @@ impl Projector {
                 through,
                 last_seq: self.last_seq,
                 lag: *lag,
-                bounded: !self.catching_up,
+                bounded: self.writer.is_none(),
             };
             if let Some(packing) =
                 pack::gather(&self.tree, at, &mut fresh, &mut batch, overlay.as_mut())
@@ -1517,6 +1515,14 @@ impl Projector {
         // Reading (decoding the wire) and folding (writing sled) overlap: a task reads batches
         // ahead while this one folds.
         let mut events = log.subscribe(self.last_seq + 1).await?;
+        self.writer = Some(
+            behind::Writer::start(self.tree.clone(), self.last_seq).map_err(|e| {
+                ProjectionError::Storage {
+                    dir: self.dir.clone(),
+                    reason: format!("cannot start the projection's writer: {e}"),
+                }
+            })?,
+        );
         // One batch waiting while one is folded: each may hold tens of megabytes.
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Decoded>, LogError>>(1);
         let size = self.catch_up_batch;
@@ -1540,15 +1546,6 @@ impl Projector {
                 }
             }
         });
-        self.catching_up = true;
-        self.writer = Some(
-            behind::Writer::start(self.tree.clone(), self.last_seq).map_err(|e| {
-                ProjectionError::Storage {
-                    dir: self.dir.clone(),
-                    reason: format!("cannot start the projection's writer: {e}"),
-                }
-            })?,
-        );
         let mut folded = Ok(self.last_seq);
         while self.last_seq < target {
             let Some(batch) = rx.recv().await else {
@@ -1562,7 +1559,6 @@ impl Projector {
                 break;
             }
         }
-        self.catching_up = false;
         reader.abort();
         let written = self.writer.take().map_or(Ok(()), behind::Writer::finish);
         *self.archive.overlay() = behind::Overlay::default();
