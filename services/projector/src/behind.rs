@@ -136,21 +136,21 @@ impl Writer {
     /// Waits for everything handed over, then stops the thread.
     pub(crate) fn finish(mut self) -> Result<(), String> {
         let settled = self.settle();
-        self.batches = None;
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                return Err("the projection's writer panicked".into());
-            }
+        if !self.stop() {
+            return Err("the projection's writer panicked".into());
         }
         settled
+    }
+
+    /// Closes the inbox and joins the thread; false if it panicked.
+    fn stop(&mut self) -> bool {
+        self.batches = None;
+        self.thread.take().is_none_or(|t| t.join().is_ok())
     }
 }
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        self.batches = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.stop();
     }
 }

@@ -1488,9 +1488,8 @@ impl Projector {
         self.apply(&events)
     }
 
-    /// Folds everything the log holds now, in batches of [`CATCH_UP_BATCH`] written behind the fold
-    /// (the `behind` module), from one subscription.
-    /// Returns the last applied sequence.
+    /// Folds everything the log holds now, in batches of [`CATCH_UP_BATCH`] written behind the
+    /// fold (the `behind` module), from one subscription. Returns the last applied sequence.
     pub async fn catch_up<L: EventLog>(&mut self, log: &L) -> Result<u64, ProjectionError> {
         // A subscription that ends early (a reconnection, a reader that lost its place) is
         // taken up again after what is folded, a few times, before the error stands.

@@ -7,10 +7,10 @@
 //! (`w/<id>`, the row's postcard) and, once a run of them has ended, gathered into packs
 //! (`x/<first id>`, the ids and the same rows' bytes, at most [`PACK_ROWS`] or about
 //! [`PACK_BYTES`]); a row that ends in the batch that packs its run goes straight into its pack
-//! (catching up, in large batches, most rows are written once). A position, `through`, divides the two: past it every row is a single;
-//! up to it every ended row is in a pack, except those still live when packing went past them
-//! (a workload waiting longer than [`PACK_LAG`] events does not hold packing back), which stay
-//! singles when they end. A packed row changes only when an event about it is refused, in
+//! (catching up, in large batches, most rows are written once). A position, `through`, divides
+//! the two: past it every row is a single; up to it every ended row is in a pack, except those
+//! still live when packing went past them (a workload waiting longer than [`PACK_LAG`] events
+//! does not hold packing back), which stay singles when they end. A packed row changes only when an event about it is refused, in
 //! place in its pack.
 //!
 //! Packing moves rows without changing them: readers see rows in id order whichever way they
@@ -362,7 +362,7 @@ impl Gathering<'_> {
                 batch.remove(single_key(*id));
             }
         }
-        // Fresh rows are the newer ones: a stored single they replace was never fresh.
+        // The fresh rows packed here are not to be written as singles as well.
         taken.extend(
             gathered
                 .ids
