@@ -1,5 +1,5 @@
-//! Benchmarks of the core: fold throughput, one `decide` pass at scale, and the windowed usage
-//! query. Run with `cargo bench -p ledger --bench core`; figures go to BENCHMARKS.md.
+//! Benchmarks of the core: fold throughput, reading events from their JSON, one `decide` pass
+//! at scale, and the windowed usage query. Run with `cargo bench -p ledger --bench core`; figures go to BENCHMARKS.md.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -165,6 +165,26 @@ fn bench_fold(c: &mut Criterion) {
     g.finish();
 }
 
+/// Reading envelopes from the JSON the logs store: what a replay or an audit does with every
+/// event before it folds it.
+fn bench_decode(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode");
+    g.sample_size(10);
+    let lines: Vec<Vec<u8>> = stream(50_000, 0)
+        .iter()
+        .map(|(_, e)| serde_json::to_vec(e).unwrap())
+        .collect();
+    g.throughput(Throughput::Elements(lines.len() as u64));
+    g.bench_function("envelopes_150k_events", |b| {
+        b.iter(|| {
+            for line in &lines {
+                black_box(serde_json::from_slice::<Envelope>(line).unwrap());
+            }
+        })
+    });
+    g.finish();
+}
+
 /// 2,000 nodes x 8 GPUs, 90% busy with 1-GPU to whole-node work of 48 allocations (half of it
 /// past its contract), and 50,000 pending workloads of mixed shapes, gangs included.
 fn big_state() -> State {
@@ -279,5 +299,11 @@ fn bench_window(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench_fold, bench_decide, bench_window);
+criterion_group!(
+    benches,
+    bench_fold,
+    bench_decode,
+    bench_decide,
+    bench_window
+);
 criterion_main!(benches);

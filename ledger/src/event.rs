@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -30,7 +31,7 @@ pub const OLDEST_SCHEMA_VERSION: u16 = 1;
 pub type WorkloadId = Uuid;
 
 /// One event with its metadata; JSON on the wire.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Envelope {
     /// Unique id of this event (UUIDv7, supplied by the writer).
@@ -150,6 +151,165 @@ impl Event {
             | Event::PrincipalGranted(_)
             | Event::PrincipalRevoked(_) => None,
         }
+    }
+}
+
+/// The fields of an envelope on the wire.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum Field {
+    Id,
+    SchemaVersion,
+    OccurredAtMs,
+    CausationId,
+    CorrelationId,
+    Actor,
+    Type,
+    Payload,
+}
+
+/// Declares [`Kind`], an event's `type` on its own, and how to read the payload of each kind.
+macro_rules! kinds {
+    ($($variant:ident),* $(,)?) => {
+        /// An event's `type`, read before its payload so the payload is read straight into
+        /// its own struct.
+        #[derive(Clone, Copy, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        enum Kind {
+            $($variant),*
+        }
+
+        /// Never called: it stops the build when an event has no kind here.
+        #[allow(dead_code)]
+        fn kind_of(event: &Event) -> Kind {
+            match event {
+                $(Event::$variant(_) => Kind::$variant),*
+            }
+        }
+
+        impl<'de> DeserializeSeed<'de> for Kind {
+            type Value = Event;
+
+            fn deserialize<D: Deserializer<'de>>(self, payload: D) -> Result<Event, D::Error> {
+                Ok(match self {
+                    $(Kind::$variant => Event::$variant(Deserialize::deserialize(payload)?)),*
+                })
+            }
+        }
+    };
+}
+
+kinds!(
+    AllocationSet,
+    AllocationRemoved,
+    NodeRegistered,
+    GpuHeartbeat,
+    GpuHealthChanged,
+    NodeDrained,
+    NodeResumed,
+    WorkloadSubmitted,
+    WorkloadCancelled,
+    WorkloadStarted,
+    PreemptionRequested,
+    WorkloadStopped,
+    WorkloadFinished,
+    WorkloadRequeued,
+    PrincipalGranted,
+    PrincipalRevoked,
+);
+
+/// Reads an envelope as derived code would read it with the event flattened in, without what
+/// flattening costs: serde buffers a flattened field's every key and string before it reads
+/// them again, which was most of the time a replay spent reading events. Here the payload is
+/// read straight into its struct once its `type` is known; a payload that comes before its
+/// `type` (any key order is valid JSON) is buffered as a JSON value and read after.
+impl<'de> Deserialize<'de> for Envelope {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(EnvelopeVisitor)
+    }
+}
+
+struct EnvelopeVisitor;
+
+/// Takes the value of a field seen for the first time.
+fn once<T, E: de::Error>(slot: &mut Option<T>, name: &'static str, value: T) -> Result<(), E> {
+    if slot.is_some() {
+        return Err(E::duplicate_field(name));
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+impl<'de> Visitor<'de> for EnvelopeVisitor {
+    type Value = Envelope;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an event envelope")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope, A::Error> {
+        let mut id = None;
+        let mut schema_version = None;
+        let mut occurred_at_ms = None;
+        let mut causation_id = None;
+        let mut correlation_id = None;
+        let mut actor = None;
+        let mut kind: Option<Kind> = None;
+        let mut event = None;
+        let mut early_payload: Option<serde_json::Value> = None;
+        while let Some(field) = map.next_key::<Field>()? {
+            match field {
+                Field::Id => once(&mut id, "id", map.next_value()?)?,
+                Field::SchemaVersion => {
+                    once(&mut schema_version, "schema_version", map.next_value()?)?
+                }
+                Field::OccurredAtMs => {
+                    once(&mut occurred_at_ms, "occurred_at_ms", map.next_value()?)?
+                }
+                Field::CausationId => once(
+                    &mut causation_id,
+                    "causation_id",
+                    map.next_value::<Option<Uuid>>()?,
+                )?,
+                Field::CorrelationId => once(
+                    &mut correlation_id,
+                    "correlation_id",
+                    map.next_value::<Option<Uuid>>()?,
+                )?,
+                Field::Actor => once(&mut actor, "actor", map.next_value::<String>()?)?,
+                Field::Type => once(&mut kind, "type", map.next_value()?)?,
+                Field::Payload => {
+                    if event.is_some() || early_payload.is_some() {
+                        return Err(de::Error::duplicate_field("payload"));
+                    }
+                    match kind {
+                        Some(kind) => event = Some(map.next_value_seed(kind)?),
+                        None => early_payload = Some(map.next_value()?),
+                    }
+                }
+            }
+        }
+        let id = id.ok_or_else(|| de::Error::missing_field("id"))?;
+        let schema_version =
+            schema_version.ok_or_else(|| de::Error::missing_field("schema_version"))?;
+        let occurred_at_ms =
+            occurred_at_ms.ok_or_else(|| de::Error::missing_field("occurred_at_ms"))?;
+        let actor = actor.ok_or_else(|| de::Error::missing_field("actor"))?;
+        let kind = kind.ok_or_else(|| de::Error::missing_field("type"))?;
+        let event = match (event, early_payload) {
+            (Some(event), _) => event,
+            (None, Some(payload)) => kind.deserialize(payload).map_err(de::Error::custom)?,
+            (None, None) => return Err(de::Error::missing_field("payload")),
+        };
+        Ok(Envelope {
+            id,
+            schema_version,
+            occurred_at_ms,
+            causation_id: causation_id.flatten(),
+            correlation_id: correlation_id.flatten(),
+            actor,
+            event,
+        })
     }
 }
 

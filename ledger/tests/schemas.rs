@@ -212,6 +212,109 @@ fn every_kind_validates_against_the_checked_in_schemas() {
     }
 }
 
+/// An envelope reads the same whatever the order of its keys (JSON does not order them: a
+/// payload may come before its `type`), and what is not an envelope is refused with the field
+/// at fault named.
+#[test]
+fn envelopes_read_in_any_key_order_and_refuse_with_the_field_named() {
+    let to_text = |fields: &[(String, serde_json::Value)]| {
+        let fields: Vec<String> = fields
+            .iter()
+            .map(|(k, v)| format!("{}:{v}", serde_json::Value::from(k.as_str())))
+            .collect();
+        format!("{{{}}}", fields.join(","))
+    };
+    for (i, event) in samples().into_iter().enumerate() {
+        let mut env = Envelope::new(Uuid::from_u128(i as u128), 1_700_000_000_000, "test", event);
+        env.causation_id = Some(Uuid::from_u128(99));
+        let json = serde_json::to_value(&env).unwrap();
+        let fields: Vec<(String, serde_json::Value)> =
+            json.as_object().unwrap().clone().into_iter().collect();
+        for turn in 0..fields.len() {
+            for reversed in [false, true] {
+                let mut order = fields.clone();
+                order.rotate_left(turn);
+                if reversed {
+                    order.reverse();
+                }
+                let text = to_text(&order);
+                let read: Envelope = serde_json::from_str(&text).unwrap_or_else(|e| {
+                    panic!("{text}: {e}");
+                });
+                assert_eq!(read, env, "{text}");
+            }
+        }
+    }
+
+    let env = Envelope::new(
+        Uuid::from_u128(1),
+        1_700_000_000_000,
+        "test",
+        Event::NodeDrained(NodeDrained {
+            node: "n1".into(),
+            reason: Some("maintenance".into()),
+        }),
+    );
+    let fields: Vec<(String, serde_json::Value)> = serde_json::to_value(&env)
+        .unwrap()
+        .as_object()
+        .unwrap()
+        .clone()
+        .into_iter()
+        .collect();
+    let without = |name: &str| -> Vec<(String, serde_json::Value)> {
+        fields.iter().filter(|(k, _)| k != name).cloned().collect()
+    };
+    let with = |name: &str, value: serde_json::Value| {
+        let mut fields = fields.clone();
+        fields.push((name.to_owned(), value));
+        fields
+    };
+    let mut wrong_kind = without("type");
+    wrong_kind.push(("type".into(), "node_resumed".into()));
+    let mut wrong_payload = without("payload");
+    wrong_payload.push((
+        "payload".into(),
+        serde_json::json!({"node": "n1", "gpu": 2}),
+    ));
+    let cases = [
+        (without("id"), "missing field `id`"),
+        (without("schema_version"), "missing field `schema_version`"),
+        (without("occurred_at_ms"), "missing field `occurred_at_ms`"),
+        (without("actor"), "missing field `actor`"),
+        (without("type"), "missing field `type`"),
+        (without("payload"), "missing field `payload`"),
+        (with("fo", 1.into()), "unknown field `fo`"),
+        (
+            with("type", "node_drained".into()),
+            "duplicate field `type`",
+        ),
+        (
+            with("payload", serde_json::json!({"node": "n1"})),
+            "duplicate field `payload`",
+        ),
+        (
+            with("id", Uuid::from_u128(2).to_string().into()),
+            "duplicate field `id`",
+        ),
+        (with("type", "nope".into()), "unknown variant `nope`"),
+        (wrong_kind, "unknown field `reason`"),
+        (wrong_payload, "unknown field `gpu`"),
+    ];
+    for (fields, expected) in cases {
+        let text = to_text(&fields);
+        let e = serde_json::from_str::<Envelope>(&text)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(expected), "{text}: {e}, expected {expected}");
+    }
+    assert!(serde_json::from_str::<Envelope>("[1, 2]").is_err());
+    // Absent and null optional ids are the same.
+    let read: Envelope =
+        serde_json::from_str(&to_text(&with("causation_id", serde_json::Value::Null))).unwrap();
+    assert_eq!(read, env);
+}
+
 #[test]
 fn schemas_reject_what_the_types_reject() {
     let text =
