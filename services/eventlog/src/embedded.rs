@@ -901,10 +901,8 @@ fn clear_conversion_leftovers(dir: &Path) -> std::io::Result<()> {
 }
 
 /// The page cache each sled database of this process gets by default (the log's and the
-/// projection's): sled's own 1 GiB. Measured with the load bench (64 writers, 1-GPU
-/// submissions, 2 cores), a smaller cache costs write throughput — 256 MiB gave 6,500
-/// submissions/s and 64 MiB 5,800/s against 9,500/s with 1 GiB — because sled then writes dirty
-/// pages out more often; a server short of memory trades one for the other with `--cache-mb`.
+/// projection's): sled's own 1 GiB, for the commands that fold a whole log. `serve` sets a
+/// smaller one ([`set_cache_bytes`]).
 pub const DEFAULT_CACHE_BYTES: u64 = 1024 * 1024 * 1024;
 
 static CACHE_BYTES: std::sync::atomic::AtomicU64 =

@@ -57,7 +57,7 @@ pub struct ServeArgs {
     pub heartbeat_timeout_s: Option<f64>,
     /// Page cache of each sled database (the embedded log and the projection), in MiB: what
     /// the server keeps of its history in memory beyond its live work.
-    #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = eventlog::embedded::DEFAULT_CACHE_BYTES / (1024 * 1024))]
+    #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = SERVE_CACHE_MB)]
     pub cache_mb: u64,
     /// Connections open at once (lowered to what the file-descriptor limit allows); each must
     /// send its request headers within --header-timeout-s, which also closes idle ones.
@@ -67,6 +67,15 @@ pub struct ServeArgs {
     #[arg(long, env = "FAIRLEDGER_HEADER_TIMEOUT_S", default_value_t = api::conn::Limits::default().header_timeout.as_secs_f64())]
     pub header_timeout_s: f64,
 }
+
+/// The server's page cache per sled database, in MiB, unless `--cache-mb` says otherwise. The
+/// commands that fold the whole log (`log import`, `project`, `audit verify`) keep sled's own
+/// 1 GiB. A server pages its history in long after it started: sled's cleaner reads back every
+/// page of a segment it compacts (after a rebuild, most of the projection), and a 1 GiB cache
+/// kept all of it. On the 10-million-event ledger, after the audit bench's 230,000
+/// submissions, 128 MiB left the server at 708 MB resident where 1 GiB left 1.37–1.43 GB, and
+/// it took submissions as fast (see BENCHMARKS.md).
+pub const SERVE_CACHE_MB: u64 = 128;
 
 /// The cluster's settings and set-up events: from the scenario file `config`, else the demo's;
 /// `policy` names the policy over the config's. Also the config's heartbeat timeout, if any.
