@@ -231,6 +231,12 @@ impl<'de> Deserialize<'de> for Envelope {
 
 struct EnvelopeVisitor;
 
+/// An envelope's payload as read: into its struct, or held until its `type` comes.
+enum Payload {
+    Read(Event),
+    Held(serde_json::Value),
+}
+
 /// Takes the value of a field seen for the first time.
 fn once<T, E: de::Error>(slot: &mut Option<T>, name: &'static str, value: T) -> Result<(), E> {
     if slot.is_some() {
@@ -255,8 +261,7 @@ impl<'de> Visitor<'de> for EnvelopeVisitor {
         let mut correlation_id = None;
         let mut actor = None;
         let mut kind: Option<Kind> = None;
-        let mut event = None;
-        let mut early_payload: Option<serde_json::Value> = None;
+        let mut payload = None;
         while let Some(field) = map.next_key::<Field>()? {
             match field {
                 Field::Id => once(&mut id, "id", map.next_value()?)?,
@@ -279,13 +284,11 @@ impl<'de> Visitor<'de> for EnvelopeVisitor {
                 Field::Actor => once(&mut actor, "actor", map.next_value::<String>()?)?,
                 Field::Type => once(&mut kind, "type", map.next_value()?)?,
                 Field::Payload => {
-                    if event.is_some() || early_payload.is_some() {
-                        return Err(de::Error::duplicate_field("payload"));
-                    }
-                    match kind {
-                        Some(kind) => event = Some(map.next_value_seed(kind)?),
-                        None => early_payload = Some(map.next_value()?),
-                    }
+                    let read = match kind {
+                        Some(kind) => Payload::Read(map.next_value_seed(kind)?),
+                        None => Payload::Held(map.next_value()?),
+                    };
+                    once(&mut payload, "payload", read)?
                 }
             }
         }
@@ -296,10 +299,9 @@ impl<'de> Visitor<'de> for EnvelopeVisitor {
             occurred_at_ms.ok_or_else(|| de::Error::missing_field("occurred_at_ms"))?;
         let actor = actor.ok_or_else(|| de::Error::missing_field("actor"))?;
         let kind = kind.ok_or_else(|| de::Error::missing_field("type"))?;
-        let event = match (event, early_payload) {
-            (Some(event), _) => event,
-            (None, Some(payload)) => kind.deserialize(payload).map_err(de::Error::custom)?,
-            (None, None) => return Err(de::Error::missing_field("payload")),
+        let event = match payload.ok_or_else(|| de::Error::missing_field("payload"))? {
+            Payload::Read(event) => event,
+            Payload::Held(payload) => kind.deserialize(payload).map_err(de::Error::custom)?,
         };
         Ok(Envelope {
             id,
