@@ -1,5 +1,6 @@
 //! Benchmarks of the core: fold throughput, reading events from their JSON, one `decide` pass
-//! at scale, and the windowed usage query. Run with `cargo bench -p ledger --bench core`; figures go to BENCHMARKS.md.
+//! at scale, and the windowed usage query. Run with `cargo bench -p ledger --bench core`;
+//! figures go to BENCHMARKS.md.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;

@@ -546,6 +546,14 @@ impl RowArchive {
         *self.newest.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Notes that workload `id` has a row (or is about to).
+    fn raise_newest(&self, id: WorkloadId) {
+        let mut newest = self.newest.lock().unwrap_or_else(|e| e.into_inner());
+        if newest.is_none_or(|n| id > n) {
+            *newest = Some(id);
+        }
+    }
+
     fn through(&self) -> Option<WorkloadId> {
         *self.through.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -1235,14 +1243,7 @@ impl Projector {
         }
         // Before the rows land, like the packing position: looking further is harmless.
         if let Some((&last, _)) = fresh.last_key_value() {
-            let mut newest = self
-                .archive
-                .newest
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if newest.is_none_or(|n| last > n) {
-                *newest = Some(last);
-            }
+            self.archive.raise_newest(last);
         }
         // Packing goes in the same batch, taking this batch's ended rows straight into packs,
         // unless a listing is reading rows in order (it never waits for one).

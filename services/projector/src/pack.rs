@@ -10,8 +10,8 @@
 //! (catching up, in large batches, most rows are written once). A position, `through`, divides
 //! the two: past it every row is a single; up to it every ended row is in a pack, except those
 //! still live when packing went past them (a workload waiting longer than [`PACK_LAG`] events
-//! does not hold packing back), which stay singles when they end. A packed row changes only when an event about it is refused, in
-//! place in its pack.
+//! does not hold packing back), which stay singles when they end. A packed row changes only
+//! when an event about it is refused, in place in its pack.
 //!
 //! Packing moves rows without changing them: readers see rows in id order whichever way they
 //! are stored ([`Rows`]), and the digest hashes that order, so a projection packed at other
@@ -497,7 +497,6 @@ pub(crate) fn gather(
             moved = Some(id);
         }
     }
-    drop(gathering);
     for id in &taken {
         fresh.remove(id);
     }
