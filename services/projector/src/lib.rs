@@ -456,7 +456,9 @@ fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Resu
     let book = postcard::to_stdvec(book).expect("the book always serializes");
     batch.insert(CHECKPOINT_BOOK, book);
     batch.insert(CHECKPOINT_SEQ, &state.last_seq().to_be_bytes());
-    tree.apply_batch(batch)
+    tree.apply_batch(batch)?;
+    // On disk now, with every row before it: sled's own flusher may be off (a server's is).
+    tree.flush().map(drop)
 }
 
 /// Folds `events` (ascending) up to sequence `to` into `state` and `book`, in memory only, as
