@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// the server keeps of its history in memory beyond its live work.
     #[arg(long, env = "FAIRLEDGER_CACHE_MB", default_value_t = SERVE_CACHE_MB)]
     pub cache_mb: u64,
+    /// Let sled compact the embedded log's and the projection's files in the background: less
+    /// disk, but the pages it reads back stay in memory (after an import or a rebuild, tens of
+    /// megabytes a minute for many minutes). Off by default.
+    #[arg(long, env = "FAIRLEDGER_BACKGROUND_COMPACTION")]
+    pub background_compaction: bool,
     /// Connections open at once (lowered to what the file-descriptor limit allows); each must
     /// send its request headers within --header-timeout-s, which also closes idle ones.
     #[arg(long, env = "FAIRLEDGER_MAX_CONNECTIONS", default_value_t = api::conn::Limits::default().max_connections)]
@@ -70,12 +75,11 @@ pub struct ServeArgs {
 
 /// The server's page cache per sled database, in MiB, unless `--cache-mb` says otherwise. The
 /// commands that fold the whole log (`log import`, `project`, `audit verify`) keep sled's own
-/// 1 GiB. A server pages its history in long after it started: sled's cleaner reads back every
-/// page of a segment it compacts (after a rebuild, most of the projection), and a 1 GiB cache
-/// kept all of it. On the 10-million-event ledger, after the audit bench's 230,000
-/// submissions, 128 MiB left the server at 708 MB resident where 1 GiB left 1.37–1.43 GB, and
-/// it took submissions as fast (see BENCHMARKS.md).
-pub const SERVE_CACHE_MB: u64 = 128;
+/// 1 GiB. A server needs little: its live work is in its state, and it reads its history only
+/// for audits and ended workloads. On the 10-million-event ledger with 50,000 submissions
+/// waiting (background compaction off), 16 MiB left it at 198–202 MB resident, 32 MiB at
+/// 216 MB and 128 MiB at 279 MB, taking submissions as fast (see BENCHMARKS.md).
+pub const SERVE_CACHE_MB: u64 = 32;
 
 /// The cluster's settings and set-up events: from the scenario file `config`, else the demo's;
 /// `policy` names the policy over the config's. Also the config's heartbeat timeout, if any.
@@ -147,6 +151,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         return Err("--cache-mb must be at least 1 (MiB)".into());
     }
     eventlog::embedded::set_cache_bytes(args.cache_mb * 1024 * 1024);
+    eventlog::embedded::set_background_compaction(args.background_compaction);
     let embedded = args.log.nats.is_none();
     // The nodes the embedded server drives itself, with fake GPUs: the demo's or the config's.
     let fake_nodes: Vec<ledger::event::NodeRegistered> = setup

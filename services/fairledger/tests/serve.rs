@@ -80,6 +80,56 @@ fn embedded_submit_run_finish_and_audit_across_a_restart() {
     assert_eq!(registered, 4);
 }
 
+/// A server runs its databases without sled's background thread: the log syncs each
+/// acknowledgement itself, and the projection catches up from the log. Killed with SIGKILL
+/// mid-stream, it keeps every workload it acknowledged, and its projection, once caught up,
+/// is the one a full replay builds.
+#[test]
+fn a_killed_server_keeps_what_it_acknowledged_and_its_projection_catches_up() {
+    let data = tempfile::tempdir().unwrap();
+    let data_arg = data.path().to_str().unwrap();
+    let server = Server::start(&["--data", data_arg]);
+    let mut ids = Vec::new();
+    for i in 0..150 {
+        let (status, v) = server.call(
+            "POST",
+            "/v1/workloads",
+            Some(&format!(
+                r#"{{"allocation":"ai2/tulu","gpus_per_node":1,"duration_estimate_s":{}}}"#,
+                1 + i % 3
+            )),
+        );
+        assert!(status == 201 || status == 202, "{status} {v}");
+        ids.push(v["id"].as_str().unwrap().to_owned());
+    }
+    drop(server); // SIGKILL
+    let digest = |args: &[&str]| -> Value {
+        let out = Command::new(BIN)
+            .args(args)
+            .args(["--json", "--data", data_arg])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let caught_up = digest(&["project", "--once"]);
+    let full = digest(&["replay"]);
+    assert_eq!(caught_up["last_seq"], full["last_seq"]);
+    assert_eq!(
+        caught_up["digest"], full["digest"],
+        "the killed server's projection differs from a full replay"
+    );
+    let server = Server::start(&["--data", data_arg]);
+    for id in &ids {
+        let (status, v) = server.call("GET", &format!("/v1/workloads/{id}"), None);
+        assert_eq!(status, 200, "acknowledged {id} was lost: {v}");
+    }
+}
+
 #[test]
 fn on_nats_a_submission_is_placed() {
     let nats = NatsServer::start();
