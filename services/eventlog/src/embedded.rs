@@ -925,9 +925,9 @@ static BACKGROUND_COMPACTION: std::sync::atomic::AtomicBool =
 /// beyond the page cache. With it off, space left by rewritten pages is reused only once a
 /// whole segment is garbage, so the files grow more: a long-running server (`serve`) turns it
 /// off to keep its memory bounded by its live work; the bulk commands keep it. On the
-/// 10-million-event ledger, after 50,000 submissions: 198–202 MB resident with it off,
-/// 223–293 MB with it on; the files grew 116 MB against 65 MB in the 200,000 submissions
-/// (see BENCHMARKS.md).
+/// 10-million-event ledger, with 50,000 submissions waiting: 207–209 MB resident with it off,
+/// 241–283 MB with it on; in about 180,000 submissions the projection's file grew 86 MB
+/// against 55 MB, the log's alike (see BENCHMARKS.md).
 pub fn set_background_compaction(on: bool) {
     BACKGROUND_COMPACTION.store(on, std::sync::atomic::Ordering::Relaxed);
 }

@@ -77,8 +77,8 @@ pub struct ServeArgs {
 /// commands that fold the whole log (`log import`, `project`, `audit verify`) keep sled's own
 /// 1 GiB. A server needs little: its live work is in its state, and it reads its history only
 /// for audits and ended workloads. On the 10-million-event ledger with 50,000 submissions
-/// waiting (background compaction off), 16 MiB left it at 198–202 MB resident, 32 MiB at
-/// 216 MB and 128 MiB at 279 MB, taking submissions as fast (see BENCHMARKS.md).
+/// waiting (background compaction off), 16 MiB left it at 196 MB resident, 32 MiB at
+/// 207–209 MB and 128 MiB at 220 MB, taking submissions as fast (see BENCHMARKS.md).
 pub const SERVE_CACHE_MB: u64 = 32;
 
 /// The cluster's settings and set-up events: from the scenario file `config`, else the demo's;
