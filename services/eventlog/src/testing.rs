@@ -54,16 +54,26 @@ impl NatsServer {
 
     /// Starts a server with `options`.
     pub fn start_with(options: ServerOptions) -> Self {
-        let dir = tempfile::tempdir().expect("a temporary directory for nats-server");
-        let port = free_port();
-        let mut server = NatsServer {
-            child: None,
-            dir,
-            port,
-            options,
-        };
-        server.launch();
-        server
+        Self::try_start_with(options).unwrap_or_else(|log| panic!("{log}"))
+    }
+
+    /// Starts a server with `options`, or says why it exited at start-up. A free port can be
+    /// taken by another process before the server binds it: then it tries other ports.
+    fn try_start_with(options: ServerOptions) -> Result<Self, String> {
+        let mut tries = 0;
+        loop {
+            let dir = tempfile::tempdir().expect("a temporary directory for nats-server");
+            let mut server = NatsServer {
+                child: None,
+                dir,
+                port: free_port(),
+                options: options.clone(),
+            };
+            match server.try_launch() {
+                Err(log) if is_port_taken(&log) && tries < PORT_TRIES => tries += 1,
+                other => return other.map(|()| server),
+            }
+        }
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -92,10 +102,10 @@ impl NatsServer {
     /// Starts the server again on the same port and store.
     pub fn restart(&mut self) {
         self.kill();
-        self.launch();
+        self.try_launch().unwrap_or_else(|log| panic!("{log}"));
     }
 
-    fn launch(&mut self) {
+    fn try_launch(&mut self) -> Result<(), String> {
         if let Some(conf) = self.options.config.clone() {
             let log = self.dir.path().join("nats.log");
             let child = Command::new(server_binary())
@@ -111,8 +121,7 @@ impl NatsServer {
                 .spawn()
                 .expect("starting nats-server");
             self.child = Some(child);
-            self.wait_ready(&log);
-            return;
+            return self.wait_ready(&log);
         }
         let conf = self.dir.path().join("nats.conf");
         let mut text = format!("listen: \"127.0.0.1:{}\"\n", self.port);
@@ -148,16 +157,18 @@ impl NatsServer {
                 )
             });
         self.child = Some(child);
-        self.wait_ready(&log);
+        self.wait_ready(&log)
     }
 
-    fn wait_ready(&mut self, log: &Path) {
+    /// Waits until the server answers; its log if it exited at start-up.
+    fn wait_ready(&mut self, log: &Path) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
                     let log = std::fs::read_to_string(log).unwrap_or_default();
-                    panic!("nats-server exited at start-up ({status}):\n{log}");
+                    return Err(format!("nats-server exited at start-up ({status}):\n{log}"));
                 }
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
@@ -165,7 +176,7 @@ impl NatsServer {
                     || std::fs::read_to_string(log)
                         .is_ok_and(|l| l.matches("Server is ready").count() >= self.starts()))
             {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,
@@ -191,6 +202,15 @@ impl Drop for NatsServer {
     }
 }
 
+/// Times a test server or cluster is started again on other ports when one it was given was
+/// taken before it could bind it.
+const PORT_TRIES: usize = 5;
+
+/// Whether a server exited at start-up because a port it was to listen on was taken.
+fn is_port_taken(log: &str) -> bool {
+    log.contains("address already in use")
+}
+
 /// A port nothing listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -209,6 +229,17 @@ pub struct NatsCluster {
 impl NatsCluster {
     /// Starts `size` servers named `n1`, `n2`… as one cluster.
     pub fn start(size: usize) -> Self {
+        let mut tries = 0;
+        loop {
+            match Self::try_start(size) {
+                Err(log) if is_port_taken(&log) && tries < PORT_TRIES => tries += 1,
+                other => return other.unwrap_or_else(|log| panic!("{log}")),
+            }
+        }
+    }
+
+    /// Starts the cluster, or says why a node exited at start-up (the nodes started are killed).
+    fn try_start(size: usize) -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("a temporary directory for the cluster");
         let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let route_list = routes
@@ -227,13 +258,13 @@ impl NatsCluster {
                     port = routes[i],
                 );
                 std::fs::write(&conf, text).expect("writing a cluster node's config");
-                NatsServer::start_with(ServerOptions {
+                NatsServer::try_start_with(ServerOptions {
                     config: Some(conf),
                     ..Default::default()
                 })
             })
-            .collect();
-        NatsCluster { nodes, _dir: dir }
+            .collect::<Result<_, _>>()?;
+        Ok(NatsCluster { nodes, _dir: dir })
     }
 
     /// Every node's URL, comma-separated, as `--nats` takes a cluster.
