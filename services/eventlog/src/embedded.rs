@@ -924,7 +924,7 @@ static BACKGROUND_COMPACTION: std::sync::atomic::AtomicBool =
 /// After an import or a rebuild most segments are, and the pages it reads stay in memory
 /// beyond the page cache. With it off, space left by rewritten pages is reused only once a
 /// whole segment is garbage, so the files grow more: a long-running server (`serve`) turns it
-/// off to keep its memory bounded by its live work; the bulk commands keep it. On the
+/// off to keep its memory bounded by its live work; the other commands keep it. On the
 /// 10-million-event ledger, with 50,000 submissions waiting: 207–209 MB resident with it off,
 /// 241–283 MB with it on; in about 180,000 submissions the projection's file grew 86 MB
 /// against 55 MB, the log's alike (see BENCHMARKS.md).
@@ -940,9 +940,9 @@ pub fn settle(dir: &Path) -> sled::Result<()> {
     open_sled(sled::Config::new().path(dir)).map(drop)
 }
 
-/// Opens a sled database with this process's page cache and compaction, waiting up to five seconds for the
-/// lock of a handle this process just dropped: sled's flusher thread lets go of the directory
-/// only when it next wakes (every 500 ms, later under load).
+/// Opens a sled database with this process's page cache and background compaction, waiting up
+/// to five seconds for the lock of a handle this process just dropped: sled's flusher thread
+/// lets go of the directory only when it next wakes (every 500 ms, later under load).
 pub fn open_sled(config: sled::Config) -> sled::Result<sled::Db> {
     let mut config = config.cache_capacity(CACHE_BYTES.load(std::sync::atomic::Ordering::Relaxed));
     if !BACKGROUND_COMPACTION.load(std::sync::atomic::Ordering::Relaxed) {

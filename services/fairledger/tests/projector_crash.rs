@@ -13,7 +13,10 @@ use eventlog::testing::NatsServer;
 use eventlog::{Append, EventLog, JetStreamLog, JetStreamOptions};
 use rand::{RngExt, SeedableRng};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fairledger");
+mod common;
+
+use common::BIN;
+
 /// Events streamed per run: a prefix of a simulated Alibaba ledger.
 const EVENTS: usize = 4000;
 
@@ -60,17 +63,7 @@ struct Reached {
 }
 
 fn reached(args: &[&str], url: &str) -> Reached {
-    let out = Command::new(BIN)
-        .args(args)
-        .args(["--json", "--nats", url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::json_of(&[args, &["--json", "--nats", url]].concat())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

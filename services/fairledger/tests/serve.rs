@@ -104,17 +104,7 @@ fn a_killed_server_keeps_what_it_acknowledged_and_its_projection_catches_up() {
     }
     drop(server); // SIGKILL
     let digest = |args: &[&str]| -> Value {
-        let out = Command::new(BIN)
-            .args(args)
-            .args(["--json", "--data", data_arg])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        common::json_of(&[args, &["--json", "--data", data_arg]].concat())
     };
     let caught_up = digest(&["project", "--once"]);
     let full = digest(&["replay"]);

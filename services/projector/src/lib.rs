@@ -353,7 +353,6 @@ impl ProjectionError {
 /// The sled projection and the folded state it was built from.
 pub struct Projector {
     dir: PathBuf,
-    db: sled::Db,
     tree: sled::Tree,
     /// The checkpoint's tree.
     checkpoints: sled::Tree,
@@ -790,7 +789,6 @@ impl Projector {
         state.archive_in(archive.clone());
         Ok(Projector {
             dir: dir.to_owned(),
-            db,
             tree,
             checkpoints,
             state,
@@ -1473,11 +1471,10 @@ impl Projector {
             .inspect_err(|_| self.poisoned = true)?;
         self.since_checkpoint = 0;
         self.last_checkpoint = std::time::Instant::now();
-        if let Err(e) = write_checkpoint(&self.checkpoints, &self.state, &self.book) {
+        write_checkpoint(&self.checkpoints, &self.state, &self.book).map_err(|e| {
             self.poisoned = true;
-            return Err(self.storage(e));
-        }
-        self.db.flush().map(|_| ()).map_err(|e| self.storage(e))
+            self.storage(e)
+        })
     }
 
     /// Reads and folds up to `max` events after the last applied one, without waiting for

@@ -216,3 +216,14 @@ pub fn on_nats(url: &str, role: &str, dir: &tempfile::TempDir) -> Server {
         dir.path().to_str().unwrap(),
     ])
 }
+
+/// Runs the binary with `args`, which must succeed, and reads what it printed as JSON.
+pub fn json_of<T: serde::de::DeserializeOwned>(args: &[&str]) -> T {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
