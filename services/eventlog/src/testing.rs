@@ -54,26 +54,19 @@ impl NatsServer {
 
     /// Starts a server with `options`.
     pub fn start_with(options: ServerOptions) -> Self {
-        Self::try_start_with(options).unwrap_or_else(|log| panic!("{log}"))
+        retrying_taken_ports(|| Self::try_start_with(options.clone()))
     }
 
-    /// Starts a server with `options`, or says why it exited at start-up. A free port can be
-    /// taken by another process before the server binds it: then it tries other ports.
+    /// Starts a server with `options` on a free port, or says why it exited at start-up.
     fn try_start_with(options: ServerOptions) -> Result<Self, String> {
-        let mut tries = 0;
-        loop {
-            let dir = tempfile::tempdir().expect("a temporary directory for nats-server");
-            let mut server = NatsServer {
-                child: None,
-                dir,
-                port: free_port(),
-                options: options.clone(),
-            };
-            match server.try_launch() {
-                Err(log) if is_port_taken(&log) && tries < PORT_TRIES => tries += 1,
-                other => return other.map(|()| server),
-            }
-        }
+        let dir = tempfile::tempdir().expect("a temporary directory for nats-server");
+        let mut server = NatsServer {
+            child: None,
+            dir,
+            port: free_port(),
+            options,
+        };
+        server.try_launch().map(|()| server)
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -202,13 +195,17 @@ impl Drop for NatsServer {
     }
 }
 
-/// Times a test server or cluster is started again on other ports when one it was given was
-/// taken before it could bind it.
-const PORT_TRIES: usize = 5;
-
-/// Whether a server exited at start-up because a port it was to listen on was taken.
-fn is_port_taken(log: &str) -> bool {
-    log.contains("address already in use")
+/// Runs `start`, which picks free ports and starts servers on them, again (up to 5 more times)
+/// while a server exits at start-up because another process took one of its ports between
+/// picking and binding it; panics with the server's log on any other failure.
+fn retrying_taken_ports<T>(mut start: impl FnMut() -> Result<T, String>) -> T {
+    let mut tries = 0;
+    loop {
+        match start() {
+            Err(log) if log.contains("address already in use") && tries < 5 => tries += 1,
+            other => return other.unwrap_or_else(|log| panic!("{log}")),
+        }
+    }
 }
 
 /// A port nothing listens on right now.
@@ -229,13 +226,7 @@ pub struct NatsCluster {
 impl NatsCluster {
     /// Starts `size` servers named `n1`, `n2`… as one cluster.
     pub fn start(size: usize) -> Self {
-        let mut tries = 0;
-        loop {
-            match Self::try_start(size) {
-                Err(log) if is_port_taken(&log) && tries < PORT_TRIES => tries += 1,
-                other => return other.unwrap_or_else(|log| panic!("{log}")),
-            }
-        }
+        retrying_taken_ports(|| Self::try_start(size))
     }
 
     /// Starts the cluster, or says why a node exited at start-up (the nodes started are killed).
