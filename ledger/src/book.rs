@@ -488,6 +488,11 @@ impl Book {
         }
     }
 
+    /// The cluster's preemptions by reason since the ledger began.
+    pub fn preemptions(&self) -> &Preemptions {
+        &self.cluster_preemptions
+    }
+
     /// Makes room for allocations the last event created.
     fn grow(&mut self, state: &State) {
         let n = state.allocations.nodes.len();

@@ -99,9 +99,11 @@ pub struct Hold {
     pub ends_ms: Option<u64>,
     /// End of the grace period of a preemption under way.
     pub grace_until_ms: Option<u64>,
-    /// A borrowed placement ([`crate::event::WorkloadStarted::borrowed`]): from this instant
-    /// whoever holds the reservation may take its GPUs back.
-    pub borrowed_until_ms: Option<u64>,
+    /// A borrowed placement ([`crate::event::WorkloadStarted::borrowed`]): the reservation that
+    /// lent the GPUs, which alone may take them back, from the end of the term.
+    pub borrowed: Option<crate::event::Borrowed>,
+    /// Times the holder was preempted (see [`crate::Workload::preemptions`]).
+    pub preemptions: u32,
 }
 
 /// A workload's part of one node, kept beside the node so that a scheduling pass times and prices

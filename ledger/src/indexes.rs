@@ -52,7 +52,8 @@ impl State {
                             .duration_estimate_ms
                             .map(|d| (w.started_at_ms + d).saturating_sub(w.work_done_ms)),
                         grace_until_ms: w.preempting.map(|p| p.grace_until_ms),
-                        borrowed_until_ms: w.borrowed.map(|b| b.until_ms),
+                        borrowed: w.borrowed,
+                        preemptions: w.preemptions,
                     },
                     started_at_ms: w.started_at_ms,
                     checkpoint_ms: w.checkpoint_ms,
@@ -119,7 +120,7 @@ impl State {
             for p in &w.placement {
                 if let Some(b) = w.borrowed {
                     if w.preempting.is_none() {
-                        lent.insert((b.until_ms, p.node, *id));
+                        lent.insert((b.reserved_for, b.until_ms, p.node, *id));
                     }
                 }
                 let holds = u32::from(w.borrowed.is_some()) + u32::from(w.preempting.is_some());
@@ -129,7 +130,7 @@ impl State {
             }
         }
         if self.lent != lent {
-            return Err("the index of borrowed placements by term drifted".into());
+            return Err("the index of borrowed placements by lender and term drifted".into());
         }
         if self.leaving_nodes != leaving_nodes {
             return Err("the index of nodes with work leaving or borrowed drifted".into());

@@ -184,6 +184,9 @@ pub struct Workload {
     pub work_done_ms: u64,
     /// Runs started.
     pub starts: u32,
+    /// Times it was asked to stop for someone else or for its hardware (every preemption
+    /// request but its owner's cancel): what the scheduler weighs before preempting it again.
+    pub preemptions: u32,
     /// Who submitted it: an index into [`State::actors`].
     pub submitted_by: u32,
     /// While stopped: the nodes its last run held, whose agents may report its requeue.
@@ -331,10 +334,11 @@ pub struct State {
     pub(crate) contracts: Contracts,
     /// Running workloads with a preemption under way.
     pub(crate) preempting: BTreeSet<WorkloadId>,
-    /// Running workloads on borrowed GPUs (see [`Workload::borrowed_for`]) and not leaving, by
-    /// the borrowing's term, with each node they hold: the head of the queue finds those whose
-    /// term is over without looking workloads up.
-    pub(crate) lent: BTreeSet<(u64, crate::cluster::NodeIdx, WorkloadId)>,
+    /// Running workloads on borrowed GPUs (see [`Workload::borrowed`]) and not leaving, by the
+    /// reservation that lent them, then the borrowing's term, with each node they hold: a
+    /// reservation's holder finds its own borrowers whose term is over without looking
+    /// workloads up.
+    pub(crate) lent: BTreeSet<(WorkloadId, u64, crate::cluster::NodeIdx, WorkloadId)>,
     /// Each node holding work that is leaving or on borrowed GPUs, with how many such holds
     /// (one per workload and reason) it has: what a reservation times first.
     pub(crate) leaving_nodes: std::collections::BTreeMap<crate::cluster::NodeIdx, u32>,
@@ -342,6 +346,9 @@ pub struct State {
     pub(crate) unallocated_held_gpus: u64,
     /// Healthy GPUs held by running unallocated workloads.
     pub(crate) unallocated_delivering_gpus: u64,
+    /// For each (beneficiary, victim) pair of allocations, when the beneficiary's work last
+    /// preempted the victim's for fair share: what hysteresis in time reads.
+    pub(crate) fair_share_last: std::collections::BTreeMap<(AllocId, AllocId), u64>,
     /// Accumulators for the cluster metrics.
     pub(crate) counters: Counters,
     /// Rejections by rule code.
@@ -384,6 +391,7 @@ impl State {
             leaving_nodes: std::collections::BTreeMap::new(),
             unallocated_held_gpus: 0,
             unallocated_delivering_gpus: 0,
+            fair_share_last: std::collections::BTreeMap::new(),
             counters: Counters::default(),
             rejections: std::collections::BTreeMap::new(),
             principals: crate::identity::Principals::default(),
@@ -507,6 +515,12 @@ impl State {
     /// Running workloads with a preemption under way, by id.
     pub fn preempting(&self) -> &BTreeSet<WorkloadId> {
         &self.preempting
+    }
+
+    /// When work of allocation `beneficiary` last preempted work of allocation `victim` for fair
+    /// share, if ever.
+    pub fn fair_share_last(&self, beneficiary: AllocId, victim: AllocId) -> Option<u64> {
+        self.fair_share_last.get(&(beneficiary, victim)).copied()
     }
 
     /// Accumulators of the cluster metrics since the ledger began.
@@ -1071,6 +1085,7 @@ impl State {
             borrowed: None,
             work_done_ms: 0,
             starts: 0,
+            preemptions: 0,
             submitted_by: self.actor_id(actor),
             stopped_on: Vec::new(),
         };
@@ -1380,7 +1395,8 @@ impl State {
                 .duration_estimate_ms
                 .map(|d| self.now_ms.saturating_add(d).saturating_sub(w.work_done_ms)),
             grace_until_ms: None,
-            borrowed_until_ms: e.borrowed.map(|b| b.until_ms),
+            borrowed: e.borrowed,
+            preemptions: w.preemptions,
         };
         let checkpoint_ms = w.checkpoint_ms;
         self.dequeue(id);
@@ -1413,7 +1429,7 @@ impl State {
         w.borrowed = e.borrowed;
         if let Some(b) = e.borrowed {
             for p in &w.placement {
-                self.lent.insert((b.until_ms, p.node, id));
+                self.lent.insert((b.reserved_for, b.until_ms, p.node, id));
                 *self.leaving_nodes.entry(p.node).or_default() += 1;
             }
         }
@@ -1464,12 +1480,22 @@ impl State {
         self.check_preemption(e, self.now_ms)?;
         let alloc = self.workloads[&e.workload].allocation;
         let now = self.now_ms;
+        if e.reason == PreemptionReason::FairShare {
+            let beneficiary = e
+                .beneficiary
+                .and_then(|b| self.workloads.get(&b))
+                .and_then(|b| b.allocation);
+            if let (Some(b), Some(v)) = (beneficiary, alloc) {
+                self.fair_share_last.insert((b, v), now);
+            }
+        }
         let w = self.workloads.get_mut(&e.workload).expect("checked");
         self.contracts.remove(w);
         self.preempting.insert(w.id);
         for p in &w.placement {
             if let Some(b) = w.borrowed {
-                self.lent.remove(&(b.until_ms, p.node, w.id));
+                self.lent
+                    .remove(&(b.reserved_for, b.until_ms, p.node, w.id));
             }
             *self.leaving_nodes.entry(p.node).or_default() += 1;
         }
@@ -1480,15 +1506,19 @@ impl State {
             reason: e.reason,
             beneficiary: e.beneficiary,
         });
+        // A cancel by the owner stops the work as a preemption does, but it is the owner's
+        // choice, not the scheduler's: it is counted apart.
+        let cancel = e.reason == PreemptionReason::UserCancelled;
+        if !cancel {
+            w.preemptions += 1;
+        }
         for part in &w.placement {
             let node = &mut self.cluster.nodes[part.node as usize];
             for t in node.tenants.iter_mut().filter(|t| t.workload == w.id) {
                 t.hold.grace_until_ms = Some(grace_until_ms);
+                t.hold.preemptions = w.preemptions;
             }
         }
-        // A cancel by the owner stops the work as a preemption does, but it is the owner's
-        // choice, not the scheduler's: it is counted apart.
-        let cancel = e.reason == PreemptionReason::UserCancelled;
         if let Some(a) = alloc {
             let a = self.allocations.node_mut(a);
             if cancel {
@@ -1521,7 +1551,7 @@ impl State {
         for p in &parts {
             if let Some(b) = borrowed {
                 if !leaving {
-                    self.lent.remove(&(b.until_ms, p.node, id));
+                    self.lent.remove(&(b.reserved_for, b.until_ms, p.node, id));
                 }
             }
             let holds = u32::from(borrowed.is_some()) + u32::from(leaving);

@@ -934,3 +934,208 @@ fn a_gang_holds_enough_room_when_a_victims_node_will_stay_partly_taken() {
         started(&plan)
     );
 }
+
+/// Stops running `id` for fair share at `t_ms`, for `beneficiary`, and puts it back in the queue
+/// with nothing lost, as its agent reports with no grace period.
+fn preempt_and_requeue(l: &mut Ledger, t_ms: u64, id: Uuid, beneficiary: Option<Uuid>) {
+    l.ok(
+        t_ms,
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: id,
+            reason: PreemptionReason::FairShare,
+            beneficiary,
+            grace_s: 0,
+        }),
+    );
+    l.stop(t_ms, id, StopReason::Preempted);
+    l.ok(
+        t_ms,
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: id,
+            work_lost_s: 0,
+        }),
+    );
+}
+
+#[test]
+fn reclaim_only_the_lender_takes_lent_gpus_back() {
+    // As above, b's 8-GPU job lends half of n1 to a's 4-GPU job; then b cancels it, and c's
+    // 8-GPU job holds the reservation. Once a's long job has ended, c may not take the borrower
+    // (it lent nothing), and fifo preempts nothing for fair share: the borrower runs on.
+    let mut l = cluster(&[("n1", 8, None)]);
+    for a in ["a", "b", "c"] {
+        l.alloc(0, a, 1);
+    }
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
+    l.submit(H, wid(2), Some("b"), 8, 1);
+    l.submit(H, wid(3), Some("a"), 4, 1);
+    let cfg = PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        ..PolicyConfig::default()
+    };
+    let plan = l.schedule(H, &cfg);
+    assert_eq!(contracts(&plan), vec![(wid(3), 5 * H, Some((wid(2), H)))]);
+    l.ok(
+        H,
+        Event::WorkloadCancelled(WorkloadCancelled {
+            workload: wid(2),
+            reason: None,
+        }),
+    );
+    l.submit(H, wid(4), Some("c"), 8, 1);
+    l.finish(3 * H, wid(1));
+    let plan = decide(&l.state, 3 * H, &cfg);
+    assert!(preempted(&plan).is_empty(), "{plan:?}");
+    assert!(matches!(
+        reason(&plan, wid(4)),
+        Blocked::HoldsReservation { nodes: 1, .. }
+    ));
+}
+
+#[test]
+fn each_preemption_doubles_the_protection_of_the_next_run_up_to_the_cap() {
+    // a's 8-GPU job is preempted again and again on an idle cluster: its runs are protected for
+    // 2 h, then 4 h, then 8 h (the cap) and 8 h again. An owner's cancel is not counted.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    let cfg = PolicyConfig::default();
+    let cap = l.state.config().min_runtime_cap_ms;
+    assert_eq!(cap, 8 * H);
+    let mut t = 0;
+    for (preempted, protection) in [(0, 2 * H), (1, 4 * H), (2, 8 * H), (3, 8 * H)] {
+        assert_eq!(l.state.workloads()[&wid(1)].preemptions, preempted);
+        let plan = l.schedule(t, &cfg);
+        assert_eq!(contracts(&plan), vec![(wid(1), t + protection, None)]);
+        t += protection;
+        preempt_and_requeue(&mut l, t, wid(1), None);
+    }
+    let plan = l.schedule(t, &cfg);
+    assert_eq!(plan.starts().count(), 1);
+    l.ok(
+        t,
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: wid(1),
+            reason: PreemptionReason::UserCancelled,
+            beneficiary: None,
+            grace_s: 0,
+        }),
+    );
+    assert_eq!(l.state.workloads()[&wid(1)].preemptions, 4);
+}
+
+/// As in `preemption_hysteresis_spares_teams_near_balance`, a's two 4-GPU jobs hold n1 past
+/// their contracts at 12 h while b waits for 4 GPUs, b's key below a's by about 0.571. At 10 h,
+/// before a's second job starts for good, it was started and preempted `earlier` times, and, if
+/// `reversed`, b's waiting job was started and preempted for it (runs of no length: the keys
+/// are unchanged).
+fn a_holds_n1(earlier: u32, reversed: bool) -> Ledger {
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.submit(0, wid(2), Some("b"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0);
+    l.start(0, wid(2), &[("n1", &[4, 5, 6, 7])], 0);
+    l.finish(10 * H, wid(2));
+    l.submit(10 * H, wid(3), Some("b"), 4, 1);
+    l.submit(10 * H, wid(4), Some("a"), 4, 1);
+    for _ in 0..earlier {
+        l.start(10 * H, wid(4), &[("n1", &[4, 5, 6, 7])], 10 * H);
+        preempt_and_requeue(&mut l, 10 * H, wid(4), None);
+    }
+    if reversed {
+        l.start(10 * H, wid(3), &[("n1", &[4, 5, 6, 7])], 10 * H);
+        preempt_and_requeue(&mut l, 10 * H, wid(3), Some(wid(4)));
+    }
+    l.start(10 * H, wid(4), &[("n1", &[4, 5, 6, 7])], 10 * H);
+    l
+}
+
+/// A margin the gap of about 0.571 exceeds, but not twice over.
+fn half_margin() -> PolicyConfig {
+    PolicyConfig {
+        margin: 0.5,
+        ..PolicyConfig::default()
+    }
+}
+
+#[test]
+fn the_margin_doubles_for_a_victim_preempted_before() {
+    // b takes the 4-GPU job of a that loses the least work, the younger ...
+    let fresh = a_holds_n1(0, false);
+    assert_eq!(
+        preempted(&decide(&fresh.state, 12 * H, &half_margin())),
+        vec![wid(4)]
+    );
+    // ... unless it was preempted before: then it needs a gap of 1.0, and b takes the older.
+    let once = a_holds_n1(1, false);
+    assert_eq!(once.state.workloads()[&wid(4)].preemptions, 1);
+    assert_eq!(
+        preempted(&decide(&once.state, 12 * H, &half_margin())),
+        vec![wid(1)]
+    );
+}
+
+#[test]
+fn taking_back_within_a_day_needs_twice_the_margin() {
+    // a's job took b's GPUs for fair share at 10 h: within the reversal window b needs twice the
+    // margin to take a's back, and waits; with no window, it takes them.
+    let l = a_holds_n1(0, true);
+    let (a, b) = (
+        l.state.allocations().get("a").unwrap(),
+        l.state.allocations().get("b").unwrap(),
+    );
+    assert_eq!(l.state.fair_share_last(a, b), Some(10 * H));
+    assert_eq!(l.state.fair_share_last(b, a), None);
+    assert!(preempted(&decide(&l.state, 12 * H, &half_margin())).is_empty());
+    let forgetful = PolicyConfig {
+        reversal_window_ms: 0,
+        ..half_margin()
+    };
+    assert_eq!(preempted(&decide(&l.state, 12 * H, &forgetful)).len(), 1);
+    // A day after, the window is over (and the keys have moved on, a still far above).
+    assert_eq!(
+        preempted(&decide(&l.state, 34 * H, &half_margin())).len(),
+        1
+    );
+}
+
+#[test]
+fn an_under_served_allocation_gets_nodes_drained_in_proportion_to_its_deficit() {
+    // a's 1-GPU jobs sit on each of four nodes; b has waited an hour with three 8-GPU jobs, owed
+    // 28 GPUs and holding none. Each of its jobs holds a reservation (the head's, and two
+    // further ones, within twice its deficit): three nodes drain for b at once, not one.
+    let mut l = cluster(&[
+        ("n1", 8, None),
+        ("n2", 8, None),
+        ("n3", 8, None),
+        ("n4", 8, None),
+    ]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    for (i, node) in (1..).zip(["n1", "n2", "n3", "n4"]) {
+        l.submit(0, wid(i), Some("a"), 1, 1);
+        assert_eq!(l.start(0, wid(i), &[(node, &[0])], 4 * H), Outcome::Applied);
+    }
+    for i in 10..13 {
+        l.submit(0, wid(i), Some("b"), 8, 1);
+    }
+    let holders = |cfg: &PolicyConfig| -> Vec<Uuid> {
+        decide(&l.state, H, cfg)
+            .reservations
+            .iter()
+            .map(|r| r.workload)
+            .collect()
+    };
+    let cfg = PolicyConfig::default();
+    assert!(cfg.reservations_max >= 3);
+    assert_eq!(holders(&cfg), vec![wid(10), wid(11), wid(12)]);
+    let one = PolicyConfig {
+        reservations_max: 1,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(holders(&one), vec![wid(10)]);
+}

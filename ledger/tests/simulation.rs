@@ -352,16 +352,20 @@ fn run_seed(seed: u64) {
                 terse.reservations,
                 explained.reservations
             );
-            // No GPU idles while work that fits it waits: single-node work that would fit on
-            // reserved GPUs borrows them, so it waits behind a reservation only where the GPUs
-            // are gathered from workloads leaving for it or for a gang (they are not lent).
+            // No GPU idles while work that may borrow it waits: single-node work that would fit
+            // on reserved GPUs borrows them, so it waits behind a reservation only where the
+            // GPUs are gathered from workloads leaving for it or for a gang (they are not lent),
+            // or where it may not borrow: its allocation got more than it was owed over the
+            // window.
+            let fairshare = ledger::policy::by_name(policy.policy).expect("a known policy");
+            let rank = ledger::policy::rank::Rank::new(state, t, fairshare, 0.0);
             for p in &explained.pending {
                 let Blocked::BehindReservation { holder } = p.reason else {
                     continue;
                 };
-                if state.workloads()[&p.workload].nodes == 1
-                    && state.workloads()[&holder].nodes == 1
-                {
+                let w = &state.workloads()[&p.workload];
+                let may_borrow = w.allocation.is_none_or(|a| !rank.over_served(a));
+                if w.nodes == 1 && state.workloads()[&holder].nodes == 1 && may_borrow {
                     let theirs = explained.pending.iter().find(|q| q.workload == holder);
                     assert!(
                         matches!(

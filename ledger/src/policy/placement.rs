@@ -13,13 +13,14 @@ use std::cmp::Reverse;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::bits::Bits;
-use crate::cluster::{Cluster, Hold, NodeIdx, Tenant};
+use crate::cluster::{Cluster, NodeIdx, Tenant};
 use crate::event::WorkloadId;
 use crate::state::{Part, State, Workload};
 
-/// Cost of a preemption: allocated victims (unallocated ones go first), then GPU-milliseconds
-/// of work lost since their checkpoints.
-type Cost = (u32, u64);
+/// Cost of a preemption: allocated victims (unallocated ones go first), then the times the
+/// victims were preempted before (work never preempted goes first), then GPU-milliseconds of work
+/// lost since their checkpoints.
+type Cost = (u32, u32, u64);
 
 /// Why no preemption plan was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -464,7 +465,7 @@ impl<'s> Scratch<'s> {
         now_ms: u64,
         only_leaving: bool,
         nearest: bool,
-        mut release: impl FnMut(&Hold) -> u64,
+        mut release: impl FnMut(&Tenant) -> u64,
     ) -> (Vec<NodeIdx>, Option<u64>) {
         let need = w.gpus_per_node;
         let n = w.nodes as usize;
@@ -483,14 +484,14 @@ impl<'s> Scratch<'s> {
             let short = need - free_count;
             let nth = match state.cluster.nodes[i as usize].tenants.as_slice() {
                 // Most often one workload holds the node.
-                [t] if (t.gpus & healthy).count_ones() >= short => release(&t.hold),
+                [t] if (t.gpus & healthy).count_ones() >= short => release(t),
                 [_] | [] => u64::MAX,
                 tenants => {
                     times.clear();
                     for t in tenants {
                         let gpus = (t.gpus & healthy).count_ones();
                         if gpus > 0 {
-                            times.push((release(&t.hold), gpus));
+                            times.push((release(t), gpus));
                         }
                     }
                     times.sort_unstable();
@@ -509,6 +510,30 @@ impl<'s> Scratch<'s> {
             };
             (nth, Reverse(free_count), i)
         };
+        // A further reservation of one node drains a node with the most free GPUs, the soonest
+        // of those by when their holders leave: one bucket of the free index is timed, not every
+        // node with free GPUs (a pass may hold dozens of such reservations).
+        if nearest && n == 1 {
+            let mut best: Option<(u64, Reverse<u32>, NodeIdx)> = None;
+            for group in self.groups_for(w) {
+                let buckets = &self.groups[group].buckets;
+                let top = (1..buckets.len())
+                    .rev()
+                    .find(|&k| buckets[k].iter().any(|&i| self.eligible(w, group, i)));
+                for &i in top.map_or(&[][..], |k| &buckets[k][..]) {
+                    if self.eligible(w, group, i) {
+                        let key = key_of(i);
+                        if best.is_none_or(|b| key < b) {
+                            best = Some(key);
+                        }
+                    }
+                }
+            }
+            if let Some((at, _, node)) = best {
+                return (vec![node], Some(at).filter(|&t| t != u64::MAX));
+            }
+            // No free GPU anywhere: the nodes where work is leaving are timed, as below.
+        }
         // Keeps the `n` soonest keys, in order.
         let keep = |soonest: &mut Vec<(u64, Reverse<u32>, NodeIdx)>, key| {
             if soonest.len() == n && soonest.last().is_some_and(|last| key >= *last) {
@@ -670,6 +695,7 @@ impl<'s> Scratch<'s> {
             };
             Some((
                 u32::from(t.hold.allocation.is_some()),
+                t.hold.preemptions,
                 lost.saturating_mul(t.total_gpus),
             ))
         };
@@ -701,7 +727,7 @@ impl<'s> Scratch<'s> {
                 let node = state.cluster.node(i);
                 let mut have = self.free[i as usize].count_ones();
                 if have >= need {
-                    options.push(((0, 0), i, 0..0));
+                    options.push(((0, 0, 0), i, 0..0));
                     continue;
                 }
                 // The holders on this node with the healthy GPUs each would free here.
@@ -717,14 +743,14 @@ impl<'s> Scratch<'s> {
                     }
                 }
                 holders.sort_unstable();
-                let mut cost = (0u32, 0u64);
+                let mut cost = (0u32, 0u32, 0u64);
                 let from = chosen.len();
                 for &(c, h, gpus) in &holders {
                     if have >= need {
                         break;
                     }
                     have += gpus;
-                    cost = (cost.0 + c.0, cost.1 + c.1);
+                    cost = (cost.0 + c.0, cost.1 + c.1, cost.2 + c.2);
                     chosen.push(h);
                 }
                 if have >= need {
@@ -752,9 +778,9 @@ impl<'s> Scratch<'s> {
             }
             victims.sort_unstable();
             victims.dedup();
-            let cost = options
-                .iter()
-                .fold((0, 0), |acc, o| (acc.0 + o.0 .0, acc.1 + o.0 .1));
+            let cost = options.iter().fold((0, 0, 0), |acc, o| {
+                (acc.0 + o.0 .0, acc.1 + o.0 .1, acc.2 + o.0 .2)
+            });
             if best.as_ref().is_none_or(|b| cost < b.0) {
                 best = Some((cost, options.iter().map(|o| o.1).collect(), victims));
             }

@@ -53,6 +53,7 @@ impl Usage {
 /// The ranking state of one pass.
 pub struct Rank<'s> {
     state: &'s State,
+    now_ms: u64,
     policy: &'s dyn Policy,
     tau_ms: f64,
     mode: Ranking,
@@ -81,6 +82,7 @@ impl<'s> Rank<'s> {
         let n = state.allocations.nodes.len();
         let mut r = Rank {
             state,
+            now_ms,
             policy,
             tau_ms,
             mode: policy.ranking(),
@@ -296,11 +298,28 @@ impl<'s> Rank<'s> {
         self.state
     }
 
+    /// The time of the pass.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
     /// Whether an allocation was delivered less than it was owed over the usage window,
     /// whatever the policy's key.
     pub fn under_served(&self, id: AllocId) -> bool {
         let u = &self.usage[id as usize];
         u.delivered_w < u.owed_w
+    }
+
+    /// Whether an allocation was delivered more than it was owed over the usage window.
+    pub fn over_served(&self, id: AllocId) -> bool {
+        let u = &self.usage[id as usize];
+        u.delivered_w > u.owed_w
+    }
+
+    /// GPUs an allocation is owed now beyond those it holds (with those placed in this pass).
+    pub fn deficit_gpus(&self, id: AllocId) -> f64 {
+        let u = &self.usage[id as usize];
+        u.owed_now - u.held
     }
 
     /// The current key of an allocation.
@@ -318,33 +337,37 @@ impl<'s> Rank<'s> {
         victim: AllocId,
         margin: f64,
     ) -> bool {
+        self.gap(state, beneficiary, victim)
+            .is_some_and(|gap| gap > margin)
+    }
+
+    /// How far allocation `victim` ranks above `beneficiary` on the key, comparing the two
+    /// children of their lowest common ancestor on each side; `None` within one leaf, or
+    /// between an allocation and its own ancestor.
+    pub fn gap(&self, state: &State, beneficiary: AllocId, victim: AllocId) -> Option<f64> {
         let tree = &state.allocations;
         let depth = |a: AllocId| self.depth[a as usize];
         let (mut b, mut v) = (beneficiary, victim);
         let (mut db, mut dv) = (depth(b), depth(v));
         // Climb to equal depth, then together until the parents agree.
         while db > dv {
-            let Some(p) = tree.node(b).parent else {
-                return false;
-            };
+            let p = tree.node(b).parent?;
             if p == v {
-                return false;
+                return None;
             }
             b = p;
             db -= 1;
         }
         while dv > db {
-            let Some(p) = tree.node(v).parent else {
-                return false;
-            };
+            let p = tree.node(v).parent?;
             if p == b {
-                return false;
+                return None;
             }
             v = p;
             dv -= 1;
         }
         if b == v {
-            return false;
+            return None;
         }
         while tree.node(b).parent != tree.node(v).parent {
             match (tree.node(b).parent, tree.node(v).parent) {
@@ -355,6 +378,6 @@ impl<'s> Rank<'s> {
                 _ => break,
             }
         }
-        self.key(v) - self.key(b) > margin
+        Some(self.key(v) - self.key(b))
     }
 }

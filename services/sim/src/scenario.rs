@@ -8,7 +8,8 @@
 //! max_min_runtime_s = 28800 # cap on what a workload may ask for
 //! grace_s = 300             # time to checkpoint after a preemption request
 //! margin = 0.05             # hysteresis on the ranking key
-//! reservations = 4          # most nodes-drained-for-it reservations per pass (1 to 64)
+//! reversal_window_s = 86400 # taking back from who took from you needs twice the margin
+//! reservations = 4          # most reservations per pass (1 to 64; the default)
 //! defragment = true         # assemble whole nodes for under-served multi-GPU work
 //! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
 //!
@@ -105,6 +106,8 @@ pub struct PolicySection {
     pub reservations: u32,
     /// Assemble whole nodes for under-served multi-GPU work (see `PolicyConfig::defragment`).
     pub defragment: bool,
+    /// Hysteresis in time (see `PolicyConfig::reversal_window_ms`).
+    pub reversal_window_s: u64,
 }
 
 impl Default for PolicySection {
@@ -120,6 +123,7 @@ impl Default for PolicySection {
             heartbeat_timeout_s: ledger::health::DEFAULT_TIMEOUT_MS / 1000,
             reservations: PolicyConfig::default().reservations_max,
             defragment: PolicyConfig::default().defragment,
+            reversal_window_s: PolicyConfig::default().reversal_window_ms / 1000,
         }
     }
 }
@@ -410,6 +414,7 @@ impl Scenario {
                 margin: p.margin,
                 reservations_max: p.reservations,
                 defragment: p.defragment,
+                reversal_window_ms: p.reversal_window_s * 1000,
                 // Reports need decisions, not the reasons of every waiting workload.
                 explain: false,
                 ..PolicyConfig::default()
