@@ -638,6 +638,8 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
 <h1>Simulation: policy {policy}</h1>\
 <p>{h:.1} simulated hours; {sub} workloads submitted, {st} started, {fin} finished; {pre} preemptions, {cv} contract violations.</p>\
 <p><b>Delivered within owed / owed: {fair:.3}</b> &middot; availability {av:.3} &middot; occupancy {oc:.3} &middot; impact {im:.3} &middot; stranded {str:.1} GPU-h &middot; largest startable gang (median) {gang} GPUs</p>\
+<h2>What preemptions cost</h2><table><tr><th>reason</th><th>requests</th><th>runs stopped</th><th>GPU-h in grace</th><th>GPU-h redone since checkpoints</th><th>GPU-h if restarted from the start</th></tr>{churn}</table>\
+<p class=note>{preempted} workloads preempted; at most {most} times each (p99 {p99}); {over3} more than 3 times. Reclaims for the lender: {lender}, for another workload: {another}.</p>\
 <h2>Every GPU over time, by allocation</h2>{legend}{timeline}\
 <p class=note>{gpr} GPU(s) per row, {bin:.2} h per column; each cell shows the allocation that held most of it, idle when under half used.</p>\
 <h2>Owed versus delivered</h2><p class=note>Pale: owed; solid: delivered.</p>{bars}\
@@ -656,6 +658,23 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
         im = r.metrics.impact,
         str = r.fragmentation.stranded_gpu_hours,
         gang = r.fragmentation.largest_startable_gang_p50,
+        churn = r
+            .churn
+            .by_reason
+            .iter()
+            .map(|(reason, c)| (reason.as_str(), c))
+            .chain(std::iter::once(("all", &r.churn.all)))
+            .map(|(reason, c)| format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td></tr>",
+                escape(reason), c.requests, c.stopped, c.grace_gpu_hours, c.redone_gpu_hours, c.run_gpu_hours
+            ))
+            .collect::<String>(),
+        preempted = r.churn.workloads_preempted,
+        most = r.churn.per_workload_max,
+        p99 = r.churn.per_workload_p99,
+        over3 = r.churn.workloads_more_than_3,
+        lender = r.churn.reclaims_for_lender,
+        another = r.churn.reclaims_for_another,
         legend = legend(&colours, t.unallocated_ran()),
         waits_legend = legend_of(&cdfs),
         gpr = t.gpus_per_row,
@@ -671,11 +690,15 @@ pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError>
     let mut rows = String::new();
     for r in reports {
         rows += &format!(
-            "<tr><td><a href=\"{p}/report.html\">{p}</a></td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+            "<tr><td><a href=\"{p}/report.html\">{p}</a></td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{}</td><td>{:.1}</td></tr>",
             r.fairness.delivered_over_owed,
             r.metrics.occupancy,
             r.metrics.impact,
             r.workloads.preemptions,
+            r.churn.per_workload_max,
+            r.churn.workloads_more_than_3,
+            r.churn.all.grace_gpu_hours,
+            r.churn.all.run_gpu_hours,
             r.workloads.contract_violations,
             r.fragmentation.stranded_gpu_hours,
             p = escape(&r.policy)
@@ -749,7 +772,7 @@ pub fn write_compare(out_dir: &Path, reports: &[Report]) -> Result<(), SimError>
     let html = format!(
         "<!doctype html><html><head><meta charset=utf-8><title>fairledger sim: compare</title><style>{STYLE}</style></head><body>\
 <h1>Policies compared on the same input</h1>\
-<table><tr><th>policy</th><th>delivered within owed / owed</th><th>occupancy</th><th>impact</th><th>preemptions</th><th>contract violations</th><th>stranded GPU-h</th></tr>{rows}</table>\
+<table><tr><th>policy</th><th>delivered within owed / owed</th><th>occupancy</th><th>impact</th><th>preemptions</th><th>most per workload</th><th>workloads preempted more than 3 times</th><th>GPU-h in grace</th><th>GPU-h redone if restarted from the start</th><th>contract violations</th><th>stranded GPU-h</th></tr>{rows}</table>\
 <h2>Delivered / owed per allocation</h2>{legend}{chart}<p class=note>1.0 means the allocation got exactly what it was owed over the period.</p>\
 <h2>Queue waits per allocation</h2>{legend}{waits_chart}<p class=note>The 90th percentile of waits from submission to first start, per policy.</p>\
 <table><tr><th rowspan=2>allocation</th>{wait_head}</tr><tr>{wait_sub}</tr>{wait_rows}</table><p class=note>Waits as [D-]HH:MM:SS.</p></body></html>\n"

@@ -38,6 +38,47 @@ pub struct WorkloadCounts {
     pub contract_violations: u64,
 }
 
+/// What preemptions cost, for one reason (or all of them).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Churn {
+    /// Preemptions requested.
+    pub requests: u64,
+    /// Runs stopped by them (a request whose run ended first stops nothing).
+    pub stopped: u64,
+    /// GPU-hours from each request to its run's stop: the grace period, paid by the victims
+    /// while the beneficiary waits.
+    pub grace_gpu_hours: f64,
+    /// GPU-hours of work the stopped runs redo, as the ledger recorded it at their requeues:
+    /// work since the last checkpoint (see `SimInfo::work_model`).
+    pub redone_gpu_hours: f64,
+    /// GPU-hours the stopped runs had run since they started: what they would redo if every
+    /// run restarted from its beginning (a workload that declares no checkpoint interval).
+    pub run_gpu_hours: f64,
+}
+
+/// Preemptions by reason and per workload.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChurnReport {
+    /// Every reason together.
+    pub all: Churn,
+    /// By reason (`fair_share`, `reclaimed`, `defragment`, `opportunistic`,
+    /// `hardware_failure`), those that happened.
+    pub by_reason: BTreeMap<String, Churn>,
+    /// Workloads preempted at least once.
+    pub workloads_preempted: u64,
+    /// The most times one workload was preempted.
+    pub per_workload_max: u64,
+    /// The 99th percentile of preemptions per workload, over every workload submitted.
+    pub per_workload_p99: u64,
+    /// Workloads preempted more than 3 times.
+    pub workloads_more_than_3: u64,
+    /// Reclaims for the reservation that lent the GPUs, and for another workload (none since
+    /// only lenders take lent GPUs back; kept to show it).
+    pub reclaims_for_lender: u64,
+    /// Reclaims whose beneficiary was not the borrower's lender.
+    pub reclaims_for_another: u64,
+}
+
 /// The cluster metrics of the period.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MetricsReport {
@@ -141,6 +182,8 @@ pub struct Report {
     pub unallocated_delivered_gpu_hours: f64,
     /// Fragmentation.
     pub fragmentation: Fragmentation,
+    /// What preemptions cost.
+    pub churn: ChurnReport,
     /// The run.
     pub sim: SimInfo,
 }
@@ -166,6 +209,68 @@ pub struct Collector {
     idle_fitting: u64,
     idle_since_ms: u64,
     idle_fitting_gpu_ms: u128,
+    /// Per workload: GPUs, preemptions so far, and the run under way (its start and the
+    /// lender of its GPUs, if borrowed).
+    runs: BTreeMap<WorkloadId, RunSeen>,
+    /// Preemptions requested and not yet carried out: (reason, when).
+    asked: BTreeMap<WorkloadId, (PreemptionReason, u64)>,
+    /// The reason of the last stop, until the requeue says what was lost.
+    stopped_for: BTreeMap<WorkloadId, PreemptionReason>,
+    churn: BTreeMap<&'static str, ChurnMs>,
+    reclaims_for_lender: u64,
+    reclaims_for_another: u64,
+}
+
+/// What the collector keeps of a workload for its churn.
+#[derive(Debug, Default)]
+struct RunSeen {
+    gpus: u64,
+    preemptions: u64,
+    started_ms: u64,
+    lender: Option<WorkloadId>,
+}
+
+/// [`Churn`] in GPU-milliseconds, as events add to it.
+#[derive(Debug, Default, Clone, Copy)]
+struct ChurnMs {
+    requests: u64,
+    stopped: u64,
+    grace_gpu_ms: u128,
+    redone_gpu_ms: u128,
+    run_gpu_ms: u128,
+}
+
+impl ChurnMs {
+    fn add(&mut self, o: &ChurnMs) {
+        self.requests += o.requests;
+        self.stopped += o.stopped;
+        self.grace_gpu_ms += o.grace_gpu_ms;
+        self.redone_gpu_ms += o.redone_gpu_ms;
+        self.run_gpu_ms += o.run_gpu_ms;
+    }
+
+    fn report(&self) -> Churn {
+        let h = |ms: u128| ms as f64 / MS_PER_HOUR;
+        Churn {
+            requests: self.requests,
+            stopped: self.stopped,
+            grace_gpu_hours: h(self.grace_gpu_ms),
+            redone_gpu_hours: h(self.redone_gpu_ms),
+            run_gpu_hours: h(self.run_gpu_ms),
+        }
+    }
+}
+
+/// A preemption reason as the events spell it.
+fn reason_name(reason: PreemptionReason) -> &'static str {
+    match reason {
+        PreemptionReason::FairShare => "fair_share",
+        PreemptionReason::Opportunistic => "opportunistic",
+        PreemptionReason::HardwareFailure => "hardware_failure",
+        PreemptionReason::Reclaimed => "reclaimed",
+        PreemptionReason::Defragment => "defragment",
+        PreemptionReason::UserCancelled => "user_cancelled",
+    }
 }
 
 impl Collector {
@@ -186,11 +291,22 @@ impl Collector {
             Event::WorkloadSubmitted(s) if *outcome == Outcome::Applied => {
                 self.submitted += 1;
                 let gpus = u64::from(s.gpus_per_node) * u64::from(s.nodes);
+                self.runs.insert(
+                    s.workload,
+                    RunSeen {
+                        gpus,
+                        ..RunSeen::default()
+                    },
+                );
                 self.waiting
                     .insert(s.workload, (env.occurred_at_ms, s.allocation.clone(), gpus));
             }
             Event::WorkloadStarted(s) => {
                 self.borrowed_starts += u64::from(s.borrowed.is_some());
+                if let Some(run) = self.runs.get_mut(&s.workload) {
+                    run.started_ms = env.occurred_at_ms;
+                    run.lender = s.borrowed.map(|b| b.reserved_for);
+                }
                 if let Some((at, alloc, gpus)) = self.waiting.remove(&s.workload) {
                     self.started += 1;
                     if let Some(path) = alloc {
@@ -201,12 +317,57 @@ impl Collector {
                     }
                 }
             }
-            Event::PreemptionRequested(p) => match p.reason {
-                PreemptionReason::Reclaimed => self.reclaimed += 1,
-                PreemptionReason::Defragment => self.defragmented += 1,
-                _ => {}
-            },
-            Event::WorkloadFinished(_) => self.finished += 1,
+            Event::PreemptionRequested(p) => {
+                match p.reason {
+                    PreemptionReason::Reclaimed => self.reclaimed += 1,
+                    PreemptionReason::Defragment => self.defragmented += 1,
+                    PreemptionReason::UserCancelled => return,
+                    _ => {}
+                }
+                self.churn
+                    .entry(reason_name(p.reason))
+                    .or_default()
+                    .requests += 1;
+                self.asked
+                    .insert(p.workload, (p.reason, env.occurred_at_ms));
+                if let Some(run) = self.runs.get_mut(&p.workload) {
+                    run.preemptions += 1;
+                    if p.reason == PreemptionReason::Reclaimed {
+                        if run.lender.is_some() && run.lender == p.beneficiary {
+                            self.reclaims_for_lender += 1;
+                        } else {
+                            self.reclaims_for_another += 1;
+                        }
+                    }
+                }
+            }
+            Event::WorkloadStopped(s) => {
+                if let Some((reason, asked_ms)) = self.asked.remove(&s.workload) {
+                    let run = self.runs.get(&s.workload);
+                    let gpus = u128::from(run.map_or(0, |r| r.gpus));
+                    let started_ms = run.map_or(asked_ms, |r| r.started_ms);
+                    let c = self.churn.entry(reason_name(reason)).or_default();
+                    c.stopped += 1;
+                    c.grace_gpu_ms +=
+                        gpus * u128::from(env.occurred_at_ms.saturating_sub(asked_ms));
+                    c.run_gpu_ms +=
+                        gpus * u128::from(env.occurred_at_ms.saturating_sub(started_ms));
+                    self.stopped_for.insert(s.workload, reason);
+                }
+            }
+            Event::WorkloadRequeued(r) => {
+                if let Some(reason) = self.stopped_for.remove(&r.workload) {
+                    let gpus = u128::from(self.runs.get(&r.workload).map_or(0, |r| r.gpus));
+                    self.churn
+                        .entry(reason_name(reason))
+                        .or_default()
+                        .redone_gpu_ms += gpus * u128::from(r.work_lost_s) * 1000;
+                }
+            }
+            Event::WorkloadFinished(f) => {
+                self.finished += 1;
+                self.asked.remove(&f.workload);
+            }
             _ => {}
         }
     }
@@ -273,6 +434,28 @@ impl Collector {
             .collect();
         allocations.sort_by(|a, b| a.path.cmp(&b.path));
         let owed: f64 = allocations.iter().map(|a| a.owed_gpu_hours).sum();
+        let churn = {
+            let mut all = ChurnMs::default();
+            for c in self.churn.values() {
+                all.add(c);
+            }
+            let mut counts: Vec<u64> = self.runs.values().map(|r| r.preemptions).collect();
+            counts.sort_unstable();
+            ChurnReport {
+                all: all.report(),
+                by_reason: self
+                    .churn
+                    .iter()
+                    .map(|(reason, c)| (reason.to_string(), c.report()))
+                    .collect(),
+                workloads_preempted: counts.iter().filter(|&&c| c > 0).count() as u64,
+                per_workload_max: counts.last().copied().unwrap_or(0),
+                per_workload_p99: percentile(&counts, 0.99).unwrap_or(0),
+                workloads_more_than_3: counts.iter().filter(|&&c| c > 3).count() as u64,
+                reclaims_for_lender: self.reclaims_for_lender,
+                reclaims_for_another: self.reclaims_for_another,
+            }
+        };
         let within: f64 = allocations
             .iter()
             .map(|a| a.owed_gpu_hours.min(a.delivered_gpu_hours))
@@ -306,6 +489,7 @@ impl Collector {
                 largest_startable_gang_p50: m.largest_startable_gang_p50,
                 idle_while_fitting_gpu_hours: self.idle_fitting_gpu_ms as f64 / MS_PER_HOUR,
             },
+            churn,
             sim: SimInfo {
                 events: self.events,
                 wall_s,

@@ -82,6 +82,24 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
     assert!(r.workloads.preemptions >= 1);
     assert!(r.unallocated_delivered_gpu_hours > 0.0);
 
+    // What the preemptions cost: every request counted once, by reason; each run they stopped
+    // paid its grace period; a's runs redo what they ran since their last checkpoint, less than
+    // they would from their start.
+    let c = &r.churn;
+    assert_eq!(c.all.requests, r.workloads.preemptions);
+    assert_eq!(
+        c.by_reason.values().map(|x| x.requests).sum::<u64>(),
+        c.all.requests
+    );
+    assert!((1..=c.all.requests).contains(&c.all.stopped), "{c:?}");
+    assert!(c.all.grace_gpu_hours > 0.0, "{c:?}");
+    assert!(
+        c.all.redone_gpu_hours > 0.0 && c.all.redone_gpu_hours < c.all.run_gpu_hours,
+        "{c:?}"
+    );
+    assert!(c.workloads_preempted >= 1 && c.per_workload_max >= 1, "{c:?}");
+    assert_eq!(c.reclaims_for_another, 0);
+
     // The files: events.jsonl folds back into the same report; report.json is what was returned.
     let replayed = sim::replay(
         &dir.path().join("events.jsonl"),
@@ -104,6 +122,7 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
     let html = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
     assert_eq!(html.matches("<svg").count(), 4 + r.allocations.len());
     assert!(html.contains("lab/a") && html.contains("lab/b"));
+    assert!(html.contains("What preemptions cost"));
     assert!(html.contains("wait (hours, log scale)"));
     // Legends name what their picture shows: the timeline its idle GPUs and the trace's one
     // unallocated workload (o1); the waits, of allocations only, neither.
