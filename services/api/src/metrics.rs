@@ -109,6 +109,38 @@ impl Metrics {
             .get_or_create(&labels([("phase", "live")]))
             .set(state.workloads().len() as i64);
         registry.register("fairledger_workloads", "Live workloads.", workloads);
+        let preemptions = Family::<Labels, Counter>::default();
+        let by_reason = p.book().preemptions();
+        for (reason, n) in [
+            ("fair_share", by_reason.fair_share),
+            ("reclaimed", by_reason.reclaimed),
+            ("defragment", by_reason.defragment),
+            ("opportunistic", by_reason.opportunistic),
+            ("hardware_failure", by_reason.hardware_failure),
+        ] {
+            preemptions
+                .get_or_create(&labels([("reason", reason)]))
+                .inc_by(n);
+        }
+        registry.register(
+            "fairledger_preemptions",
+            "Preemptions requested since the ledger began, by reason.",
+            preemptions,
+        );
+        // How often the live workloads were preempted: the churn a researcher feels.
+        let mut by_count = [0i64; 5];
+        for (_, w) in state.workloads().iter() {
+            by_count[(w.preemptions as usize).min(4)] += 1;
+        }
+        let preempted = Family::<Labels, Gauge>::default();
+        for (times, n) in ["0", "1", "2", "3", "4+"].iter().zip(by_count) {
+            preempted.get_or_create(&labels([("times", times)])).set(n);
+        }
+        registry.register(
+            "fairledger_live_workloads_by_preemptions",
+            "Live workloads by how many times they were preempted.",
+            preempted,
+        );
         let refused = Counter::<u64>::default();
         refused.inc_by(refused_decisions);
         registry.register(

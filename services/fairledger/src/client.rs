@@ -406,11 +406,19 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
             ("ended", when(&w["ended_at_ms"])),
             (
                 "elapsed",
-                format!(
-                    "{} in {} run(s)",
-                    clock(w["elapsed_ms"].as_u64().unwrap_or(0)),
-                    text(&w["starts"])
-                ),
+                match w["preemptions"].as_u64().unwrap_or(0) {
+                    0 => format!(
+                        "{} in {} run(s)",
+                        clock(w["elapsed_ms"].as_u64().unwrap_or(0)),
+                        text(&w["starts"])
+                    ),
+                    n => format!(
+                        "{} in {} run(s), preempted {n} time{}",
+                        clock(w["elapsed_ms"].as_u64().unwrap_or(0)),
+                        text(&w["starts"]),
+                        if n == 1 { "" } else { "s" }
+                    ),
+                },
             ),
             ("gpu-hours", hours(&w["gpu_hours"])),
             (
@@ -1081,14 +1089,24 @@ pub fn nodes(args: &ClientArgs, command: Option<NodesCommand>) -> Result<(), Str
     Ok(())
 }
 
+/// ", preempted N times before" when it was, for a sentence about a workload.
+fn preempted_before(v: &Value) -> String {
+    match v["preemptions"].as_u64().unwrap_or(0) {
+        0 => String::new(),
+        1 => ", preempted once before".to_owned(),
+        n => format!(", preempted {n} times before"),
+    }
+}
+
 pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
     let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {
         if v["phase"] == "running" {
             return format!(
-                "{} is running since {}, protected from preemption until {}{}\n",
+                "{} is running since {}{}, protected from preemption until {}{}\n",
                 text(&v["id"]),
                 when(&v["started_at_ms"]),
+                preempted_before(v),
                 when(&v["protected_until_ms"]),
                 if v["preempting"] == true {
                     "; it is being asked to stop"
@@ -1106,10 +1124,11 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
             );
         }
         let mut out = format!(
-            "{} is {} of {} in the queue: {}\n",
+            "{} is {} of {} in the queue{}: {}\n",
             text(&v["id"]),
             text(&v["position"]),
             text(&v["of"]),
+            preempted_before(v),
             text(&v["reason"]["detail"])
         );
         if let Some(e) = v["estimate"].as_object() {

@@ -173,6 +173,9 @@ pub struct WorkloadRow {
     /// The nodes of its current or last run, first the one whose agent keeps the first part.
     #[serde(default)]
     pub ran_on: Vec<String>,
+    /// Times it was preempted (for someone else or its hardware; its owner's cancels aside).
+    #[serde(default)]
+    pub preemptions: u32,
 }
 
 impl WorkloadRow {
@@ -1607,6 +1610,7 @@ impl Projector {
             name: None,
             run_ms: 0,
             ran_on: Vec::new(),
+            preemptions: w.preemptions,
         })
     }
 

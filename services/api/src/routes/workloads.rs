@@ -399,7 +399,12 @@ pub(crate) async fn explain(
             "started_at_ms": w.started_at_ms,
             "protected_until_ms": w.protected_until_ms,
             "preempting": w.preempting.is_some(),
-            "detail": "running; it cannot be preempted before protected_until_ms except for a hardware failure",
+            "preemptions": w.preemptions,
+            "detail": if w.preemptions == 0 {
+                "running; it cannot be preempted before protected_until_ms except for a hardware failure".to_owned()
+            } else {
+                format!("running; preempted {} time(s) before, so its contract was doubled as often (up to the cap), and fair share takes it only for work ranked below it by the margin doubled as often: it cannot be preempted before protected_until_ms except for a hardware failure", w.preemptions)
+            },
         }))
         .into_response());
     }
@@ -480,6 +485,7 @@ pub(crate) async fn explain(
         "allocations_ahead": allocations_ahead,
         "ahead": ahead,
         "estimate": estimate,
+        "preemptions": w.preemptions,
     }))
     .into_response())
 }
