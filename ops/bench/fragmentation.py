@@ -2,7 +2,7 @@
 """Writes the two fragmentation scenarios of BENCHMARKS.md ("Fragmentation") as a scenario.toml
 and a native workloads.csv each, seeded, so `fairledger sim` can replay them.
 
-Usage: fragmentation.py OUT_DIR [--seed N]
+Usage: fragmentation.py OUT_DIR [--seed N] [--mean-hours H] [--policy-lines FILE|default]
 
 - OUT_DIR/three-teams: 128 nodes x 8 GPUs, a/x : a/y : b/z weighted 1:2:1, 33,000 jobs of 1, 1,
   2, 4 or 8 GPUs on one node, about 1.27x offered load, 11,000 jobs per team, exponential run
@@ -18,16 +18,16 @@ import random
 import sys
 
 
-def write(out, name, nodes, allocations, rows, margin=0.05, reservations=4):
+# What `[policy]` says beyond its name: the settings of BENCHMARKS.md's fragmentation sections
+# unless --policy-lines says otherwise ("default": none, the scheduler's defaults).
+POLICY = "margin = 0.05\nreservations = 4\ndefragment = true\n"
+
+
+def write(out, name, nodes, allocations, rows):
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "scenario.toml"), "w") as f:
-        # Whole-node work beside small jobs: a node drains for each under-served team, and
-        # post-contract small work of teams ranked above moves off a node one of them can have.
-        f.write(
-            f'[policy]\nname = "fairshare"\nmargin = {margin}\nreservations = {reservations}\n'
-            "defragment = true\n\n"
-        )
+        f.write(f'[policy]\nname = "fairshare"\n{POLICY}\n')
         f.write(f'[[nodes]]\ncount = {nodes}\ngpus = 8\nmodel = "H100"\n')
         for path, weight in allocations:
             f.write(f'\n[[allocations]]\npath = "{path}"\nweight = {weight}\n')
@@ -41,8 +41,8 @@ def write(out, name, nodes, allocations, rows, margin=0.05, reservations=4):
     print(f"{d}: {len(rows)} jobs, last submission at {last} s, offered load {offered:.3f}")
 
 
-def three_teams(out, rng):
-    jobs_per_team, mean_s, load, gpus = 11_000, 4 * 3600, 1.27, 128 * 8
+def three_teams(out, rng, mean_hours):
+    jobs_per_team, mean_s, load, gpus = 11_000, mean_hours * 3600, 1.27, 128 * 8
     shapes = [1, 1, 2, 4, 8]
     span = 3 * jobs_per_team * (sum(shapes) / len(shapes)) * mean_s / (load * gpus)
     rows = []
@@ -82,12 +82,21 @@ def fifteen_teams(out, rng):
 
 
 def main():
+    global POLICY
     args = sys.argv[1:]
     if not args or args[0].startswith("-"):
-        sys.exit("usage: fragmentation.py OUT_DIR [--seed N]")
-    seed = int(args[args.index("--seed") + 1]) if "--seed" in args else 1
-    print(f"seed {seed}")
-    three_teams(args[0], random.Random(seed))
+        sys.exit("usage: fragmentation.py OUT_DIR [--seed N] [--mean-hours H] [--policy-lines FILE|default]")
+    option = lambda name, default: args[args.index(name) + 1] if name in args else default
+    seed = int(option("--seed", 1))
+    mean_hours = float(option("--mean-hours", 4))
+    lines = option("--policy-lines", None)
+    if lines == "default":
+        POLICY = ""
+    elif lines is not None:
+        with open(lines) as f:
+            POLICY = f.read()
+    print(f"seed {seed}, three teams' mean run {mean_hours} h")
+    three_teams(args[0], random.Random(seed), mean_hours)
     fifteen_teams(args[0], random.Random(seed))
 
 
