@@ -554,17 +554,6 @@ fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
         client::clock((r.sim.horizon_s * 1000.0) as u64),
         r.sim.wall_s,
     );
-    let c = &r.churn;
-    println!(
-        "  churn: {} workloads preempted, at most {} times each (p99 {}, {} more than 3 times); {:.1} GPU-h in grace, {:.1} GPU-h redone since checkpoints ({:.1} GPU-h if every stopped run restarted from its start)",
-        c.workloads_preempted,
-        c.per_workload_max,
-        c.per_workload_p99,
-        c.workloads_more_than_3,
-        c.all.grace_gpu_hours,
-        c.all.redone_gpu_hours,
-        c.all.run_gpu_hours,
-    );
     println!(
         "  {:<24} {:>6} {:>12} {:>12} {:>9} {:>12} {:>12} {:>8}",
         "ALLOCATION",
@@ -596,6 +585,17 @@ fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
         );
     }
     println!("  (waits as [D-]HH:MM:SS)");
+    let c = &r.churn;
+    println!(
+        "  preemptions: {} workloads preempted, at most {} each (p99 {}, {} more than 3 times); {:.1} GPU-h in grace, {:.1} GPU-h redone since checkpoints ({:.1} GPU-h if every stopped run restarted from its start)",
+        c.workloads_preempted,
+        c.per_workload_max,
+        c.per_workload_p99,
+        c.workloads_more_than_3,
+        c.all.grace_gpu_hours,
+        c.all.redone_gpu_hours,
+        c.all.run_gpu_hours,
+    );
 }
 
 /// A progress bar on stderr over simulated time (a spinner without `--until`); indicatif draws

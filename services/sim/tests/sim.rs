@@ -97,7 +97,10 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
         c.all.redone_gpu_hours > 0.0 && c.all.redone_gpu_hours < c.all.run_gpu_hours,
         "{c:?}"
     );
-    assert!(c.workloads_preempted >= 1 && c.per_workload_max >= 1, "{c:?}");
+    assert!(
+        c.workloads_preempted >= 1 && c.per_workload_max >= 1,
+        "{c:?}"
+    );
     assert_eq!(c.reclaims_for_another, 0);
 
     // The files: events.jsonl folds back into the same report; report.json is what was returned.
