@@ -1,0 +1,394 @@
+//! Who may be preempted for whom, within one pass: which allocations' work a beneficiary may
+//! take (at the margin, doubled per earlier preemption of the victim and again for a reversal
+//! within the window), the searches for victims (fair share, defragmentation, a lender taking
+//! back what it lent) and what a pass remembers of them.
+
+use std::ops::Bound;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::placement::{self, Scratch};
+use super::{rank, Policy, PolicyConfig};
+use crate::cluster::{Hold, Tenant};
+use crate::event::WorkloadId;
+use crate::state::{State, Workload};
+
+/// What a pass knows about preemption: the running work that could be preempted at all (its
+/// allocations, and its nodes once a search needs them), the searches left in its budget, the
+/// searches that already failed, and the workloads already chosen as victims.
+pub(super) struct VictimSearch {
+    pub(super) nodes: Option<Vec<u32>>,
+    pub(super) allocs: Vec<Option<u32>>,
+    pub(super) left: u32,
+    pub(super) no_victims: FxHashSet<Option<u32>>,
+    pub(super) failed_shapes: FxHashSet<(Option<u32>, u32, u32)>,
+    /// Every search that failed: what it might take (see [`takes`]), the model it was held to,
+    /// GPUs per node and nodes.
+    pub(super) failed: Vec<(Takes, Option<u32>, u32, u32)>,
+    /// What each beneficiary allocation may take (see [`takes`]), with the ranking's version it
+    /// was worked out at.
+    pub(super) takes: FxHashMap<Option<u32>, (u64, Takes)>,
+    pub(super) claimed: FxHashSet<WorkloadId>,
+    /// Whether this pass has looked for a defragmentation ([`Self::defragment`]).
+    pub(super) defragmented: bool,
+}
+
+impl VictimSearch {
+    /// Which allocations' work `beneficiary` may take now (see [`takes`]), remembered while the
+    /// ranking's keys stay the same.
+    fn takes_of(
+        &mut self,
+        state: &State,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        beneficiary: Option<u32>,
+    ) -> Takes {
+        let version = rank.version();
+        match self.takes.get(&beneficiary) {
+            Some((v, bits)) if *v == version => bits.clone(),
+            _ => {
+                let mut may_take = may_take_from(state, rank, policy, cfg, beneficiary);
+                let bits = takes(state, &mut may_take);
+                self.takes.insert(beneficiary, (version, bits.clone()));
+                bits
+            }
+        }
+    }
+
+    /// No search may succeed any more in this pass.
+    pub(super) fn exhausted(&self) -> bool {
+        self.left == 0 || self.allocs.is_empty()
+    }
+
+    /// Whether to look for victims for blocked `w`; each call spends one search of the budget.
+    /// A search that already failed for `w`'s allocation (for want of any victim) or for its
+    /// very shape would fail again and is skipped, as is one for an allocation that may take
+    /// work from none of the allocations holding preemptible work. So is one that an earlier
+    /// failure covers: within a pass room only shrinks (placements take free GPUs, nodes are
+    /// withheld, victims claimed), so a search that may take from no more allocations, on no
+    /// more models, for no fewer GPUs per node and no fewer nodes than one that failed, fails
+    /// too. In a pass the queue is walked from the most under-served allocation, which may take
+    /// from the most, so later searches are often covered.
+    pub(super) fn worth_searching(
+        &mut self,
+        state: &State,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+    ) -> bool {
+        if self.left == 0 || w.allocation.is_none() || self.allocs.is_empty() {
+            return false;
+        }
+        self.left -= 1;
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        if !self.no_victims.contains(&w.allocation)
+            && !self.allocs.iter().any(|&va| mine.has(va, 0))
+        {
+            self.no_victims.insert(w.allocation);
+        }
+        let shape = (w.allocation, w.gpus_per_node, w.nodes);
+        if self.no_victims.contains(&w.allocation) || self.failed_shapes.contains(&shape) {
+            return false;
+        }
+        !self
+            .failed
+            .iter()
+            .any(|(theirs, model, gpus_per_node, nodes)| {
+                model.is_none_or(|m| w.model == Some(m))
+                    && w.gpus_per_node >= *gpus_per_node
+                    && w.nodes >= *nodes
+                    && mine.is_subset_of(theirs)
+            })
+    }
+
+    /// Victims whose preemption makes room for blocked `w`, and the nodes it would use, once
+    /// [`Self::worth_searching`] said to look.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn find(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+        now_ms: u64,
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        let shape = (w.allocation, w.gpus_per_node, w.nodes);
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
+        // A borrowed run is taken by fair share like any other, past its contract: the borrowing's
+        // term is its lender's alone (see `reclaim`).
+        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+            preemptible(&t.hold, now_ms) && mine.has(t.hold.allocation, t.hold.preemptions)
+        });
+        match found {
+            Ok((nodes, victims)) => {
+                self.claimed.extend(victims.iter().copied());
+                Some((nodes, victims))
+            }
+            Err(why) => {
+                match why {
+                    placement::NoPlan::NoVictims => self.no_victims.insert(w.allocation),
+                    placement::NoPlan::NotEnough => self.failed_shapes.insert(shape),
+                };
+                self.failed.push((mine, w.model, w.gpus_per_node, w.nodes));
+                None
+            }
+        }
+    }
+
+    /// Defragmentation for blocked single-node `w` of an under-served allocation: victims on one
+    /// node whose preemption makes room for it, when the other nodes have free GPUs for each of
+    /// them to start again at once. Victims: post-contract single-node work asking fewer GPUs
+    /// than `w`, of allocations ranked above `w`'s (by any amount), or unallocated; never
+    /// borrowed work. Capacity is not lost, only moved: stranded free GPUs are assembled into a
+    /// node. Once a pass.
+    pub(super) fn defragment(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        w: &Workload,
+        now_ms: u64,
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        let leaf = w.allocation?;
+        if self.defragmented || w.nodes != 1 || w.gpus_per_node < 2 || !rank.under_served(leaf) {
+            return None;
+        }
+        let need = u64::from(w.gpus_per_node);
+        if scratch.free_total() < need {
+            return None;
+        }
+        self.defragmented = true;
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
+        let (nodes, victims) = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
+                preemptible(&t.hold, now_ms)
+                    && t.hold.borrowed.is_none()
+                    && t.total_gpus < need
+                    && u64::from(t.gpus.count_ones()) == t.total_gpus
+                    && t.hold
+                        .allocation
+                        .is_none_or(|v| rank.outranks_by(state, leaf, v, 0.0))
+            })
+            .ok()?;
+        let node = *nodes.first()?;
+        let mut sizes: Vec<u32> = victims
+            .iter()
+            .map(|v| state.workloads[v].gpus_per_node)
+            .collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        if !scratch.could_rehome(node, &sizes) {
+            return None;
+        }
+        self.claimed.extend(victims.iter().copied());
+        Some((nodes, victims))
+    }
+
+    /// For blocked `w`, about to hold a reservation: victims that make room for it now on `due`,
+    /// the nodes of the placements it lent whose term is over (those borrowers, and the work it
+    /// may take anyway), and the nodes it would use (a gang's others with room already). Only
+    /// the lender takes lent GPUs back, and only when that lets it start: another workload's
+    /// borrowers are not its to take. Outside the budget of searches: once per holder, on the
+    /// few nodes it lent.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn reclaim(
+        &mut self,
+        state: &State,
+        scratch: &Scratch,
+        rank: &rank::Rank,
+        policy: &dyn Policy,
+        cfg: &PolicyConfig,
+        w: &Workload,
+        now_ms: u64,
+        due: &[u32],
+    ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
+        let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        let may_free = |t: &Tenant| {
+            lent_due(&t.hold, w.id, now_ms)
+                || preemptible(&t.hold, now_ms) && mine.has(t.hold.allocation, t.hold.preemptions)
+        };
+        // Most often nothing can come of it (a gang at the head, borrowers beside protected
+        // work): a look at the due nodes' tenants says so before victims are priced.
+        if !scratch.may_make_room(state, w, due, may_free) {
+            debug_assert!(
+                scratch
+                    .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
+                    .is_err(),
+                "the bound said no room where victims would make some"
+            );
+            return None;
+        }
+        let (nodes, victims) = scratch
+            .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
+            .ok()?;
+        self.claimed.extend(victims.iter().copied());
+        Some((nodes, victims))
+    }
+}
+
+/// The nodes holding work that could be preempted at all, gathered into `cache` the first time
+/// a pass needs them.
+fn preemptible_nodes<'a>(cache: &'a mut Option<Vec<u32>>, state: &State, now_ms: u64) -> &'a [u32] {
+    cache.get_or_insert_with(|| {
+        (0..state.cluster.nodes.len() as u32)
+            .filter(|&i| {
+                state.cluster.nodes[i as usize]
+                    .tenants
+                    .iter()
+                    .any(|t| preemptible(&t.hold, now_ms))
+            })
+            .collect()
+    })
+}
+
+/// The nodes of the placements `lender`'s reservation lent whose term is over and that are not
+/// leaving already.
+pub(super) fn lent_due_nodes(state: &State, lender: WorkloadId, now_ms: u64) -> Vec<u32> {
+    let mut nodes: Vec<u32> = state
+        .lent
+        .range((lender, 0, 0, WorkloadId::nil())..=(lender, now_ms, u32::MAX, WorkloadId::max()))
+        .map(|&(_, _, node, _)| node)
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
+/// The pending workloads `keep` accepts that lent GPUs whose term is over, not leaving already.
+pub(super) fn due_lenders(
+    state: &State,
+    now_ms: u64,
+    mut keep: impl FnMut(&Workload) -> bool,
+) -> FxHashSet<WorkloadId> {
+    let mut due = FxHashSet::default();
+    let mut next = state.lent.first();
+    // One look per lender: its first entry has its soonest term.
+    while let Some(&(lender, until_ms, _, _)) = next {
+        if until_ms <= now_ms
+            && state
+                .workloads
+                .get(&lender)
+                .is_some_and(|w| w.phase == crate::state::Phase::Pending && keep(w))
+        {
+            due.insert(lender);
+        }
+        let last = (lender, u64::MAX, u32::MAX, WorkloadId::max());
+        next = state
+            .lent
+            .range((Bound::Excluded(last), Bound::Unbounded))
+            .next();
+    }
+    due
+}
+
+/// On GPUs `lender`'s reservation lent, whose term is over, and not leaving already.
+fn lent_due(h: &Hold, lender: WorkloadId, now_ms: u64) -> bool {
+    h.grace_until_ms.is_none()
+        && h.borrowed
+            .is_some_and(|b| b.reserved_for == lender && b.until_ms <= now_ms)
+}
+
+/// Preemptible at all: not leaving already, and unallocated or past its contract.
+fn preemptible(h: &Hold, now_ms: u64) -> bool {
+    h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
+}
+
+/// [`may_preempt_allocation`] for one beneficiary, asked once per victim allocation (the answer
+/// is the same for all of its workloads preempted as often).
+pub(super) fn may_take_from<'a>(
+    state: &'a State,
+    rank: &'a rank::Rank,
+    policy: &'a dyn Policy,
+    cfg: &'a PolicyConfig,
+    beneficiary: Option<u32>,
+) -> impl FnMut(Option<u32>) -> usize + 'a {
+    // Indexed by allocation id plus one, 0 for unallocated work.
+    let mut memo: Vec<Option<usize>> = vec![None; state.allocations.nodes.len() + 1];
+    move |victim| {
+        *memo[victim.map_or(0, |v| v as usize + 1)].get_or_insert_with(|| {
+            may_preempt_allocation(state, rank, policy, cfg, beneficiary, victim)
+        })
+    }
+}
+
+/// The margin doubles with each time a victim was preempted, up to this many doublings less
+/// one: work preempted `LEVELS - 1` times or more is taken only by a beneficiary ranked below
+/// it by 2^(`LEVELS` - 1) times the margin.
+const LEVELS: usize = 4;
+
+/// The level at which a victim preempted `preemptions` times is weighed.
+pub(super) fn level(preemptions: u32) -> usize {
+    (preemptions as usize).min(LEVELS - 1)
+}
+
+/// What a beneficiary may take: for unallocated work (at 0) and each allocation `a` (at `a +
+/// 1`), how many levels of its work: work preempted `j` times may be taken when `j` (at most
+/// `LEVELS - 1`) is below it.
+#[derive(Clone, Debug)]
+pub(super) struct Takes(Vec<u8>);
+
+impl Takes {
+    /// Whether work of allocation `victim` preempted `preemptions` times may be taken.
+    fn has(&self, victim: Option<u32>, preemptions: u32) -> bool {
+        usize::from(self.0[victim.map_or(0, |v| v as usize + 1)]) > level(preemptions)
+    }
+
+    /// Whether everything this may take, the other may take too.
+    fn is_subset_of(&self, other: &Takes) -> bool {
+        self.0.iter().zip(&other.0).all(|(m, t)| m <= t)
+    }
+}
+
+/// What `may_take` (levels per victim allocation) allows taking.
+fn takes(state: &State, may_take: &mut impl FnMut(Option<u32>) -> usize) -> Takes {
+    let n = state.allocations.nodes.len() as u32;
+    Takes(
+        std::iter::once(None)
+            .chain((0..n).map(Some))
+            .map(|victim| may_take(victim) as u8)
+            .collect(),
+    )
+}
+
+/// For how many levels (see [`Takes`]) work of allocation `beneficiary` may take post-contract
+/// work of allocation `victim`: unallocated work always yields, at every level; otherwise the
+/// policy must preempt for fair share and the victim's side must rank above by more than the
+/// margin doubled once per time the victim was preempted, and once more when the victim's work
+/// preempted the beneficiary's within [`PolicyConfig::reversal_window_ms`]. Unallocated work
+/// takes nothing.
+fn may_preempt_allocation(
+    state: &State,
+    rank: &rank::Rank,
+    policy: &dyn Policy,
+    cfg: &PolicyConfig,
+    beneficiary: Option<u32>,
+    victim: Option<u32>,
+) -> usize {
+    match (beneficiary, victim) {
+        (None, _) => 0,
+        (Some(_), None) => LEVELS,
+        (Some(b), Some(v)) => {
+            if !policy.preempts_for_fair_share() {
+                return 0;
+            }
+            let Some(gap) = rank.gap(state, b, v).filter(|&gap| gap > cfg.margin) else {
+                return 0;
+            };
+            let reverses = state
+                .fair_share_last(v, b)
+                .is_some_and(|t| rank.now_ms() < t.saturating_add(cfg.reversal_window_ms));
+            let margin = if reverses {
+                2.0 * cfg.margin
+            } else {
+                cfg.margin
+            };
+            (0..LEVELS)
+                .take_while(|&j| gap > margin * f64::from(1u32 << j))
+                .count()
+        }
+    }
+}
