@@ -392,8 +392,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         cfg,
         now_ms,
     };
-    // The allocations a reservation or preemptions of this pass are for: a further reservation
-    // goes to an allocation not among them.
+    // The GPUs reservations and preemptions of this pass are for, by allocation: further
+    // reservations for an allocation stop at what its deficit calls for (`may_drain_for`).
     let mut served: FxHashMap<Option<u32>, u64> = FxHashMap::default();
     // The workloads not visited yet that lent GPUs whose term is over and may hold a further
     // reservation (see `VictimSearch::reclaim`): work that drains, of an under-served allocation.
