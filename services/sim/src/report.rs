@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use ledger::event::{Event, PreemptionReason};
+use ledger::event::{Event, PreemptionReason, StopReason};
 use ledger::metrics::{percentile, Counters, Metrics};
 use ledger::{Envelope, Outcome, State, WorkloadId};
 use serde::{Deserialize, Serialize};
@@ -209,9 +209,12 @@ pub struct Collector {
     idle_fitting: u64,
     idle_since_ms: u64,
     idle_fitting_gpu_ms: u128,
-    /// Per workload: GPUs, preemptions so far, and the run under way (its start and the
+    /// Per live workload: GPUs, preemptions so far, and the run under way (its start and the
     /// lender of its GPUs, if borrowed).
     runs: BTreeMap<WorkloadId, RunSeen>,
+    /// How often each ended workload that was preempted at all was (the others, none): what
+    /// a long run keeps of the workloads it no longer sees.
+    ended_preempted: Vec<u64>,
     /// Preemptions requested and not yet carried out: (reason, when).
     asked: BTreeMap<WorkloadId, (PreemptionReason, u64)>,
     /// The reason of the last stop, until the requeue says what was lost.
@@ -366,9 +369,25 @@ impl Collector {
             }
             Event::WorkloadFinished(f) => {
                 self.finished += 1;
-                self.asked.remove(&f.workload);
+                self.ended(f.workload);
             }
+            Event::WorkloadCancelled(c) => self.ended(c.workload),
             _ => {}
+        }
+        if let Event::WorkloadStopped(s) = &env.event {
+            if s.reason == StopReason::Cancelled {
+                self.ended(s.workload);
+            }
+        }
+    }
+
+    /// Forgets workload `id`, which ended, but for how often it was preempted.
+    fn ended(&mut self, id: WorkloadId) {
+        self.asked.remove(&id);
+        if let Some(run) = self.runs.remove(&id) {
+            if run.preemptions > 0 {
+                self.ended_preempted.push(run.preemptions);
+            }
         }
     }
 
@@ -439,8 +458,24 @@ impl Collector {
             for c in self.churn.values() {
                 all.add(c);
             }
-            let mut counts: Vec<u64> = self.runs.values().map(|r| r.preemptions).collect();
+            // The workloads preempted at least once, fewest first; every other one submitted was
+            // preempted none.
+            let mut counts: Vec<u64> = self
+                .runs
+                .values()
+                .map(|r| r.preemptions)
+                .filter(|&n| n > 0)
+                .chain(self.ended_preempted.iter().copied())
+                .collect();
             counts.sort_unstable();
+            let never = (self.submitted as usize).saturating_sub(counts.len());
+            let p99 = {
+                let all = never + counts.len();
+                let rank = ((0.99 * all as f64).ceil() as usize).clamp(1, all.max(1));
+                rank.checked_sub(never + 1)
+                    .and_then(|i| counts.get(i).copied())
+                    .unwrap_or(0)
+            };
             ChurnReport {
                 all: all.report(),
                 by_reason: self
@@ -448,9 +483,9 @@ impl Collector {
                     .iter()
                     .map(|(reason, c)| (reason.to_string(), c.report()))
                     .collect(),
-                workloads_preempted: counts.iter().filter(|&&c| c > 0).count() as u64,
+                workloads_preempted: counts.len() as u64,
                 per_workload_max: counts.last().copied().unwrap_or(0),
-                per_workload_p99: percentile(&counts, 0.99).unwrap_or(0),
+                per_workload_p99: p99,
                 workloads_more_than_3: counts.iter().filter(|&&c| c > 3).count() as u64,
                 reclaims_for_lender: self.reclaims_for_lender,
                 reclaims_for_another: self.reclaims_for_another,
