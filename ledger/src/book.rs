@@ -3,7 +3,8 @@
 //!
 //! For every allocation and every UTC hour, day, ISO week (from Monday) and month, a row holds
 //! what the allocation was entitled to, owed and delivered, what it got within what it was owed,
-//! its preemptions by reason, its running work cancelled by its owners, the contract violations
+//! its preemptions by reason and what they cost the runs they stopped ([`Costs`]), its running
+//! work cancelled by its owners, the contract violations
 //! against it, and the first and last sequence of the events about it (its workloads, and the
 //! setting or removal of the allocation itself). For the whole cluster, a row per period holds
 //! the [`Counters`] behind the cluster metrics.
@@ -26,7 +27,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::alloc::AllocId;
-use crate::event::{Envelope, Event, PreemptionReason};
+use crate::event::{Envelope, Event, PreemptionReason, StopReason};
 use crate::metrics::Counters;
 use crate::state::{Outcome, State};
 
@@ -219,6 +220,41 @@ impl Preemptions {
     }
 }
 
+/// What preemptions cost the work they stopped (a cancel by the owner costs nothing here).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Costs {
+    /// Runs a preemption stopped (a request whose run ended first stops nothing).
+    pub stopped: u64,
+    /// GPU-milliseconds from each request to its run's stop: the grace period, paid by the
+    /// victims while the beneficiary waits.
+    pub grace_gpu_ms: u64,
+    /// GPU-milliseconds of work the stopped runs redo, as their requeues recorded it: work since
+    /// the last checkpoint.
+    pub redone_gpu_ms: u64,
+    /// GPU-milliseconds the stopped runs had run since they started: what they would redo if
+    /// every run restarted from its beginning.
+    pub run_gpu_ms: u64,
+}
+
+impl Costs {
+    fn since(&self, start: &Costs) -> Costs {
+        Costs {
+            stopped: self.stopped - start.stopped,
+            grace_gpu_ms: self.grace_gpu_ms - start.grace_gpu_ms,
+            redone_gpu_ms: self.redone_gpu_ms - start.redone_gpu_ms,
+            run_gpu_ms: self.run_gpu_ms - start.run_gpu_ms,
+        }
+    }
+
+    /// Adds the costs of a following period.
+    pub fn add(&mut self, other: &Costs) {
+        self.stopped += other.stopped;
+        self.grace_gpu_ms += other.grace_gpu_ms;
+        self.redone_gpu_ms += other.redone_gpu_ms;
+        self.run_gpu_ms += other.run_gpu_ms;
+    }
+}
+
 /// What one allocation was entitled to, owed and got over a period (or, as a reading, since
 /// the ledger began). Every field adds up over consecutive periods.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -233,6 +269,8 @@ pub struct Figures {
     pub within_owed_gpu_ms: f64,
     /// Preemptions of its workloads, by reason.
     pub preemptions: Preemptions,
+    /// What the preemptions of its workloads cost them.
+    pub costs: Costs,
     /// Its running workloads stopped because their owners cancelled them.
     pub cancels: u64,
     /// Stops of its workloads before their contract ended (not hardware failures).
@@ -248,6 +286,7 @@ impl Figures {
             delivered_gpu_ms: self.delivered_gpu_ms - start.delivered_gpu_ms,
             within_owed_gpu_ms: self.within_owed_gpu_ms - start.within_owed_gpu_ms,
             preemptions: self.preemptions.since(&start.preemptions),
+            costs: self.costs.since(&start.costs),
             cancels: self.cancels - start.cancels,
             contract_violations: self.contract_violations - start.contract_violations,
         }
@@ -260,6 +299,7 @@ impl Figures {
         self.delivered_gpu_ms += other.delivered_gpu_ms;
         self.within_owed_gpu_ms += other.within_owed_gpu_ms;
         self.preemptions.add(&other.preemptions);
+        self.costs.add(&other.costs);
         self.cancels += other.cancels;
         self.contract_violations += other.contract_violations;
     }
@@ -325,6 +365,8 @@ pub struct ClusterRow {
     pub counters: Counters,
     /// Preemptions by reason.
     pub preemptions: Preemptions,
+    /// What they cost the work they stopped.
+    pub costs: Costs,
     /// Every event applied in the period.
     pub seqs: Seqs,
 }
@@ -381,6 +423,7 @@ struct Open {
     allocations: Vec<OpenAllocation>,
     cluster_start: Counters,
     cluster_preemptions_start: Preemptions,
+    cluster_costs_start: Costs,
     cluster_seqs: Seqs,
     /// In the middle of a long stretch without events: no rows until it opens again.
     #[serde(default)]
@@ -400,6 +443,8 @@ pub struct Book {
     entitlement_gpu_ms: Vec<f64>,
     preemptions: Vec<Preemptions>,
     cluster_preemptions: Preemptions,
+    costs: Vec<Costs>,
+    cluster_costs: Costs,
     /// Static shares of the live leaves, by allocation (0 elsewhere).
     shares: Vec<f64>,
     open: Vec<Open>,
@@ -422,6 +467,8 @@ impl Book {
             entitlement_gpu_ms: Vec::new(),
             preemptions: Vec::new(),
             cluster_preemptions: Preemptions::default(),
+            costs: Vec::new(),
+            cluster_costs: Costs::default(),
             shares: Vec::new(),
             open: Granularity::ALL
                 .iter()
@@ -431,6 +478,7 @@ impl Book {
                     allocations: Vec::new(),
                     cluster_start: Counters::default(),
                     cluster_preemptions_start: Preemptions::default(),
+                    cluster_costs_start: Costs::default(),
                     cluster_seqs: Seqs::default(),
                     skipping: false,
                 })
@@ -446,6 +494,7 @@ impl Book {
             self.advance(state, env.occurred_at_ms);
         }
         let touched_before = self.touched(state, &env.event);
+        let cost = preemption_cost(state, &env.event, env.occurred_at_ms);
         let outcome = state.apply(seq, env);
         if outcome != Outcome::Applied {
             return outcome;
@@ -470,6 +519,12 @@ impl Book {
             }
             self.cluster_preemptions.count(e.reason);
         }
+        if let Some(cost) = cost {
+            if let Some(a) = touched {
+                self.costs[a as usize].add(&cost);
+            }
+            self.cluster_costs.add(&cost);
+        }
         for open in &mut self.open {
             if let Some(a) = touched {
                 open.allocations[a as usize].seqs.note(seq);
@@ -493,6 +548,11 @@ impl Book {
         &self.cluster_preemptions
     }
 
+    /// What the cluster's preemptions cost since the ledger began.
+    pub fn costs(&self) -> &Costs {
+        &self.cluster_costs
+    }
+
     /// Makes room for allocations the last event created.
     fn grow(&mut self, state: &State) {
         let n = state.allocations.nodes.len();
@@ -501,6 +561,7 @@ impl Book {
         }
         self.entitlement_gpu_ms.resize(n, 0.0);
         self.preemptions.resize(n, Preemptions::default());
+        self.costs.resize(n, Costs::default());
         for open in &mut self.open {
             open.allocations.resize(
                 n,
@@ -602,6 +663,7 @@ impl Book {
             delivered_gpu_ms: n.delivered_gpu_ms,
             within_owed_gpu_ms: n.within_share_gpu_ms,
             preemptions: self.preemptions[a as usize],
+            costs: self.costs[a as usize],
             cancels: n.cancels,
             contract_violations: n.contract_violations,
         }
@@ -657,11 +719,13 @@ impl Book {
                 preemptions: self
                     .cluster_preemptions
                     .since(&open.cluster_preemptions_start),
+                costs: self.cluster_costs.since(&open.cluster_costs_start),
                 seqs: open.cluster_seqs,
             }));
         }
         open.cluster_start = state.counters.clone();
         open.cluster_preemptions_start = self.cluster_preemptions;
+        open.cluster_costs_start = self.cluster_costs;
         open.cluster_seqs = Seqs::default();
         open.from_ms = at;
     }
@@ -735,6 +799,7 @@ impl Book {
         let mut cluster_start = open.cluster_start.clone();
         let mut cluster_seqs = open.cluster_seqs;
         let mut preemptions_start = open.cluster_preemptions_start;
+        let mut costs_start = open.cluster_costs_start;
         let mut from = open.from_ms;
         // Skip the periods before `from_ms`: none of them is the open one, so nothing happened
         // in them and their readings follow from the rates.
@@ -749,6 +814,7 @@ impl Book {
             cluster_start = counters_at(from);
             cluster_seqs = Seqs::default();
             preemptions_start = self.cluster_preemptions;
+            costs_start = self.cluster_costs;
         }
         if until_ms <= from {
             return rows;
@@ -785,17 +851,45 @@ impl Book {
                 to_ms: end,
                 counters: counters.since(&cluster_start),
                 preemptions: self.cluster_preemptions.since(&preemptions_start),
+                costs: self.cluster_costs.since(&costs_start),
                 seqs: cluster_seqs,
             }));
             cluster_start = counters;
             cluster_seqs = Seqs::default();
             preemptions_start = self.cluster_preemptions;
+            costs_start = self.cluster_costs;
             if end == until_ms {
                 break;
             }
             from = end;
         }
         rows
+    }
+}
+
+/// What `event` costs a preempted run, as `state` stands before it, at `at_ms`: a stop of
+/// running work other than by its owner, or a requeue that loses work.
+fn preemption_cost(state: &State, event: &Event, at_ms: u64) -> Option<Costs> {
+    match event {
+        Event::WorkloadStopped(e) if e.reason != StopReason::Cancelled => {
+            let w = state.workloads.get(&e.workload)?;
+            let at_ms = at_ms.max(state.now_ms);
+            let asked_ms = w.preempting.map_or(at_ms, |p| p.requested_at_ms);
+            Some(Costs {
+                stopped: 1,
+                grace_gpu_ms: w.gpus() * at_ms.saturating_sub(asked_ms),
+                redone_gpu_ms: 0,
+                run_gpu_ms: w.gpus() * at_ms.saturating_sub(w.started_at_ms),
+            })
+        }
+        Event::WorkloadRequeued(e) => {
+            let w = state.workloads.get(&e.workload)?;
+            Some(Costs {
+                redone_gpu_ms: w.gpus() * e.work_lost_s.saturating_mul(1000),
+                ..Costs::default()
+            })
+        }
+        _ => None,
     }
 }
 

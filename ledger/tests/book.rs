@@ -1,7 +1,7 @@
 //! The book keeps entitlement, owed and delivered per allocation and calendar period as the
 //! events fold; the figures here are worked out by hand.
 
-use ledger::book::{AllocationRow, Book, Granularity, Row};
+use ledger::book::{AllocationRow, Book, Costs, Granularity, Row};
 use ledger::event::*;
 use ledger::{Envelope, Outcome, State, StateConfig};
 use uuid::Uuid;
@@ -274,6 +274,7 @@ fn a_cancel_by_the_owner_is_not_a_preemption_and_incarnations_are_told_apart() {
     assert_eq!((old.incarnation, new.incarnation), (3, 12));
     assert_eq!(old.figures.cancels, 1);
     assert_eq!(old.figures.preemptions.total(), 0);
+    assert_eq!(old.figures.costs, Costs::default());
     assert_eq!(old.figures.contract_violations, 0);
     // The old incarnation held b's share until its removal at 3:15; the new one after.
     assert_eq!(hours(old.figures.entitlement_gpu_ms), 1.0);
@@ -290,6 +291,61 @@ fn a_cancel_by_the_owner_is_not_a_preemption_and_incarnations_are_told_apart() {
     let hour4: Vec<&AllocationRow> = later.iter().filter(|r| r.from_ms == 4 * H).collect();
     assert_eq!(hour4.len(), 1);
     assert_eq!(hour4[0].incarnation, 12);
+}
+
+#[test]
+fn a_preemption_costs_its_victim_the_grace_and_the_work_since_its_checkpoint() {
+    // b's 4-GPU run started at 2:00 is asked to stop at 3:00 with 2 minutes of grace, stops at
+    // 3:02 and goes back to the queue having lost the 2 minutes since its 3:00 checkpoint.
+    let wb = Uuid::from_u128(2);
+    let mut events = ledger();
+    events.pop();
+    events.push(at(
+        3 * H,
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: wb,
+            reason: PreemptionReason::FairShare,
+            beneficiary: None,
+            grace_s: 120,
+        }),
+    ));
+    let stop = 3 * H + 120_000;
+    events.push(at(
+        stop,
+        Event::WorkloadStopped(WorkloadStopped {
+            workload: wb,
+            reason: StopReason::Preempted,
+        }),
+    ));
+    events.push(at(
+        stop,
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload: wb,
+            work_lost_s: 120,
+        }),
+    ));
+    let rows = fold_rows(&events, Granularity::Hour, 4 * H, Some("b"));
+    let hour3 = rows.iter().find(|r| r.from_ms == 3 * H).unwrap();
+    assert_eq!(hour3.figures.preemptions.fair_share, 1);
+    assert_eq!(
+        hour3.figures.costs,
+        Costs {
+            stopped: 1,
+            grace_gpu_ms: 4 * 120_000,
+            redone_gpu_ms: 4 * 120_000,
+            run_gpu_ms: 4 * (H + 120_000),
+        }
+    );
+    // The day's row is the sum of its hours, and nothing else paid.
+    let day = fold_rows(&events, Granularity::Day, 4 * H, None);
+    assert_eq!(
+        day.iter().find(|r| r.path == "b").unwrap().figures.costs,
+        hour3.figures.costs
+    );
+    assert_eq!(
+        day.iter().find(|r| r.path == "a").unwrap().figures.costs,
+        Costs::default()
+    );
 }
 
 #[test]

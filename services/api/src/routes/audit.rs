@@ -120,6 +120,7 @@ pub(crate) struct AllocationOut<'a> {
     delivered_within_owed_gpu_hours: f64,
     preemptions: u64,
     preemptions_by_reason: &'a ledger::book::Preemptions,
+    preemption_costs: CostsOut,
     cancels: u64,
     contract_violations: u64,
     first_seq: Option<u64>,
@@ -142,10 +143,36 @@ impl<'a> From<&'a AllocationRow> for AllocationOut<'a> {
             delivered_within_owed_gpu_hours: f.within_owed_gpu_ms / HOUR_MS,
             preemptions: f.preemptions.total(),
             preemptions_by_reason: &f.preemptions,
+            preemption_costs: CostsOut::from(&f.costs),
             cancels: f.cancels,
             contract_violations: f.contract_violations,
             first_seq: r.seqs.first,
             last_seq: r.seqs.last,
+        }
+    }
+}
+
+/// What preemptions cost the work they stopped, in GPU-hours.
+#[derive(serde::Serialize)]
+pub(crate) struct CostsOut {
+    /// Runs stopped.
+    stopped: u64,
+    /// From each request to its run's stop.
+    grace_gpu_hours: f64,
+    /// Work since the stopped runs' last checkpoints, done again.
+    redone_gpu_hours: f64,
+    /// What the stopped runs had run since they started: redone if each restarted from its
+    /// start.
+    stopped_run_gpu_hours: f64,
+}
+
+impl From<&ledger::book::Costs> for CostsOut {
+    fn from(c: &ledger::book::Costs) -> Self {
+        CostsOut {
+            stopped: c.stopped,
+            grace_gpu_hours: c.grace_gpu_ms as f64 / HOUR_MS,
+            redone_gpu_hours: c.redone_gpu_ms as f64 / HOUR_MS,
+            stopped_run_gpu_hours: c.run_gpu_ms as f64 / HOUR_MS,
         }
     }
 }
@@ -155,13 +182,13 @@ pub(crate) fn allocation_json(r: &AllocationRow) -> Value {
     serde_json::to_value(AllocationOut::from(r)).expect("rows serialize")
 }
 
-const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,cancels,contract_violations,first_seq,last_seq\n";
+const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,preempted_runs_stopped,grace_gpu_hours,redone_gpu_hours,stopped_run_gpu_hours,cancels,contract_violations,first_seq,last_seq\n";
 
 fn csv_line(r: &AllocationRow) -> String {
     let f = &r.figures;
     let seq = |s: Option<u64>| s.map(|s| s.to_string()).unwrap_or_default();
     format!(
-        "{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+        "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
         r.path,
         r.incarnation,
         format_instant(r.from_ms),
@@ -171,6 +198,10 @@ fn csv_line(r: &AllocationRow) -> String {
         f.delivered_gpu_ms as f64 / HOUR_MS,
         f.within_owed_gpu_ms / HOUR_MS,
         f.preemptions.total(),
+        f.costs.stopped,
+        f.costs.grace_gpu_ms as f64 / HOUR_MS,
+        f.costs.redone_gpu_ms as f64 / HOUR_MS,
+        f.costs.run_gpu_ms as f64 / HOUR_MS,
         f.cancels,
         f.contract_violations,
         seq(r.seqs.first),
@@ -312,7 +343,7 @@ pub(crate) struct PeriodQuery {
 
 #[utoipa::path(get, path = "/v1/metrics/cluster", tag = "audit", params(PeriodQuery),
     responses(
-        (status = 200, description = "availability, occupancy, impact, utilization, stranded GPU-hours, median largest startable gang, preemptions by reason, cancels, contract violations", body = serde_json::Value),
+        (status = 200, description = "availability, occupancy, impact, utilization, stranded GPU-hours, median largest startable gang, preemptions by reason and what they cost, cancels, contract violations", body = serde_json::Value),
         (status = 422, description = "a parameter is invalid", body = problem::Problem, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn cluster_metrics(
@@ -332,15 +363,18 @@ pub(crate) async fn cluster_metrics(
     let (rows, last_seq) = tiled_rows(&app, from, to).await?;
     let mut counters = ledger::metrics::Counters::default();
     let mut preemptions = ledger::book::Preemptions::default();
+    let mut costs = ledger::book::Costs::default();
     for r in &rows {
         if let Row::Cluster(ClusterRow {
             counters: c,
             preemptions: p,
+            costs: k,
             ..
         }) = r
         {
             counters.add(c);
             preemptions.add(p);
+            costs.add(k);
         }
     }
     let m = ledger::metrics::Metrics::between(&ledger::metrics::Counters::default(), &counters);
@@ -362,6 +396,7 @@ pub(crate) async fn cluster_metrics(
             "reclaimed": preemptions.reclaimed,
             "defragment": preemptions.defragment,
         },
+        "preemption_costs": CostsOut::from(&costs),
         "cancels": m.cancels,
         "contract_violations": m.contract_violations,
     }))

@@ -940,6 +940,13 @@ async fn the_audit_answers_in_json_and_csv() {
         .map(|r| r["delivered_gpu_hours"].as_f64().unwrap())
         .sum();
     assert!(b_delivered > 0.0, "{audit}");
+    // Nothing was preempted: no run stopped, nothing in grace, nothing redone.
+    for r in rows {
+        let c = &r["preemption_costs"];
+        assert_eq!(c["stopped"], 0, "{audit}");
+        assert_eq!(c["grace_gpu_hours"], 0.0, "{audit}");
+        assert_eq!(c["redone_gpu_hours"], 0.0, "{audit}");
+    }
     let req = Request::get(uri.as_str())
         .header("accept", "text/csv")
         .header("authorization", format!("Bearer {}", f.admin))
@@ -952,6 +959,13 @@ async fn the_audit_answers_in_json_and_csv() {
     let lines: Vec<&str> = text.lines().collect();
     assert!(
         lines[0].starts_with("allocation,incarnation,from,to,entitlement_gpu_hours"),
+        "{text}"
+    );
+    assert!(lines[0].contains(",preemptions,preempted_runs_stopped,grace_gpu_hours,redone_gpu_hours,stopped_run_gpu_hours,"), "{text}");
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.split(',').count() == lines[0].split(',').count()),
         "{text}"
     );
     // One workload's history, and the cluster's figures over the last minute.
