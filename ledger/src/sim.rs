@@ -64,6 +64,36 @@ pub enum FaultKind {
     Silent,
 }
 
+/// What a preempted run loses, for the simulator to record in its requeue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkModel {
+    /// Work since its last checkpoint (`checkpoint_s`); a workload that declares no interval
+    /// resumes where it stopped, as the node agent reports it.
+    #[default]
+    Checkpoint,
+    /// As `Checkpoint`, but a workload that declares no interval starts again from its
+    /// beginning: every preemption costs it all it had run.
+    Restart,
+}
+
+impl WorkModel {
+    /// Its name: `checkpoint` or `restart`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkModel::Checkpoint => "checkpoint",
+            WorkModel::Restart => "restart",
+        }
+    }
+
+    /// The model named `name`.
+    pub fn parse(name: &str) -> Option<WorkModel> {
+        [WorkModel::Checkpoint, WorkModel::Restart]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+}
+
 /// A pass that keeps answering at one instant is cut off after this many: a policy that always
 /// finds more to do at the same instant would otherwise hold the clock still for ever. (Each
 /// pass folds what the previous one appended, so a settled instant takes two or three.)
@@ -111,6 +141,7 @@ pub struct Engine {
     /// Nodes whose agent is silent: how many silences are under way, and the runs that ended
     /// meanwhile unreported.
     silent: BTreeMap<String, (u32, Vec<(WorkloadId, u32)>)>,
+    work_model: WorkModel,
 }
 
 impl Engine {
@@ -131,6 +162,7 @@ impl Engine {
             heartbeat_timeout_ms: crate::health::DEFAULT_TIMEOUT_MS,
             ecc: BTreeMap::new(),
             silent: BTreeMap::new(),
+            work_model: WorkModel::default(),
         }
     }
 
@@ -232,6 +264,11 @@ impl Engine {
         true
     }
 
+    /// Sets what a preempted run loses (checkpoint by default).
+    pub fn set_work_model(&mut self, model: WorkModel) {
+        self.work_model = model;
+    }
+
     /// Sets the silence after which a node's GPUs go unhealthy (the live server's
     /// `--heartbeat-timeout-s`).
     pub fn set_heartbeat_timeout(&mut self, timeout_ms: u64) {
@@ -251,9 +288,16 @@ impl Engine {
     pub fn write(
         &mut self,
         t_ms: u64,
-        event: Event,
+        mut event: Event,
         observe: &mut impl FnMut(&State, u64, &Envelope, &Outcome),
     ) -> Outcome {
+        if let (WorkModel::Restart, Event::WorkloadRequeued(r)) = (self.work_model, &mut event) {
+            if let Some(w) = self.state.workloads.get(&r.workload) {
+                if w.checkpoint_ms.is_none_or(|c| c == 0) {
+                    r.work_lost_s = w.work_done_ms.div_ceil(1000);
+                }
+            }
+        }
         let env = Envelope::new(self.next_id(t_ms), t_ms, "sim", event);
         self.seq += 1;
         let outcome = self.state.apply(self.seq, &env);

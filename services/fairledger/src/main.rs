@@ -279,6 +279,11 @@ struct SimArgs {
     /// Seed for random faults.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// What a preempted run loses: checkpoint (work since its last checkpoint; a workload
+    /// that declares no interval resumes where it stopped) or restart (one that declares no
+    /// interval starts again from its beginning).
+    #[arg(long, default_value = "checkpoint", value_parser = work_model)]
+    work_model: sim::WorkModel,
     /// Stop at this simulated second and report on [0, until]; otherwise run until all finish.
     #[arg(long)]
     until: Option<u64>,
@@ -293,6 +298,11 @@ struct SimArgs {
     /// or teams:N.
     #[arg(long)]
     allocation_column: Option<String>,
+}
+
+/// `--work-model`: checkpoint or restart.
+fn work_model(name: &str) -> Result<sim::WorkModel, String> {
+    sim::WorkModel::parse(name).ok_or_else(|| format!("{name:?}: use checkpoint or restart"))
 }
 
 fn main() -> ExitCode {
@@ -468,8 +478,15 @@ fn run(cli: Cli) -> Result<(), String> {
             ..
         } => {
             // Any ledger: the default fold settings, and no policy to name.
-            let result = sim::replay(&events, StateConfig::default(), "-", at_ms, 0)
-                .map_err(|e| e.to_string())?;
+            let result = sim::replay(
+                &events,
+                StateConfig::default(),
+                "-",
+                at_ms,
+                0,
+                sim::WorkModel::default(),
+            )
+            .map_err(|e| e.to_string())?;
             for (rule, n) in &result.rejections {
                 eprintln!("{n} events rejected by the ledger: {rule}");
             }
@@ -510,6 +527,7 @@ fn simulate(args: SimArgs) -> Result<(), String> {
             workloads: args.workloads.clone(),
             trace: trace.clone(),
             seed: args.seed,
+            work_model: args.work_model,
             until_s: args.until,
             out: out.clone(),
         };
@@ -587,13 +605,14 @@ fn print_report(r: &sim::report::Report, title: &str, as_json: bool) {
     println!("  (waits as [D-]HH:MM:SS)");
     let c = &r.churn;
     println!(
-        "  preemptions: {} workloads preempted, at most {} each (p99 {}, {} more than 3 times); {:.1} GPU-h in grace, {:.1} GPU-h redone since checkpoints ({:.1} GPU-h if every stopped run restarted from its start)",
+        "  preemptions: {} workloads preempted, at most {} each (p99 {}, {} more than 3 times); {:.1} GPU-h in grace, {:.1} GPU-h redone ({} model; {:.1} GPU-h if every stopped run restarted from its start)",
         c.workloads_preempted,
         c.per_workload_max,
         c.per_workload_p99,
         c.workloads_more_than_3,
         c.all.grace_gpu_hours,
         c.all.redone_gpu_hours,
+        r.sim.work_model.name(),
         c.all.run_gpu_hours,
     );
 }

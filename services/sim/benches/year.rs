@@ -41,6 +41,7 @@ fn run(
             allocation_column: None,
         },
         seed: 1,
+        work_model: sim::WorkModel::default(),
         until_s,
         out: out.clone(),
     };

@@ -638,7 +638,8 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
 <h1>Simulation: policy {policy}</h1>\
 <p>{h:.1} simulated hours; {sub} workloads submitted, {st} started, {fin} finished; {pre} preemptions, {cv} contract violations.</p>\
 <p><b>Delivered within owed / owed: {fair:.3}</b> &middot; availability {av:.3} &middot; occupancy {oc:.3} &middot; impact {im:.3} &middot; stranded {str:.1} GPU-h &middot; largest startable gang (median) {gang} GPUs</p>\
-<h2>What preemptions cost</h2><table><tr><th>reason</th><th>requests</th><th>runs stopped</th><th>GPU-h in grace</th><th>GPU-h redone since checkpoints</th><th>GPU-h if restarted from the start</th></tr>{churn}</table>\
+<h2>What preemptions cost</h2><table><tr><th>reason</th><th>requests</th><th>runs stopped</th><th>GPU-h in grace</th><th>GPU-h redone</th><th>GPU-h if restarted from the start</th></tr>{churn}</table>\
+<p class=note>Work model <b>{model}</b>: {model_says}</p>\
 <p class=note>{preempted} workloads preempted; at most {most} times each (p99 {p99}); {over3} more than 3 times. Reclaims for the lender: {lender}, for another workload: {another}.</p>\
 <h2>Every GPU over time, by allocation</h2>{legend}{timeline}\
 <p class=note>{gpr} GPU(s) per row, {bin:.2} h per column; each cell shows the allocation that held most of it, idle when under half used.</p>\
@@ -669,6 +670,11 @@ pub fn write_report(out_dir: &Path, mut t: Timeline, report: &Report) -> Result<
                 escape(reason), c.requests, c.stopped, c.grace_gpu_hours, c.redone_gpu_hours, c.run_gpu_hours
             ))
             .collect::<String>(),
+        model = r.sim.work_model.name(),
+        model_says = match r.sim.work_model {
+            ledger::sim::WorkModel::Checkpoint => "a stopped run redoes its work since its last checkpoint; one that declares no checkpoint interval resumes where it stopped (run with --work-model restart to have those restart from their start).",
+            ledger::sim::WorkModel::Restart => "a stopped run redoes its work since its last checkpoint; one that declares no checkpoint interval restarts from its start (--work-model checkpoint has those resume where they stopped).",
+        },
         preempted = r.churn.workloads_preempted,
         most = r.churn.per_workload_max,
         p99 = r.churn.per_workload_p99,

@@ -16,6 +16,7 @@ pub mod report;
 pub mod scenario;
 pub mod trace;
 
+pub use ledger::sim::WorkModel;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -59,6 +60,8 @@ pub struct RunSpec {
     pub trace: TraceOptions,
     /// Seed for random faults.
     pub seed: u64,
+    /// What a preempted run loses.
+    pub work_model: WorkModel,
     /// Stop at this simulated time; otherwise run until every workload has finished.
     pub until_s: Option<u64>,
     /// Output directory.
@@ -92,6 +95,7 @@ pub fn bundled_alibaba(out: &Path, policy: Option<&str>) -> Result<RunSpec, SimE
             allocation_column: None,
         },
         seed: 1,
+        work_model: WorkModel::default(),
         until_s: None,
         out: out.to_owned(),
     })
@@ -169,6 +173,7 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         spec.scenario.policy.clone(),
     );
     engine.set_heartbeat_timeout(spec.scenario.heartbeat_timeout_ms);
+    engine.set_work_model(spec.work_model);
     let mut collector = Collector::default();
     let mut timeline = html::Timeline::new(&spec.scenario, spec.until_s.map(|u| u * 1000));
     let mut io_error: Option<std::io::Error> = None;
@@ -200,12 +205,13 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
         .flush()
         .map_err(|e| SimError::Io(events_path.clone(), e))?;
     let rejections = collector.rejections().clone();
-    let report = collector.finish(
+    let mut report = collector.finish(
         &engine.state,
         spec.scenario.policy.policy,
         spec.seed,
         started.elapsed().as_secs_f64(),
     );
+    report.sim.work_model = spec.work_model;
     write_json(&spec.out.join("report.json"), &report)?;
     html::write_report(&spec.out, timeline, &report)?;
     Ok(RunResult {
@@ -217,13 +223,15 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
 
 /// Folds a ledger written as JSON lines (a run's `events.jsonl`, or any other) into a fresh state
 /// and builds its report from the events alone, read at `until_ms` if given. Blank lines are
-/// skipped; a line that is not an event stops the replay naming the line.
+/// skipped; a line that is not an event stops the replay naming the line. `seed` and
+/// `work_model` are what the report says produced the ledger (the events record their effects).
 pub fn replay(
     events: &Path,
     state_config: ledger::StateConfig,
     policy: &str,
     until_ms: Option<u64>,
     seed: u64,
+    work_model: WorkModel,
 ) -> Result<RunResult, SimError> {
     use std::io::BufRead;
     let file = File::open(events).map_err(|e| SimError::Io(events.to_path_buf(), e))?;
@@ -248,8 +256,10 @@ pub fn replay(
         state.advance_to(t);
     }
     let rejections = collector.rejections().clone();
+    let mut report = collector.finish(&state, policy, seed, 0.0);
+    report.sim.work_model = work_model;
     Ok(RunResult {
-        report: collector.finish(&state, policy, seed, 0.0),
+        report,
         bad_rows: 0,
         rejections,
     })

@@ -48,8 +48,8 @@ pub struct Churn {
     /// GPU-hours from each request to its run's stop: the grace period, paid by the victims
     /// while the beneficiary waits.
     pub grace_gpu_hours: f64,
-    /// GPU-hours of work the stopped runs redo, as the ledger recorded it at their requeues:
-    /// work since the last checkpoint (see `SimInfo::work_model`).
+    /// GPU-hours of work the stopped runs redo, as the ledger recorded it at their requeues
+    /// (see [`SimInfo::work_model`]).
     pub redone_gpu_hours: f64,
     /// GPU-hours the stopped runs had run since they started: what they would redo if every
     /// run restarted from its beginning (a workload that declares no checkpoint interval).
@@ -163,6 +163,10 @@ pub struct SimInfo {
     pub horizon_s: f64,
     /// The seed.
     pub seed: u64,
+    /// What a preempted run lost (`checkpoint`: work since its last checkpoint, resuming where
+    /// it stopped when it declares none; `restart`: from its start when it declares none).
+    #[serde(default)]
+    pub work_model: ledger::sim::WorkModel,
 }
 
 /// The whole report.
@@ -531,6 +535,7 @@ impl Collector {
                 simulated_s: self.last_event_ms as f64 / 1000.0,
                 horizon_s: state.now_ms() as f64 / 1000.0,
                 seed,
+                work_model: ledger::sim::WorkModel::default(),
             },
         }
     }

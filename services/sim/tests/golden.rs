@@ -136,6 +136,7 @@ fn run_golden(dir: &Path) -> Vec<String> {
             allocation_column: None,
         },
         seed: 0,
+        work_model: sim::WorkModel::default(),
         until_s: expect.until_s,
         out: out.path().to_path_buf(),
     };

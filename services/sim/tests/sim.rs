@@ -29,6 +29,7 @@ fn spec(
             allocation_column: None,
         },
         seed: 7,
+        work_model: sim::WorkModel::default(),
         until_s,
         out: out.to_path_buf(),
     }
@@ -38,6 +39,60 @@ fn spec(
 fn timeless(mut r: Report) -> Report {
     r.sim.wall_s = 0.0;
     r
+}
+
+#[test]
+fn the_work_model_decides_whether_a_run_without_checkpoints_resumes_or_restarts() {
+    // The two teams' trace with no checkpoint interval anywhere.
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("no-checkpoints.csv");
+    let text = std::fs::read_to_string(data("two-teams.csv")).unwrap();
+    let rows: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let mut cells: Vec<&str> = l.split(',').collect();
+            if cells[0] != "id" {
+                cells[7] = "";
+            }
+            cells.join(",")
+        })
+        .collect();
+    std::fs::write(&trace, rows.join("\n") + "\n").unwrap();
+    let run = |model: sim::WorkModel| {
+        let out = dir.path().join(model.name());
+        let mut s = spec(&data("two-teams.toml"), &trace, Format::Native, &out, None);
+        s.work_model = model;
+        sim::run(&s, |_| {}).unwrap().report
+    };
+    let delivered = |r: &Report| {
+        r.allocations
+            .iter()
+            .map(|a| a.delivered_gpu_hours)
+            .sum::<f64>()
+    };
+    // Resuming: nothing is redone, and the teams got exactly the 576 GPU-h of their work.
+    let resumed = run(sim::WorkModel::Checkpoint);
+    assert_eq!(resumed.sim.work_model, sim::WorkModel::Checkpoint);
+    assert!(resumed.churn.all.stopped >= 1, "{:?}", resumed.churn);
+    assert_eq!(resumed.churn.all.redone_gpu_hours, 0.0);
+    assert!(
+        (delivered(&resumed) - 576.0).abs() < 1e-6,
+        "{}",
+        delivered(&resumed)
+    );
+    // Restarting: every stopped run is redone whole, and the cluster delivered that much more.
+    let restarted = run(sim::WorkModel::Restart);
+    assert_eq!(restarted.sim.work_model, sim::WorkModel::Restart);
+    let c = &restarted.churn.all;
+    assert!(c.stopped >= 1 && c.redone_gpu_hours > 0.0, "{c:?}");
+    assert!((c.redone_gpu_hours - c.run_gpu_hours).abs() < 0.01, "{c:?}");
+    assert!(
+        (delivered(&restarted) - 576.0 - c.redone_gpu_hours).abs() < 0.01,
+        "{} {c:?}",
+        delivered(&restarted)
+    );
+    assert_eq!(restarted.workloads.finished, 25);
+    assert_eq!(restarted.workloads.contract_violations, 0);
 }
 
 #[test]
@@ -102,6 +157,29 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
         "{c:?}"
     );
     assert_eq!(c.reclaims_for_another, 0);
+    // The audit's book, folding the written ledger, finds the same costs.
+    let mut state = ledger::State::new(s.scenario.state_config);
+    let mut book = ledger::book::Book::new();
+    let events = std::fs::read_to_string(dir.path().join("events.jsonl")).unwrap();
+    for (i, line) in events.lines().enumerate() {
+        let env: ledger::Envelope = serde_json::from_str(line).unwrap();
+        book.apply(&mut state, i as u64 + 1, &env);
+    }
+    let kept = book.costs();
+    let h = |ms: u64| ms as f64 / 3_600_000.0;
+    assert_eq!(kept.stopped, c.all.stopped);
+    assert!(
+        (h(kept.grace_gpu_ms) - c.all.grace_gpu_hours).abs() < 1e-6,
+        "{kept:?}"
+    );
+    assert!(
+        (h(kept.redone_gpu_ms) - c.all.redone_gpu_hours).abs() < 1e-6,
+        "{kept:?}"
+    );
+    assert!(
+        (h(kept.run_gpu_ms) - c.all.run_gpu_hours).abs() < 1e-6,
+        "{kept:?}"
+    );
 
     // The files: events.jsonl folds back into the same report; report.json is what was returned.
     let replayed = sim::replay(
@@ -110,6 +188,7 @@ fn two_teams_run_drains_and_writes_a_replayable_ledger() {
         s.scenario.policy.policy,
         None,
         s.seed,
+        s.work_model,
     )
     .unwrap()
     .report;
@@ -407,6 +486,7 @@ fn the_bundled_alibaba_trace_runs_with_its_invariants() {
         s.scenario.policy.policy,
         Some(until_s * 1000),
         s.seed,
+        s.work_model,
     )
     .unwrap()
     .report;
