@@ -162,6 +162,9 @@ pub struct Workload {
     pub min_runtime_ms: Option<u64>,
     /// Expected total run time.
     pub duration_estimate_ms: Option<u64>,
+    /// It had an estimate and outlasted it: the estimate is relied on no more (a placeholder
+    /// without a command has then done what it asked for).
+    pub estimate_outlasted: bool,
     /// Checkpoint interval.
     pub checkpoint_ms: Option<u64>,
     /// Submission time.
@@ -197,6 +200,16 @@ impl Workload {
     /// GPUs it needs (and holds while running).
     pub fn gpus(&self) -> u64 {
         u64::from(self.gpus_per_node) * u64::from(self.nodes)
+    }
+
+    /// How long a run without a command holds its GPUs from its start, as a placeholder would:
+    /// what is left of the estimate; nothing once a run outlasted it (it has done what it asked
+    /// for); `None`, for ever, without an estimate.
+    pub fn placeholder_ms(&self) -> Option<u64> {
+        match self.remaining_estimate_ms(self.started_at_ms) {
+            None if self.estimate_outlasted => Some(0),
+            left => left,
+        }
     }
 
     /// Work still to do if the estimate is right, as of `now_ms`.
@@ -1074,6 +1087,7 @@ impl State {
             priority: e.priority,
             min_runtime_ms: e.min_runtime_s.map(|s| s * 1000),
             duration_estimate_ms: e.duration_estimate_s.map(|s| s.saturating_mul(1000)),
+            estimate_outlasted: false,
             checkpoint_ms: e.checkpoint_s.map(|s| s.saturating_mul(1000)),
             submitted_at_ms: self.now_ms,
             submit_seq: seq,
@@ -1628,6 +1642,7 @@ impl State {
             // (From schema version 2: a replay of an older log keeps the estimates it had.)
             if version >= 2 && w.duration_estimate_ms.is_some_and(|d| w.work_done_ms >= d) {
                 w.duration_estimate_ms = None;
+                w.estimate_outlasted = true;
             }
             let gpus = w.gpus() as i64;
             if let Some(a) = alloc {

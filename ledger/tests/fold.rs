@@ -542,6 +542,46 @@ fn a_run_that_outlasts_its_estimate_is_no_longer_trusted_to_end_in_time() {
 }
 
 #[test]
+fn a_placeholder_holds_what_is_left_of_its_estimate_and_ends_once_it_outlasted_it() {
+    // Three runs without a command on 2 GPUs each: estimated at 100 s and stopped after 50 s;
+    // estimated at 100 s and stopped after 150 s (its grace ran past the estimate); no estimate.
+    let mut l = two_teams();
+    for (id, estimate) in [(1, Some(100)), (2, Some(100)), (3, None)] {
+        let mut s = submission(wid(id), Some("a"), 2, 1);
+        s.duration_estimate_s = estimate;
+        l.ok(0, Event::WorkloadSubmitted(s));
+    }
+    let gpus: [&[u32]; 3] = [&[0, 1], &[2, 3], &[4, 5]];
+    for (id, g) in (1..=3).zip(gpus) {
+        assert_eq!(l.start(0, wid(id), &[("n1", g)], 0), Outcome::Applied);
+    }
+    for (id, ran_s) in [(1, 50), (2, 150), (3, 150)] {
+        l.stop(ran_s * 1000, wid(id), StopReason::Preempted);
+        l.ok(
+            ran_s * 1000,
+            Event::WorkloadRequeued(WorkloadRequeued {
+                workload: wid(id),
+                work_lost_s: 0,
+            }),
+        );
+    }
+    for (id, g) in (1..=3).zip(gpus) {
+        assert_eq!(
+            l.start(200 * S, wid(id), &[("n1", g)], 200 * S),
+            Outcome::Applied
+        );
+    }
+    let hold = |id| l.state.workloads()[&wid(id)].placeholder_ms();
+    assert_eq!(hold(1), Some(50 * S), "50 s of its estimate left");
+    assert_eq!(hold(2), Some(0), "it has held its GPUs for all it asked");
+    assert_eq!(
+        hold(3),
+        None,
+        "without an estimate it holds them until stopped"
+    );
+}
+
+#[test]
 fn a_cancel_cancels_what_waits_and_asks_what_runs_to_stop() {
     let mut l = two_teams();
     l.submit(0, wid(1), Some("a"), 4, 1);

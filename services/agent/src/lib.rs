@@ -919,12 +919,11 @@ impl<L: EventLog> Agent<L> {
         env.insert("FAIRLEDGER_NODE_RANK".into(), rank.to_string());
         env.insert("FAIRLEDGER_RUN_DIR".into(), dir.display().to_string());
         let command = if command.is_empty() {
-            // Nothing to run: hold the GPUs for the estimate, as a placeholder would.
-            let secs = w
-                .remaining_estimate_ms(w.started_at_ms)
-                .map_or("infinity".to_owned(), |ms| {
-                    format!("{:.3}", ms as f64 / 1000.0)
-                });
+            // Nothing to run: hold the GPUs for what is left of the estimate, as a placeholder
+            // would; for ever without one; not at all once a run outlasted it.
+            let secs = w.placeholder_ms().map_or("infinity".to_owned(), |ms| {
+                format!("{:.3}", ms as f64 / 1000.0)
+            });
             vec!["sleep".to_owned(), secs]
         } else {
             command
