@@ -183,6 +183,16 @@ fn bench_decode(c: &mut Criterion) {
             }
         })
     });
+    // What the chain of heads adds to every event a projection or an audit folds.
+    g.bench_function("chain_150k_events", |b| {
+        b.iter(|| {
+            let mut head = ledger::chain::Head::default();
+            for (i, line) in lines.iter().enumerate() {
+                head = head.next(i as u64 + 1, line);
+            }
+            black_box(head)
+        })
+    });
     g.finish();
 }
 

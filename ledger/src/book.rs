@@ -27,6 +27,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::alloc::AllocId;
+use crate::chain::Head;
 use crate::event::{Envelope, Event, PreemptionReason, StopReason};
 use crate::metrics::Counters;
 use crate::state::{Outcome, State};
@@ -350,6 +351,9 @@ pub struct AllocationRow {
     pub figures: Figures,
     /// The events about the allocation in the period.
     pub seqs: Seqs,
+    /// The log's head as the period closed (or as read, for one still open): its last event
+    /// before the end, and the chain's hash after it (see [`crate::chain`]).
+    pub head: Head,
 }
 
 /// The whole cluster over one period.
@@ -369,6 +373,8 @@ pub struct ClusterRow {
     pub costs: Costs,
     /// Every event applied in the period.
     pub seqs: Seqs,
+    /// The log's head as the period closed (or as read).
+    pub head: Head,
 }
 
 /// A row the book closed.
@@ -447,6 +453,8 @@ pub struct Book {
     cluster_costs: Costs,
     /// Static shares of the live leaves, by allocation (0 elsewhere).
     shares: Vec<f64>,
+    /// The log's head: every event chained so far, folded or not.
+    head: Head,
     open: Vec<Open>,
     /// Rows closed since the last [`Book::take_closed`].
     #[serde(skip)]
@@ -470,6 +478,7 @@ impl Book {
             costs: Vec::new(),
             cluster_costs: Costs::default(),
             shares: Vec::new(),
+            head: Head::default(),
             open: Granularity::ALL
                 .iter()
                 .map(|&granularity| Open {
@@ -546,6 +555,22 @@ impl Book {
     /// The cluster's preemptions by reason since the ledger began.
     pub fn preemptions(&self) -> &Preemptions {
         &self.cluster_preemptions
+    }
+
+    /// Chains the event at `seq` whose stored payload is `payload`, after [`Book::apply`] (or
+    /// in its stead, for an event that does not decode): every event of the log, in order.
+    pub fn link(&mut self, seq: u64, payload: &[u8]) {
+        self.head = self.head.next(seq, payload);
+    }
+
+    /// [`Book::link`] given [`crate::chain::hashed`] of the payload, worked out ahead.
+    pub fn link_hashing(&mut self, seq: u64, hashed: &[u8]) {
+        self.head = self.head.next_hashing(seq, hashed);
+    }
+
+    /// The log's head: the last event chained and the hash after it.
+    pub fn head(&self) -> Head {
+        self.head
     }
 
     /// What the cluster's preemptions cost since the ledger began.
@@ -704,6 +729,7 @@ impl Book {
                     incarnation: node.created_seq,
                     figures,
                     seqs: o.seqs,
+                    head: self.head,
                 }));
             }
             o.start = reading;
@@ -721,6 +747,7 @@ impl Book {
                     .since(&open.cluster_preemptions_start),
                 costs: self.cluster_costs.since(&open.cluster_costs_start),
                 seqs: open.cluster_seqs,
+                head: self.head,
             }));
         }
         open.cluster_start = state.counters.clone();
@@ -838,6 +865,7 @@ impl Book {
                         incarnation: n.created_seq,
                         figures,
                         seqs: *seqs,
+                        head: self.head,
                     }));
                 }
                 *start = reading;
@@ -853,6 +881,7 @@ impl Book {
                 preemptions: self.cluster_preemptions.since(&preemptions_start),
                 costs: self.cluster_costs.since(&costs_start),
                 seqs: cluster_seqs,
+                head: self.head,
             }));
             cluster_start = counters;
             cluster_seqs = Seqs::default();

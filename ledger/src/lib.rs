@@ -54,6 +54,7 @@
 
 pub mod alloc;
 pub mod book;
+pub mod chain;
 pub mod cluster;
 pub mod event;
 pub mod health;

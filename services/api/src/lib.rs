@@ -25,6 +25,7 @@
 //! | `GET /v1/audit/ledger?allocation=&from=&to=&granularity=` | entitlement, owed, delivered per allocation and UTC hour, day, ISO week or month (JSON or CSV) |
 //! | `GET /v1/audit/workloads/{id}` | every event of one workload, applied or refused |
 //! | `GET /v1/audit/verify?from=&to=&allocation=` | the kept figures compared with a refold of the log |
+//! | `GET /v1/audit/head` | the log's head: the last event folded and the chain's hash after it |
 //! | `GET /v1/metrics/cluster?from=&to=` | availability, occupancy, impact, utilization, fragmentation |
 //!
 //! Every parameter that takes a time reads a date (`2026-11-01`), an RFC 3339 date-time or
@@ -87,6 +88,7 @@ pub use routes::{health_router, router};
         routes::audit::audit_ledger,
         routes::audit::audit_workload,
         routes::audit::audit_verify,
+        routes::audit::audit_head,
         routes::audit::cluster_metrics,
         routes::events::events,
         routes::events::event_stream,

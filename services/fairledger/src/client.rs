@@ -1328,6 +1328,13 @@ pub fn audit(
     Ok(())
 }
 
+/// `fairledger audit head`: the log's head as `SEQ:HASH`.
+pub fn audit_head(args: &ClientArgs) -> Result<(), String> {
+    let v = Api::new(args)?.call("GET", "/v1/audit/head", None)?;
+    print(args, &v, |v| format!("{}:{}", v["seq"], text(&v["hash"])));
+    Ok(())
+}
+
 /// The column heading of a period's start.
 fn granularity_heading(granularity: &str) -> &'static str {
     match granularity {

@@ -240,7 +240,13 @@ enum AuditCommand {
     /// Refold the log from its first event, apart from the projection, and compare every kept
     /// figure with it; print the rows that differ. Exits 0 only when all agree. Works offline,
     /// on the log and projection a server keeps (stop the server, or copy its data directory).
-    Verify(logcmd::VerifyArgs),
+    Verify(Box<logcmd::VerifyArgs>),
+    /// The log's head as the server has folded it, `SEQ:HASH`: write it down, and
+    /// `audit verify --head SEQ:HASH` proves later that the history behind it is unchanged.
+    Head {
+        #[command(flatten)]
+        client: client::ClientArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -255,6 +261,18 @@ enum LogCommand {
         /// Events per atomic batch (1 to 1000).
         #[arg(long, default_value_t = 500)]
         batch: usize,
+    },
+    /// Write the log's events as stored, one JSON line each (stdout unless --out): a copy that
+    /// `log import` reads, and whose chain of heads is the log's.
+    Export {
+        #[command(flatten)]
+        log: logcmd::LogArgs,
+        /// Only events after this sequence.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// The file to write.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
@@ -441,6 +459,10 @@ fn run(cli: Cli) -> Result<(), String> {
             ..
         } => logcmd::verify(&args),
         Command::Audit {
+            command: Some(AuditCommand::Head { client }),
+            ..
+        } => client::audit_head(&client),
+        Command::Audit {
             command: None,
             client,
             allocation,
@@ -470,6 +492,9 @@ fn run(cli: Cli) -> Result<(), String> {
         } => logcmd::project(&log, projection.as_deref(), once, json),
         Command::Log(LogCommand::Import { events, log, batch }) => {
             logcmd::import(&log, &events, batch)
+        }
+        Command::Log(LogCommand::Export { log, after, out }) => {
+            logcmd::export(&log, after, out.as_deref())
         }
         Command::Replay {
             events: Some(events),

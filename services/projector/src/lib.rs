@@ -70,7 +70,7 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (18: what preemptions cost among the kept figures; 17: defragmentation among the kept preemptions; 16: the fold indexes borrowed placements by
+/// (18: what preemptions cost among the kept figures, and the log's head in the book and its rows; 17: defragmentation among the kept preemptions; 16: the fold indexes borrowed placements by
 /// term and nodes with work leaving; 15: no index of submissions (14 had one); 14: workload rows
 /// carry their name, run time and last nodes; 13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
 /// rows; 11: version-1 events are folded by the names rules of their day again).
@@ -470,6 +470,7 @@ pub(crate) fn refold(state: &mut State, book: &mut Book, events: &[Stored], to: 
         if let Ok(env) = decode(&e.payload) {
             book.apply(state, e.seq, &env);
         }
+        book.link(e.seq, &e.payload);
         state.skip(e.seq);
     }
 }
@@ -1144,6 +1145,7 @@ impl Projector {
                     }
                 }
             }
+            self.book.link_hashing(e.seq, &e.hashed);
             self.last_seq = e.seq;
             self.since_checkpoint += 1;
         }
@@ -1814,6 +1816,9 @@ pub struct Decoded {
     pub seq: u64,
     /// The envelope, or why it did not decode.
     pub envelope: Result<Box<Envelope>, Undecodable>,
+    /// What the log's chain of heads hashes for it ([`ledger::chain::hashed`]), worked out
+    /// with the decoding, off the fold's thread.
+    pub hashed: Vec<u8>,
 }
 
 /// Why a stored event could not be read as an envelope.
@@ -1845,6 +1850,7 @@ impl From<&Stored> for Decoded {
         Decoded {
             seq: e.seq,
             envelope: decode(&e.payload).map(Box::new),
+            hashed: ledger::chain::hashed(&e.payload),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use eventlog::EventLog;
 use ledger::book::{Book, Granularity, Row};
+use ledger::chain::Head;
 use ledger::state::{State, StateConfig};
 
 use crate::{kept_key, Kept, ProjectionError};
@@ -117,4 +118,21 @@ pub async fn verify<L: EventLog>(
         compared,
         differences,
     })
+}
+
+/// The log's head after the event at `seq` (see [`ledger::chain`]), chained from its first
+/// event; `None` when the log ends before `seq`.
+pub async fn head_at<L: EventLog>(log: &L, seq: u64) -> Result<Option<Head>, ProjectionError> {
+    let mut head = Head::default();
+    while head.seq < seq {
+        let max = (seq - head.seq).min(10_000) as usize;
+        let events = log.read(head.seq + 1, max).await?;
+        if events.is_empty() {
+            return Ok(None);
+        }
+        for e in events.iter().take_while(|e| e.seq <= seq) {
+            head = head.next(e.seq, &e.payload);
+        }
+    }
+    Ok(Some(head))
 }

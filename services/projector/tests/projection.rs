@@ -141,6 +141,7 @@ async fn incremental_projection_equals_full_replay() {
             let mut book = ledger::book::Book::new();
             for (i, e) in events.iter().enumerate() {
                 book.apply(&mut fresh, i as u64 + 1, e);
+                book.link(i as u64 + 1, &serde_json::to_vec(e).unwrap());
             }
             let closed = book.take_closed();
             assert!(closed.len() > 100, "{} rows closed", closed.len());

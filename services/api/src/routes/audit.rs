@@ -125,6 +125,9 @@ pub(crate) struct AllocationOut<'a> {
     contract_violations: u64,
     first_seq: Option<u64>,
     last_seq: Option<u64>,
+    /// The log's head as the period closed (as read, while it is under way).
+    head_seq: u64,
+    head_hash: String,
 }
 
 impl<'a> From<&'a AllocationRow> for AllocationOut<'a> {
@@ -148,6 +151,8 @@ impl<'a> From<&'a AllocationRow> for AllocationOut<'a> {
             contract_violations: f.contract_violations,
             first_seq: r.seqs.first,
             last_seq: r.seqs.last,
+            head_seq: r.head.seq,
+            head_hash: r.head.hex(),
         }
     }
 }
@@ -182,13 +187,13 @@ pub(crate) fn allocation_json(r: &AllocationRow) -> Value {
     serde_json::to_value(AllocationOut::from(r)).expect("rows serialize")
 }
 
-const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,preempted_runs_stopped,grace_gpu_hours,redone_gpu_hours,stopped_run_gpu_hours,cancels,contract_violations,first_seq,last_seq\n";
+const CSV_HEADER: &str = "allocation,incarnation,from,to,entitlement_gpu_hours,owed_gpu_hours,delivered_gpu_hours,delivered_within_owed_gpu_hours,preemptions,preempted_runs_stopped,grace_gpu_hours,redone_gpu_hours,stopped_run_gpu_hours,cancels,contract_violations,first_seq,last_seq,head_seq,head_hash\n";
 
 fn csv_line(r: &AllocationRow) -> String {
     let f = &r.figures;
     let seq = |s: Option<u64>| s.map(|s| s.to_string()).unwrap_or_default();
     format!(
-        "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+        "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
         r.path,
         r.incarnation,
         format_instant(r.from_ms),
@@ -205,7 +210,9 @@ fn csv_line(r: &AllocationRow) -> String {
         f.cancels,
         f.contract_violations,
         seq(r.seqs.first),
-        seq(r.seqs.last)
+        seq(r.seqs.last),
+        r.head.seq,
+        r.head.hex()
     )
 }
 
@@ -401,6 +408,15 @@ pub(crate) async fn cluster_metrics(
         "contract_violations": m.contract_violations,
     }))
     .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/audit/head", tag = "audit",
+    responses(
+        (status = 200, description = "the log's head as the projection has folded it: `seq`, the last event, and `hash`, 64 hex digits of the chain after it (schemas/README.md says how to recompute it from any copy of the log)", body = serde_json::Value),
+    ))]
+pub(crate) async fn audit_head(State(app): State<App>) -> Response {
+    let head = app.inner.projection.read().await.book().head();
+    Json(json!({"seq": head.seq, "hash": head.hex()})).into_response()
 }
 
 /// What `GET /v1/audit/verify` compares.

@@ -9,7 +9,7 @@
 //! | `GET /v1/whoami` | any principal |
 //! | reads of workloads, the queue, allocations, nodes, cluster metrics | `read`: every role but `agent` |
 //! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command` and `env` only for admin, auditor and agent |
-//! | `GET /v1/audit/…` | `read_audit`: admin, auditor |
+//! | `GET /v1/audit/…` (ledger, head, verify, workloads) | `read_audit`: admin, auditor |
 //! | `PUT`/`DELETE /v1/allocations/…` | admin |
 //! | `POST /v1/workloads` | admin; submitter within its subtrees |
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
@@ -135,6 +135,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("GET", "/v1/audit/ledger", Needs(ReadAudit)),
             routing::get(audit::audit_ledger),
+        ),
+        (
+            r("GET", "/v1/audit/head", Needs(ReadAudit)),
+            routing::get(audit::audit_head),
         ),
         (
             r("GET", "/v1/audit/verify", Needs(ReadAudit)),

@@ -62,6 +62,7 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("GET", "/v1/events/stream"), Some(&ROLES[..])),
         (("GET", "/v1/audit/ledger"), Some(&["admin", "auditor"][..])),
         (("GET", "/v1/audit/verify"), Some(&["admin", "auditor"][..])),
+        (("GET", "/v1/audit/head"), Some(&["admin", "auditor"][..])),
         (
             ("GET", "/v1/audit/workloads/{id}"),
             Some(&["admin", "auditor"][..]),
