@@ -106,6 +106,8 @@ pub enum Event {
     PrincipalGranted(PrincipalGranted),
     /// A principal's token was revoked.
     PrincipalRevoked(PrincipalRevoked),
+    /// The ledger's settings, from here on (see [`crate::settings`]).
+    SettingsSet(crate::settings::Settings),
 }
 
 impl Event {
@@ -128,6 +130,7 @@ impl Event {
             Event::WorkloadRequeued(_) => "workload_requeued",
             Event::PrincipalGranted(_) => "principal_granted",
             Event::PrincipalRevoked(_) => "principal_revoked",
+            Event::SettingsSet(_) => "settings_set",
         }
     }
 
@@ -149,7 +152,8 @@ impl Event {
             | Event::NodeDrained(_)
             | Event::NodeResumed(_)
             | Event::PrincipalGranted(_)
-            | Event::PrincipalRevoked(_) => None,
+            | Event::PrincipalRevoked(_)
+            | Event::SettingsSet(_) => None,
         }
     }
 }
@@ -216,6 +220,7 @@ kinds!(
     WorkloadRequeued,
     PrincipalGranted,
     PrincipalRevoked,
+    SettingsSet,
 );
 
 /// Reads an envelope as derived code would read it with the event flattened in, without what

@@ -87,7 +87,7 @@ impl Role {
             Read => self != Agent,
             ReadEvents => true,
             ReadAudit => matches!(self, Admin | Auditor),
-            SetAllocations | ManageTokens => self == Admin,
+            SetAllocations | SetSettings | ManageTokens => self == Admin,
             Submit => matches!(self, Admin | Submitter),
             Cancel => matches!(self, Admin | Operator | Submitter),
             RegisterNode => matches!(self, Admin | Operator | Agent),
@@ -123,6 +123,8 @@ pub enum Action<'a> {
     ReadAudit,
     /// Create, change or remove allocations.
     SetAllocations,
+    /// Change the ledger's settings (the policy and its parameters).
+    SetSettings,
     /// Create, list or revoke tokens.
     ManageTokens,
     /// Submit a workload charged to `allocation` (`None`: unallocated work).
@@ -168,6 +170,8 @@ pub enum ActionKind {
     ReadAudit,
     /// [`Action::SetAllocations`].
     SetAllocations,
+    /// [`Action::SetSettings`].
+    SetSettings,
     /// [`Action::ManageTokens`].
     ManageTokens,
     /// [`Action::Submit`].
@@ -200,6 +204,7 @@ impl Action<'_> {
             Action::ReadEvents => ActionKind::ReadEvents,
             Action::ReadAudit => ActionKind::ReadAudit,
             Action::SetAllocations => ActionKind::SetAllocations,
+            Action::SetSettings => ActionKind::SetSettings,
             Action::ManageTokens => ActionKind::ManageTokens,
             Action::Submit { .. } => ActionKind::Submit,
             Action::Cancel { .. } => ActionKind::Cancel,

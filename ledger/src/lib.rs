@@ -66,6 +66,7 @@ pub mod policy;
 pub mod rejection;
 pub mod reports;
 pub mod schedule;
+pub mod settings;
 pub mod sim;
 pub mod state;
 pub mod whatif;

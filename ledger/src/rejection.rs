@@ -284,6 +284,15 @@ pub enum Rejection {
         /// The name.
         name: String,
     },
+    /// The usage window's shape changes only while no allocation exists: their histories are
+    /// kept in buckets of that shape.
+    #[error("the usage window ({window_s} s in {window_buckets} buckets) is fixed once allocations exist; keep it, or start a new ledger")]
+    WindowFixed {
+        /// The window's length now.
+        window_s: u64,
+        /// Its buckets now.
+        window_buckets: u32,
+    },
     /// The last admin cannot be revoked: nobody could grant anything again.
     #[error("{name:?} is the last admin; grant another admin before revoking it")]
     LastAdmin {
@@ -331,6 +340,7 @@ impl Rejection {
             Rejection::PrincipalExists { .. } => "principal_exists",
             Rejection::UnknownPrincipal { .. } => "unknown_principal",
             Rejection::LastAdmin { .. } => "last_admin",
+            Rejection::WindowFixed { .. } => "window_fixed",
         }
     }
 
@@ -350,6 +360,7 @@ impl Rejection {
             | Rejection::MustBePositive { field }
             | Rejection::InvalidGrant { field, .. } => Some(field),
             Rejection::TooManyGpusOnNode { .. } => Some("gpus"),
+            Rejection::WindowFixed { .. } => Some("window_s"),
             // Removing what is not there, or no longer, is a conflict with the state.
             Rejection::UnknownAllocation { .. } if matches!(event, Event::AllocationRemoved(_)) => {
                 None

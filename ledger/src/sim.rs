@@ -301,6 +301,11 @@ impl Engine {
         let env = Envelope::new(self.next_id(t_ms), t_ms, "sim", event);
         self.seq += 1;
         let outcome = self.state.apply(self.seq, &env);
+        if let (Event::SettingsSet(s), Outcome::Applied) = (&env.event, &outcome) {
+            // The log's settings from here on, as the live scheduler follows them.
+            self.policy = s.policy_config(&self.policy);
+            self.set_heartbeat_timeout(s.heartbeat_timeout_ms());
+        }
         observe(&self.state, self.seq, &env, &outcome);
         outcome
     }

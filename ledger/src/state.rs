@@ -302,6 +302,11 @@ pub enum Outcome {
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct State {
     config: StateConfig,
+    /// The settings in force: the last `settings_set` applied, else the defaults that
+    /// `config` was given with.
+    settings: crate::settings::Settings,
+    /// The sequence of the last `settings_set` applied (0: none, the folder's defaults hold).
+    settings_seq: u64,
     shape: WindowShape,
     /// Last applied sequence (0 before the first event).
     pub(crate) last_seq: u64,
@@ -380,6 +385,12 @@ impl State {
     pub fn new(config: StateConfig) -> Self {
         State {
             shape: WindowShape::new(config.window_ms, config.window_buckets),
+            settings: crate::settings::Settings::from_configs(
+                &config,
+                &crate::policy::PolicyConfig::default(),
+                crate::health::DEFAULT_TIMEOUT_MS,
+            ),
+            settings_seq: 0,
             config,
             last_seq: 0,
             last_start_seq: 0,
@@ -583,6 +594,57 @@ impl State {
         &self.config
     }
 
+    /// The settings in force: the last `settings_set` applied, else the defaults this state
+    /// was made with.
+    pub fn settings(&self) -> &crate::settings::Settings {
+        &self.settings
+    }
+
+    /// The sequence of the last `settings_set` applied; 0 when the log has none yet, and the
+    /// folder's own configuration holds.
+    pub fn settings_seq(&self) -> u64 {
+        self.settings_seq
+    }
+
+    /// The scheduler's configuration as the log sets it: the settings in force over `local`
+    /// (only `local` while the log sets none).
+    pub fn policy_config(
+        &self,
+        local: &crate::policy::PolicyConfig,
+    ) -> crate::policy::PolicyConfig {
+        if self.settings_seq == 0 {
+            local.clone()
+        } else {
+            self.settings.policy_config(local)
+        }
+    }
+
+    /// Whether `settings` may follow the ones in force (the fold's check of a `settings_set`).
+    fn check_settings(&self, settings: &crate::settings::Settings) -> Result<(), Rejection> {
+        settings.check()?;
+        let shape = WindowShape::new(settings.window_s * 1000, settings.window_buckets);
+        if shape != self.shape && !self.allocations.nodes.is_empty() {
+            return Err(Rejection::WindowFixed {
+                window_s: self.config.window_ms / 1000,
+                window_buckets: self.config.window_buckets,
+            });
+        }
+        Ok(())
+    }
+
+    fn settings_set(
+        &mut self,
+        seq: u64,
+        settings: &crate::settings::Settings,
+    ) -> Result<Outcome, Rejection> {
+        self.check_settings(settings)?;
+        self.config = settings.state_config();
+        self.shape = WindowShape::new(self.config.window_ms, self.config.window_buckets);
+        self.settings = settings.clone();
+        self.settings_seq = seq;
+        Ok(Outcome::Applied)
+    }
+
     /// The shape of the usage windows.
     pub fn window_shape(&self) -> WindowShape {
         self.shape
@@ -629,6 +691,7 @@ impl State {
             Event::WorkloadFinished(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
             Event::WorkloadRequeued(e) => self.expect_phase(e.workload, Phase::Stopped).map(drop),
             Event::PrincipalGranted(e) => self.principals.check_grant(e, &self.allocations),
+            Event::SettingsSet(e) => self.check_settings(e),
             Event::PrincipalRevoked(e) => self.principals.check_revoke(&e.name),
         }
     }
@@ -683,6 +746,7 @@ impl State {
             Event::PrincipalRevoked(e) => {
                 self.principals.revoke(&e.name).map(|()| Outcome::Applied)
             }
+            Event::SettingsSet(e) => self.settings_set(seq, e),
         };
         match result {
             Ok(outcome) => outcome,

@@ -673,3 +673,141 @@ fn a_node_reports_its_own_runs_and_stops_only_as_asked() {
         Ok(())
     );
 }
+
+#[test]
+fn settings_take_effect_at_their_position_in_the_log() {
+    use ledger::settings::Settings;
+    let mut l = two_teams();
+    let asking = |id, hours: u64| {
+        let mut s = submission(wid(id), Some("a"), 1, 1);
+        s.min_runtime_s = Some(hours * 3600);
+        Event::WorkloadSubmitted(s)
+    };
+    // Under the default cap of 8 h, 10 h of protection is refused.
+    assert_eq!(l.state.settings_seq(), 0);
+    assert_eq!(
+        rejected(l.apply(0, asking(1, 10))).code(),
+        "min_runtime_above_cap"
+    );
+    // An admin raises the cap to 12 h and the default contract to 3 h: from then on the same
+    // request is taken, and the scheduler's configuration follows the log.
+    let raised = Settings {
+        max_min_runtime_s: 12 * 3600,
+        min_runtime_s: 3 * 3600,
+        grace_s: 600,
+        ..Settings::default()
+    };
+    l.ok(S, Event::SettingsSet(raised.clone()));
+    assert_eq!(l.state.settings(), &raised);
+    assert_eq!(l.state.config().min_runtime_cap_ms, 12 * H);
+    let policy = l
+        .state
+        .policy_config(&ledger::policy::PolicyConfig::default());
+    assert_eq!((policy.min_runtime_ms, policy.grace_ms), (3 * H, 600 * S));
+    l.ok(2 * S, asking(2, 10));
+    // Settings out of bounds are refused naming the setting, and change nothing.
+    for (bad, field) in [
+        (
+            Settings {
+                min_runtime_s: 13 * 3600,
+                ..raised.clone()
+            },
+            "min_runtime_s",
+        ),
+        (
+            Settings {
+                policy: "lottery".into(),
+                ..raised.clone()
+            },
+            "policy",
+        ),
+        (
+            Settings {
+                margin: f64::NAN,
+                ..raised.clone()
+            },
+            "margin",
+        ),
+        (
+            Settings {
+                reservations: 0,
+                ..raised.clone()
+            },
+            "reservations",
+        ),
+    ] {
+        let r = rejected(l.apply(3 * S, Event::SettingsSet(bad.clone())));
+        assert_eq!(r.field_in(&Event::SettingsSet(bad)), Some(field), "{r}");
+    }
+    rejects_without_change(
+        &mut l,
+        3 * S,
+        Event::SettingsSet(Settings {
+            window_s: 3600,
+            ..raised.clone()
+        }),
+        "window_fixed",
+    );
+    assert_eq!(l.state.settings(), &raised);
+    // Before any allocation exists, the window may still change shape.
+    let mut fresh = Ledger::default();
+    fresh.ok(
+        0,
+        Event::SettingsSet(Settings {
+            window_s: 3600,
+            window_buckets: 60,
+            ..Settings::default()
+        }),
+    );
+    assert_eq!(fresh.state.window_shape().bucket_ms, 60_000);
+}
+
+proptest::proptest! {
+    /// Whatever its own configuration, a folder of a log that begins with its settings folds it
+    /// to the same state: the log alone decides.
+    #[test]
+    fn a_log_with_its_settings_folds_alike_whatever_the_folders_configuration(
+        cap_h in 1u64..48,
+        default_h in 0u64..48,
+        window_h in 1u64..500,
+        buckets in 1u32..500,
+        asks_h in proptest::collection::vec(0u64..60, 1..12),
+        skew_ms in 0u64..10_000,
+    ) {
+        use ledger::settings::Settings;
+        let settings = Settings {
+            max_min_runtime_s: cap_h * 3600,
+            min_runtime_s: default_h.min(cap_h) * 3600,
+            window_s: window_h * 3600,
+            window_buckets: buckets,
+            clock_skew_tolerance_ms: skew_ms,
+            ..Settings::default()
+        };
+        let folders = [
+            StateConfig::default(),
+            StateConfig {
+                window_ms: 3_600_000,
+                window_buckets: 3,
+                min_runtime_cap_ms: 1000,
+                clock_skew_tolerance_ms: 0,
+            },
+        ];
+        let states: Vec<_> = folders
+            .into_iter()
+            .map(|config| {
+                let mut l = Ledger::new(config);
+                l.ok(0, Event::SettingsSet(settings.clone()));
+                l.node(0, "n1", 8, "H100", None);
+                l.alloc(0, "a", 1);
+                for (i, h) in asks_h.iter().enumerate() {
+                    let mut s = submission(wid(i as u128 + 1), Some("a"), 1, 1);
+                    s.min_runtime_s = Some(h * 3600);
+                    l.apply(i as u64 * S, Event::WorkloadSubmitted(s));
+                }
+                l.state
+            })
+            .collect();
+        proptest::prop_assert_eq!(states[0].settings(), &settings);
+        proptest::prop_assert!(states[0] == states[1], "the folders' states differ");
+    }
+}

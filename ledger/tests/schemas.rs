@@ -34,6 +34,7 @@ fn payload_schema(e: &Event) -> Schema {
         Event::WorkloadRequeued(_) => schema_for!(WorkloadRequeued),
         Event::PrincipalGranted(_) => schema_for!(PrincipalGranted),
         Event::PrincipalRevoked(_) => schema_for!(PrincipalRevoked),
+        Event::SettingsSet(_) => schema_for!(ledger::settings::Settings),
     }
 }
 
@@ -142,6 +143,11 @@ fn samples() -> Vec<Event> {
             name: "nlp-bot".into(),
             reason: Some("rotated".into()),
         }),
+        Event::SettingsSet(ledger::settings::Settings {
+            max_min_runtime_s: 43_200,
+            margin: 0.1,
+            ..Default::default()
+        }),
     ]
 }
 
@@ -183,7 +189,7 @@ fn schemas_checked_in_match_the_code() {
 #[test]
 fn samples_cover_every_kind() {
     let kinds: BTreeSet<&str> = samples().iter().map(|e| e.kind()).collect();
-    assert_eq!(kinds.len(), 16);
+    assert_eq!(kinds.len(), 17);
 }
 
 #[test]

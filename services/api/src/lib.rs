@@ -14,6 +14,7 @@
 //! | `GET /v1/allocations` | the tree: weights, owed and delivered |
 //! | `GET /v1/usage?from=&to=` | per UTC hour, the GPUs each allocation held and was owed on average |
 //! | `PUT /v1/allocations/{path}` / `DELETE …` | set or remove an allocation |
+//! | `GET /v1/settings` / `PUT …` | the ledger's settings, read or changed (an event in the log) |
 //! | `POST /v1/whatif` | the next hours from the live state, without and with changes to shares, caps, the policy or capacity (nothing is written) |
 //! | `GET /v1/events?after=&limit=` | the ledger, paged |
 //! | `GET /v1/events/stream?after=&kind=&allocation=` | Server-Sent Events, resumable with `Last-Event-ID` |
@@ -89,6 +90,8 @@ pub use routes::{health_router, router};
         routes::audit::audit_workload,
         routes::audit::audit_verify,
         routes::audit::audit_head,
+        routes::settings::settings,
+        routes::settings::set_settings,
         routes::audit::cluster_metrics,
         routes::events::events,
         routes::events::event_stream,

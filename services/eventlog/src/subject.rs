@@ -84,6 +84,7 @@ pub fn for_event(event: &Event, allocation: Option<&str>) -> String {
         Event::WorkloadRequeued(_) => ("workload", "requeued", path_tokens(allocation)),
         Event::PrincipalGranted(e) => ("principal", "granted", token(&e.name)),
         Event::PrincipalRevoked(e) => ("principal", "revoked", token(&e.name)),
+        Event::SettingsSet(_) => ("settings", "set", "ledger".to_owned()),
     };
     format!("{LEDGER_PREFIX}.{category}.{verb}.{scope}")
 }

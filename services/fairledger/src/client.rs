@@ -244,6 +244,20 @@ pub enum AllocCommand {
     },
 }
 
+/// `fairledger settings …`
+#[derive(clap::Subcommand)]
+pub enum SettingsCommand {
+    /// The settings in force, and the event that set them.
+    Show,
+    /// Change settings (admin): NAME=VALUE for each, the others kept as they are. Written to
+    /// the log, folded by everyone from its position on.
+    Set {
+        /// For example margin=0.1 grace_s=600 policy=fairtree.
+        #[arg(required = true, value_name = "NAME=VALUE")]
+        assignments: Vec<String>,
+    },
+}
+
 fn print(args: &ClientArgs, value: &Value, table: impl FnOnce(&Value) -> String) {
     if args.json {
         println!(
@@ -1177,6 +1191,54 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
             );
         }
         out
+    });
+    Ok(())
+}
+
+/// `fairledger settings`: show them, or change some.
+pub fn settings(args: &ClientArgs, command: SettingsCommand) -> Result<(), String> {
+    let api = Api::new(args)?;
+    let now = api.call("GET", "/v1/settings", None)?;
+    let v = match command {
+        SettingsCommand::Show => now,
+        SettingsCommand::Set { assignments } => {
+            let mut settings = serde_json::Map::new();
+            for a in &assignments {
+                let (name, value) = a
+                    .split_once('=')
+                    .ok_or_else(|| format!("{a:?}: write NAME=VALUE, e.g. grace_s=600"))?;
+                if now["settings"].get(name).is_none() {
+                    let names: Vec<&str> = now["settings"]
+                        .as_object()
+                        .map(|m| m.keys().map(String::as_str).collect())
+                        .unwrap_or_default();
+                    return Err(format!(
+                        "{name:?} is not a setting; use one of {}",
+                        names.join(", ")
+                    ));
+                }
+                // Numbers and booleans as JSON; anything else (a policy's name) as text.
+                let value = match serde_json::from_str::<Value>(value) {
+                    Ok(v) if !v.is_string() && !v.is_object() && !v.is_array() => v,
+                    _ => Value::String(value.to_owned()),
+                };
+                settings.insert(name.to_owned(), value);
+            }
+            api.call("PUT", "/v1/settings", Some(&Value::Object(settings)))?
+        }
+    };
+    print(args, &v, |v| {
+        let source = match v["seq"].as_u64() {
+            Some(seq) => format!("set by event {seq}"),
+            None => "the defaults: the log sets none".to_owned(),
+        };
+        let rows = v["settings"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| vec![k.clone(), text(v)])
+            .collect();
+        format!("{}\n({source})", columns(&["SETTING", "VALUE"], rows))
     });
     Ok(())
 }

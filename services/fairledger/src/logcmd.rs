@@ -639,6 +639,8 @@ pub fn what_if_at(
             p.apply(&upto).map_err(|e| e.to_string())?;
         }
         asked.fits(p.state()).map_err(problem)?;
+        // The log's settings at that sequence, as the server folded them there.
+        let policy = p.state().policy_config(&policy);
         api::routes::whatif::answer(p.state(), &policy, &p.kept(), &asked, None)
             .map(|a| a.json())
             .map_err(problem)

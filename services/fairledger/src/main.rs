@@ -196,6 +196,13 @@ enum Command {
         /// Workload id.
         id: String,
     },
+    /// The ledger's settings (policy, contract, grace, margin, window…), or change them.
+    Settings {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: Option<client::SettingsCommand>,
+    },
     /// The allocation tree (like sshare), or change it.
     Alloc {
         #[command(flatten)]
@@ -453,6 +460,9 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Nodes { client, command } => client::nodes(&client, command),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
+        }
+        Command::Settings { client, command } => {
+            client::settings(&client, command.unwrap_or(client::SettingsCommand::Show))
         }
         Command::Audit {
             command: Some(AuditCommand::Verify(args)),

@@ -2,6 +2,7 @@
 
 use eventlog::{Append, EventLog};
 use ledger::policy::{self, PolicyConfig};
+use ledger::settings::Settings;
 use ledger::{Envelope, StateConfig};
 
 use crate::logcmd::{runtime, shutdown_signal, LogArgs};
@@ -71,6 +72,10 @@ pub struct ServeArgs {
     /// Seconds a connection may take to send a request's headers, or stay idle between requests.
     #[arg(long, env = "FAIRLEDGER_HEADER_TIMEOUT_S", default_value_t = api::conn::Limits::default().header_timeout.as_secs_f64())]
     pub header_timeout_s: f64,
+    /// When --config, --policy or --heartbeat-timeout-s differ from the settings the log
+    /// holds, append them as the log's settings from now on, instead of refusing to start.
+    #[arg(long)]
+    pub change_settings: bool,
 }
 
 /// The server's page cache per sled database, in MiB, unless `--cache-mb` says otherwise. The
@@ -126,6 +131,55 @@ pub fn settings(
     })
 }
 
+/// Makes the log's settings and this process's agree: a log without settings gets `wanted`;
+/// one whose settings differ from those given explicitly (`explicit`) gets them only with
+/// `change`, else serving stops naming every difference. Without explicit settings the log's
+/// hold.
+async fn agree_on_settings(
+    application: &api::Application,
+    wanted: &Settings,
+    explicit: bool,
+    change: bool,
+) -> Result<(), String> {
+    let app = application.app();
+    let (seq, held) = {
+        let p = app.projection().read().await;
+        (p.state().settings_seq(), p.state().settings().clone())
+    };
+    let differences = held.differences(wanted);
+    let append = if seq == 0 {
+        true
+    } else if explicit && !differences.is_empty() {
+        if !change {
+            return Err(format!(
+                "the log's settings (event {seq}) differ from those given: {}; pass --change-settings to make these the log's from now on, or leave --config/--policy/--heartbeat-timeout-s out to keep the log's",
+                differences.join(", ")
+            ));
+        }
+        true
+    } else {
+        false
+    };
+    if append {
+        let seq = app
+            .write(
+                ledger::Event::SettingsSet(wanted.clone()),
+                None,
+                None,
+                "serve",
+            )
+            .await
+            .map_err(|p| format!("cannot write the settings: {}", p.detail))?;
+        if !differences.is_empty() && seq > 0 {
+            eprintln!(
+                "the log's settings from event {seq} on: {}",
+                differences.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn serve(args: ServeArgs) -> Result<(), String> {
     let (state_config, policy, setup, configured_timeout_ms) =
         settings(args.config.as_deref(), args.policy.as_deref())?;
@@ -173,11 +227,23 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         if !embedded && c.nats_creds.is_none() && c.nats_nkey.is_none() && c.nats_user.is_none() {
             eprintln!("warning: no NATS credentials: whoever reaches this NATS can write the ledger, whatever the API allows; see `fairledger nats-auth` and ops/nats/secure.conf");
         }
+        // The settings this process was started with: the log's first event when it is new.
+        let wanted = Settings::from_configs(&state_config, &policy, heartbeat_timeout_ms);
+        wanted
+            .check()
+            .map_err(|r| format!("the settings are invalid: {r}"))?;
+        let explicit =
+            args.config.is_some() || args.policy.is_some() || args.heartbeat_timeout_s.is_some();
+        let writes_settings = args.role != "api";
         let write_setup = !args.no_demo && (embedded || args.config.is_some());
-        if write_setup && log.last_seq().await.map_err(|e| e.to_string())? == 0 {
+        let fresh = log.last_seq().await.map_err(|e| e.to_string())? == 0;
+        if fresh && (write_setup || writes_settings) {
             let now = scheduler::wall_clock_ms();
-            let appends: Vec<Append> = setup
+            let first = writes_settings.then(|| ledger::Event::SettingsSet(wanted.clone()));
+            let setup = if write_setup { setup } else { Vec::new() };
+            let appends: Vec<Append> = first
                 .into_iter()
+                .chain(setup)
                 .map(|e| {
                     Append::event(
                         &Envelope::new(uuid::Uuid::now_v7(), now, "serve", e),
@@ -190,6 +256,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 log.append_batch(chunk.to_vec()).await.map_err(|e| e.to_string())?;
             }
             match &args.config {
+                _ if !write_setup => {}
                 Some(path) => eprintln!("created the cluster of {}", path.display()),
                 None => eprintln!("created the demo cluster: 4 nodes x 8 H100, allocations ai2/olmo/pretrain, ai2/olmo/eval, ai2/tulu, uw/nlp"),
             }
@@ -215,6 +282,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             ..api::Settings::new(&args.listen, args.log.data.clone())
         };
         let application = api::Application::build(settings, log.clone()).await?;
+        if writes_settings {
+            agree_on_settings(&application, &wanted, explicit, args.change_settings).await?;
+        }
         if let Some(path) = application.admin_token_file() {
             eprintln!(
                 "created the first admin token in {} (readable by you only; the fairledger commands on this machine read it by themselves)",

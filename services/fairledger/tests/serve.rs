@@ -166,6 +166,7 @@ fn on_nats_a_submission_is_placed() {
     assert_eq!(
         subjects,
         vec![
+            "fairledger.ledger.settings.set.ledger",
             "fairledger.ledger.principal.granted.admin",
             "fairledger.ledger.allocation.set.team",
             "fairledger.ledger.node.registered.gpu-1",

@@ -185,13 +185,17 @@ pub fn pass(state: &State, now_ms: u64, config: &SchedulerConfig) -> Vec<Event> 
         .as_ref()
         .map(|h| h.lock().expect("the health monitor is never poisoned"));
     if let Some(monitor) = monitor.as_deref_mut() {
+        if state.settings_seq() > 0 {
+            monitor.set_timeout(state.settings().heartbeat_timeout_ms());
+        }
         // Every node the ledger holds has an agent that should be heard from.
         monitor.watch_registered(state, now_ms);
     }
+    // The log's settings, over the configuration the loop was started with.
     ledger::schedule::pass(
         state,
         now_ms,
-        &config.policy,
+        &state.policy_config(&config.policy),
         monitor.as_deref_mut(),
         &mut admit,
         eventlog::MAX_BATCH,

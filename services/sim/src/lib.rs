@@ -22,7 +22,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use ledger::sim::Engine;
-use ledger::{Envelope, Outcome, State};
+use ledger::{Envelope, Event, Outcome, State};
 use report::{Collector, Report};
 use scenario::Prepared;
 use trace::{RowError, TraceOptions};
@@ -191,6 +191,12 @@ pub fn run(spec: &RunSpec, mut progress: impl FnMut(u64)) -> Result<RunResult, S
             }
             progress(env.occurred_at_ms);
         };
+        // The ledger's settings come first, so that whoever folds the ledger folds it by them.
+        engine.write(
+            0,
+            Event::SettingsSet(spec.scenario.settings()),
+            &mut observe,
+        );
         for event in spec.scenario.setup.clone() {
             engine.write(0, event, &mut observe);
         }

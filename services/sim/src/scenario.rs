@@ -217,6 +217,18 @@ pub struct Prepared {
     pub failures: Option<Failures>,
 }
 
+impl Prepared {
+    /// The ledger's settings this scenario amounts to (the first event of its ledger). A
+    /// simulation's events are exact, but a ledger goes on live: the live clock skew tolerance.
+    pub fn settings(&self) -> ledger::settings::Settings {
+        let state = StateConfig {
+            clock_skew_tolerance_ms: StateConfig::default().clock_skew_tolerance_ms,
+            ..self.state_config
+        };
+        ledger::settings::Settings::from_configs(&state, &self.policy, self.heartbeat_timeout_ms)
+    }
+}
+
 impl Scenario {
     /// Reads and checks a scenario file.
     pub fn load(path: &Path) -> Result<Scenario, SimError> {
@@ -258,29 +270,6 @@ impl Scenario {
                 ))
             })?;
         let p = &self.policy;
-        if p.min_runtime_s > p.max_min_runtime_s {
-            return Err(bad(format!(
-                "[policy] min_runtime_s {} exceeds max_min_runtime_s {}; raise the cap or lower the default",
-                p.min_runtime_s, p.max_min_runtime_s
-            )));
-        }
-        if p.window_s == 0 || p.window_buckets == 0 {
-            return Err(bad(
-                "[policy] window_s and window_buckets must be at least 1".into(),
-            ));
-        }
-        if !(0.0..10.0).contains(&p.margin) {
-            return Err(bad(format!(
-                "[policy] margin {} must lie in [0, 10)",
-                p.margin
-            )));
-        }
-        if !(1..=64).contains(&p.reservations) {
-            return Err(bad(format!(
-                "[policy] reservations {} must lie in 1 to 64",
-                p.reservations
-            )));
-        }
         let mut setup = Vec::new();
         let mut nodes = Vec::new();
         for (g, group) in self.nodes.iter().enumerate() {
@@ -405,7 +394,7 @@ impl Scenario {
                 return Err(bad(format!("{what}: {r}")));
             }
         }
-        Ok(Prepared {
+        let prepared = Prepared {
             state_config,
             policy: PolicyConfig {
                 policy: policy_name,
@@ -425,7 +414,13 @@ impl Scenario {
             faults,
             heartbeat_timeout_ms: p.heartbeat_timeout_s * 1000,
             failures: self.failures.clone(),
-        })
+        };
+        // The bounds are the ledger's, which folds these settings as its first event.
+        prepared
+            .settings()
+            .check()
+            .map_err(|r| bad(format!("[policy] {r}")))?;
+        Ok(prepared)
     }
 }
 

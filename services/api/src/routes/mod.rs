@@ -11,6 +11,7 @@
 //! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command` and `env` only for admin, auditor and agent |
 //! | `GET /v1/audit/…` (ledger, head, verify, workloads) | `read_audit`: admin, auditor |
 //! | `PUT`/`DELETE /v1/allocations/…` | admin |
+//! | `GET /v1/settings` | `read`; `PUT /v1/settings`: admin |
 //! | `POST /v1/workloads` | admin; submitter within its subtrees |
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
 //! | `POST /v1/nodes` | admin, operator; agent for its own node |
@@ -35,6 +36,7 @@ pub mod dashboard;
 pub mod events;
 pub mod nodes;
 pub mod ops;
+pub mod settings;
 pub mod tokens;
 pub mod whatif;
 pub mod workloads;
@@ -99,6 +101,14 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("DELETE", "/v1/allocations/{*path}", Needs(SetAllocations)),
             routing::delete(allocations::remove_allocation),
+        ),
+        (
+            r("GET", "/v1/settings", Needs(Read)),
+            routing::get(settings::settings),
+        ),
+        (
+            r("PUT", "/v1/settings", Needs(SetSettings)),
+            routing::put(settings::set_settings),
         ),
         (
             r("GET", "/v1/nodes", Needs(Read)),

@@ -255,7 +255,7 @@ pub(crate) async fn what_if(
             )?;
         }
         asked.fits(state)?;
-        (state.clone(), app.inner.policy.clone())
+        (state.clone(), state.policy_config(&app.inner.policy))
     };
     let Ok(Ok(turn)) = tokio::time::timeout(
         Duration::from_secs(2),

@@ -280,7 +280,7 @@ async fn try_cancel(app: &App, caller: &Caller, id: Uuid) -> Result<Option<Respo
         let event = state
             .cancellation(
                 id,
-                app.inner.policy.grace_ms,
+                state.policy_config(&app.inner.policy).grace_ms,
                 Some("cancelled through the API".into()),
             )
             .map_err(|r| Problem::new(StatusCode::CONFLICT, r.code(), r.to_string()))?;
@@ -368,7 +368,7 @@ fn reason(b: &Blocked) -> serde_json::Value {
 fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Plan {
     let config = PolicyConfig {
         explain: true,
-        ..policy.clone()
+        ..state.policy_config(policy)
     };
     decide(
         state,
@@ -445,8 +445,8 @@ pub(crate) async fn explain(
         row["workloads"] = json!(row["workloads"].as_u64().unwrap_or(0) + 1);
         row["gpus"] = json!(row["gpus"].as_u64().unwrap_or(0) + a.gpus());
     }
-    let key_meaning =
-        ledger::policy::by_name(app.inner.policy.policy).and_then(|p| p.key_meaning());
+    let policy_name = state.policy_config(&app.inner.policy).policy;
+    let key_meaning = ledger::policy::by_name(policy_name).and_then(|p| p.key_meaning());
     // The start estimate: the reservation's, where the policy knows one; otherwise when enough
     // running work should have ended by its estimates and contracts.
     let estimate = match &mine.reason {
@@ -481,7 +481,7 @@ pub(crate) async fn explain(
         "reason": reason(&mine.reason),
         "key": mine.key,
         "key_meaning": key_meaning,
-        "policy": app.inner.policy.policy,
+        "policy": policy_name,
         "allocations_ahead": allocations_ahead,
         "ahead": ahead,
         "estimate": estimate,

@@ -43,6 +43,8 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         ),
         (("PUT", "/v1/allocations/{*path}"), Some(admin)),
         (("DELETE", "/v1/allocations/{*path}"), Some(admin)),
+        (("GET", "/v1/settings"), Some(READERS)),
+        (("PUT", "/v1/settings"), Some(admin)),
         (("GET", "/v1/nodes"), Some(READERS)),
         (
             ("POST", "/v1/nodes"),
