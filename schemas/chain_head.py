@@ -28,14 +28,14 @@ def number(x):
     if isinstance(x, bool):
         raise TypeError("not a number")
     if isinstance(x, int):
-        x = float(x) if abs(x) >= 2**53 else x
-        if isinstance(x, int):
+        if abs(x) < 2**53:
             return str(x)
+        x = float(x)  # as ECMAScript reads it: the nearest double
     if not math.isfinite(x):
         raise ValueError("JSON has no NaN or infinity")
     if x == 0:
         return "0"
-    if x.is_integer() and abs(x) < 1e21:
+    if x.is_integer() and abs(x) < 2**53:
         return str(int(x))
     # The shortest digits that read back as x, placed as ECMAScript places them.
     r = repr(abs(x))
@@ -86,9 +86,8 @@ def main():
     source = open(args.events, "rb") if args.events else sys.stdin.buffer
     head, seq = bytes(32), 0
     for line in source:
-        line = line.rstrip(b"\r\n")
-        if not line.strip():
-            continue
+        # One event a line, whatever it holds: an empty payload is chained as its (no) bytes.
+        line = line[:-1] if line.endswith(b"\n") else line
         if args.at is not None and seq == args.at:
             break
         try:

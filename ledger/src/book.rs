@@ -240,19 +240,19 @@ pub struct Costs {
 impl Costs {
     fn since(&self, start: &Costs) -> Costs {
         Costs {
-            stopped: self.stopped - start.stopped,
-            grace_gpu_ms: self.grace_gpu_ms - start.grace_gpu_ms,
-            redone_gpu_ms: self.redone_gpu_ms - start.redone_gpu_ms,
-            run_gpu_ms: self.run_gpu_ms - start.run_gpu_ms,
+            stopped: self.stopped.saturating_sub(start.stopped),
+            grace_gpu_ms: self.grace_gpu_ms.saturating_sub(start.grace_gpu_ms),
+            redone_gpu_ms: self.redone_gpu_ms.saturating_sub(start.redone_gpu_ms),
+            run_gpu_ms: self.run_gpu_ms.saturating_sub(start.run_gpu_ms),
         }
     }
 
     /// Adds the costs of a following period.
     pub fn add(&mut self, other: &Costs) {
-        self.stopped += other.stopped;
-        self.grace_gpu_ms += other.grace_gpu_ms;
-        self.redone_gpu_ms += other.redone_gpu_ms;
-        self.run_gpu_ms += other.run_gpu_ms;
+        self.stopped = self.stopped.saturating_add(other.stopped);
+        self.grace_gpu_ms = self.grace_gpu_ms.saturating_add(other.grace_gpu_ms);
+        self.redone_gpu_ms = self.redone_gpu_ms.saturating_add(other.redone_gpu_ms);
+        self.run_gpu_ms = self.run_gpu_ms.saturating_add(other.run_gpu_ms);
     }
 }
 
@@ -906,15 +906,19 @@ fn preemption_cost(state: &State, event: &Event, at_ms: u64) -> Option<Costs> {
             let asked_ms = w.preempting.map_or(at_ms, |p| p.requested_at_ms);
             Some(Costs {
                 stopped: 1,
-                grace_gpu_ms: w.gpus() * at_ms.saturating_sub(asked_ms),
+                grace_gpu_ms: w.gpus().saturating_mul(at_ms.saturating_sub(asked_ms)),
                 redone_gpu_ms: 0,
-                run_gpu_ms: w.gpus() * at_ms.saturating_sub(w.started_at_ms),
+                run_gpu_ms: w
+                    .gpus()
+                    .saturating_mul(at_ms.saturating_sub(w.started_at_ms)),
             })
         }
         Event::WorkloadRequeued(e) => {
             let w = state.workloads.get(&e.workload)?;
+            // What the fold takes back: no more than the work done.
+            let lost_ms = e.work_lost_s.saturating_mul(1000).min(w.work_done_ms);
             Some(Costs {
-                redone_gpu_ms: w.gpus() * e.work_lost_s.saturating_mul(1000),
+                redone_gpu_ms: w.gpus().saturating_mul(lost_ms),
                 ..Costs::default()
             })
         }

@@ -360,7 +360,6 @@ impl Rejection {
             | Rejection::MustBePositive { field }
             | Rejection::InvalidGrant { field, .. } => Some(field),
             Rejection::TooManyGpusOnNode { .. } => Some("gpus"),
-            Rejection::WindowFixed { .. } => Some("window_s"),
             // Removing what is not there, or no longer, is a conflict with the state.
             Rejection::UnknownAllocation { .. } if matches!(event, Event::AllocationRemoved(_)) => {
                 None

@@ -301,6 +301,9 @@ pub enum Outcome {
 /// Everything the ledger knows, folded from the events.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct State {
+    /// The configuration this state was made with: what holds until the log sets its own.
+    base_config: StateConfig,
+    /// The configuration in force.
     config: StateConfig,
     /// The settings in force: the last `settings_set` applied, else the defaults that
     /// `config` was given with.
@@ -391,6 +394,7 @@ impl State {
                 crate::health::DEFAULT_TIMEOUT_MS,
             ),
             settings_seq: 0,
+            base_config: config,
             config,
             last_seq: 0,
             last_start_seq: 0,
@@ -589,9 +593,15 @@ impl State {
         }
     }
 
-    /// The fold's settings.
+    /// The fold's configuration in force (the log's settings, once it sets them).
     pub fn config(&self) -> &StateConfig {
         &self.config
+    }
+
+    /// The configuration this state was made with, whatever the log has set since: what a
+    /// fresh state must be made with to fold the same log to the same state.
+    pub fn base_config(&self) -> &StateConfig {
+        &self.base_config
     }
 
     /// The settings in force: the last `settings_set` applied, else the defaults this state

@@ -35,7 +35,7 @@ echo "== projection rebuild"
 
 start=$(date +%s.%N)
 FAIRLEDGER_LOG=${SERVE_LOG:-info} $BIN serve --data "$WORK/data" --config "$WORK/year/year.toml" --no-agents \
-  --heartbeat-timeout-s 86400 --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
+  --heartbeat-timeout-s 86400 --change-settings --listen "127.0.0.1:$PORT" 2>"$WORK/serve.log" &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null || true' EXIT
 until curl -sf "$URL/readyz" >/dev/null; do sleep 0.05; done

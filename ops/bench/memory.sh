@@ -26,7 +26,7 @@ cp -r "$WORK/data.clean" "$WORK/data"
 size() { du -sm "$WORK/data/$1" | cut -f1; }
 log0=$(size log) projection0=$(size projection)
 $BIN serve --data "$WORK/data" --config "$WORK/year/year.toml" --no-agents \
-  --heartbeat-timeout-s 86400 --listen "127.0.0.1:$PORT" "$@" 2>"$WORK/serve.log" &
+  --heartbeat-timeout-s 86400 --change-settings --listen "127.0.0.1:$PORT" "$@" 2>"$WORK/serve.log" &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null || true' EXIT
 until curl -sf "$URL/readyz" >/dev/null; do sleep 0.05; done

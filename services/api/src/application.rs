@@ -64,6 +64,64 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// What a connection may hold.
     pub limits: crate::conn::Limits,
+    /// The ledger's settings this process was started with, to agree with the log's before
+    /// the scheduler starts; `None` leaves the log's as they are.
+    pub ledger_settings: Option<LedgerSettings>,
+}
+
+/// The ledger's settings a process was started with (see [`Settings::ledger_settings`]).
+#[derive(Clone, Debug)]
+pub struct LedgerSettings {
+    /// What a log without settings gets.
+    pub defaults: ledger::settings::Settings,
+    /// The settings given explicitly (every one, with a configuration file), by name: each
+    /// must be the log's, or the process refuses to start.
+    pub given: serde_json::Map<String, serde_json::Value>,
+    /// Append the given settings when they differ from the log's, instead of refusing.
+    pub change: bool,
+}
+
+impl LedgerSettings {
+    /// Makes the log's settings and these agree before anything else is decided: a log without
+    /// settings gets the defaults; one whose settings differ from those given gets them only
+    /// with `change`, else the error names every difference.
+    async fn agree(&self, app: &App) -> Result<(), String> {
+        let (seq, held) = {
+            let p = app.inner.projection.read().await;
+            (p.state().settings_seq(), p.state().settings().clone())
+        };
+        let wanted = if seq == 0 {
+            self.defaults.clone()
+        } else {
+            let mut merged = serde_json::to_value(&held).expect("settings serialize");
+            for (name, value) in &self.given {
+                merged[name] = value.clone();
+            }
+            serde_json::from_value(merged).map_err(|e| format!("the settings given: {e}"))?
+        };
+        let differences = held.differences(&wanted);
+        if seq > 0 && differences.is_empty() {
+            return Ok(());
+        }
+        if seq > 0 && !self.change {
+            return Err(format!(
+                "the log's settings (event {seq}) differ from those given: {}; pass --change-settings to make these the log's from now on, or leave --config/--policy/--heartbeat-timeout-s out to keep the log's",
+                differences.join(", ")
+            ));
+        }
+        let at = app
+            .write(ledger::Event::SettingsSet(wanted), None, None, "serve")
+            .await
+            .map_err(|p| format!("cannot write the settings: {}", p.detail))?;
+        if seq > 0 {
+            tracing::info!(seq = at, changed = %differences.join(", "), "the log's settings changed");
+            eprintln!(
+                "the log's settings from event {at} on: {}",
+                differences.join(", ")
+            );
+        }
+        Ok(())
+    }
 }
 
 impl Settings {
@@ -81,6 +139,7 @@ impl Settings {
             replicas: 1,
             tls: None,
             limits: Default::default(),
+            ledger_settings: None,
         }
     }
 }
@@ -148,6 +207,10 @@ impl Application {
                     .await
                     .map_err(|e| e.to_string())
             }));
+        }
+        // The log's settings before any decision is taken by them.
+        if let Some(ledger_settings) = &settings.ledger_settings {
+            ledger_settings.agree(&app).await?;
         }
         if settings.serving.scheduler() {
             let config = SchedulerConfig {

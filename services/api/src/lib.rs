@@ -54,7 +54,7 @@ pub mod reports;
 pub mod routes;
 
 pub use app::{App, MAX_BODY};
-pub use application::{Application, Serving, Settings};
+pub use application::{Application, LedgerSettings, Serving, Settings};
 pub use problem::Problem;
 pub use routes::{health_router, router};
 

@@ -1217,9 +1217,15 @@ pub fn settings(args: &ClientArgs, command: SettingsCommand) -> Result<(), Strin
                         names.join(", ")
                     ));
                 }
-                // Numbers and booleans as JSON; anything else (a policy's name) as text.
+                // Text for a setting that is text (a policy's name, a label); numbers and
+                // booleans as JSON otherwise.
                 let value = match serde_json::from_str::<Value>(value) {
-                    Ok(v) if !v.is_string() && !v.is_object() && !v.is_array() => v,
+                    Ok(v)
+                        if !now["settings"][name].is_string()
+                            && (v.is_number() || v.is_boolean()) =>
+                    {
+                        v
+                    }
                     _ => Value::String(value.to_owned()),
                 };
                 settings.insert(name.to_owned(), value);

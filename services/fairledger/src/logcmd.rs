@@ -513,7 +513,7 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
                 "{e} (is a server running on it? stop it, or verify a copy of its data directory)"
             )
         })?;
-        let (kept, config, up_to) = (p.kept(), *p.state().config(), p.last_seq());
+        let (kept, config, up_to) = (p.kept(), *p.state().base_config(), p.last_seq());
         projector::verify::verify(&log, &kept, config, up_to, &scope)
             .await
             .map_err(|e| e.to_string())

@@ -131,55 +131,6 @@ pub fn settings(
     })
 }
 
-/// Makes the log's settings and this process's agree: a log without settings gets `wanted`;
-/// one whose settings differ from those given explicitly (`explicit`) gets them only with
-/// `change`, else serving stops naming every difference. Without explicit settings the log's
-/// hold.
-async fn agree_on_settings(
-    application: &api::Application,
-    wanted: &Settings,
-    explicit: bool,
-    change: bool,
-) -> Result<(), String> {
-    let app = application.app();
-    let (seq, held) = {
-        let p = app.projection().read().await;
-        (p.state().settings_seq(), p.state().settings().clone())
-    };
-    let differences = held.differences(wanted);
-    let append = if seq == 0 {
-        true
-    } else if explicit && !differences.is_empty() {
-        if !change {
-            return Err(format!(
-                "the log's settings (event {seq}) differ from those given: {}; pass --change-settings to make these the log's from now on, or leave --config/--policy/--heartbeat-timeout-s out to keep the log's",
-                differences.join(", ")
-            ));
-        }
-        true
-    } else {
-        false
-    };
-    if append {
-        let seq = app
-            .write(
-                ledger::Event::SettingsSet(wanted.clone()),
-                None,
-                None,
-                "serve",
-            )
-            .await
-            .map_err(|p| format!("cannot write the settings: {}", p.detail))?;
-        if !differences.is_empty() && seq > 0 {
-            eprintln!(
-                "the log's settings from event {seq} on: {}",
-                differences.join(", ")
-            );
-        }
-    }
-    Ok(())
-}
-
 pub fn serve(args: ServeArgs) -> Result<(), String> {
     let (state_config, policy, setup, configured_timeout_ms) =
         settings(args.config.as_deref(), args.policy.as_deref())?;
@@ -232,14 +183,26 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         wanted
             .check()
             .map_err(|r| format!("the settings are invalid: {r}"))?;
-        let explicit =
-            args.config.is_some() || args.policy.is_some() || args.heartbeat_timeout_s.is_some();
+        // Those given explicitly must be the log's: every one with --config, else the flags'.
+        let all = serde_json::to_value(&wanted).expect("settings serialize");
+        let given: serde_json::Map<String, serde_json::Value> = all
+            .as_object()
+            .expect("settings are an object")
+            .iter()
+            .filter(|(name, _)| {
+                args.config.is_some()
+                    || (name.as_str() == "policy" && args.policy.is_some())
+                    || (name.as_str() == "heartbeat_timeout_s" && args.heartbeat_timeout_s.is_some())
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let writes_settings = args.role != "api";
         let write_setup = !args.no_demo && (embedded || args.config.is_some());
         let fresh = log.last_seq().await.map_err(|e| e.to_string())? == 0;
         if fresh && (write_setup || writes_settings) {
             let now = scheduler::wall_clock_ms();
-            let first = writes_settings.then(|| ledger::Event::SettingsSet(wanted.clone()));
+            // The settings come first, whoever writes the set-up: it is folded by them.
+            let first = Some(ledger::Event::SettingsSet(wanted.clone()));
             let setup = if write_setup { setup } else { Vec::new() };
             let appends: Vec<Append> = first
                 .into_iter()
@@ -274,6 +237,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             checkpoint_gap: CHECKPOINT_GAP,
             replicas: args.log.replicas,
             tls: args.tls_cert.clone().zip(args.tls_key.clone()),
+            ledger_settings: writes_settings.then(|| api::LedgerSettings {
+                defaults: wanted.clone(),
+                given,
+                change: args.change_settings,
+            }),
             limits: api::conn::Limits {
                 max_connections: args.max_connections,
                 header_timeout: std::time::Duration::from_secs_f64(args.header_timeout_s),
@@ -282,9 +250,6 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             ..api::Settings::new(&args.listen, args.log.data.clone())
         };
         let application = api::Application::build(settings, log.clone()).await?;
-        if writes_settings {
-            agree_on_settings(&application, &wanted, explicit, args.change_settings).await?;
-        }
         if let Some(path) = application.admin_token_file() {
             eprintln!(
                 "created the first admin token in {} (readable by you only; the fairledger commands on this machine read it by themselves)",

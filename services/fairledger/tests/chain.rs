@@ -65,6 +65,13 @@ fn an_auditor_holding_a_head_proves_the_history_behind_it_unchanged() {
     );
     assert_eq!(status, 200, "{placed}");
     wait_for(&server, placed["id"].as_str().unwrap(), "finished");
+    // A number beyond what a double holds exactly, which RFC 8785 writes as ECMAScript does.
+    let (status, big) = server.call(
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"ai2/tulu","gpus_per_node":8,"nodes":4,"duration_estimate_s":18446744073709551615}"#),
+    );
+    assert_eq!(status, 202, "{big}");
     let (status, head) = server.call("GET", "/v1/audit/head", None);
     assert_eq!(status, 200, "{head}");
     let seq = head["seq"].as_u64().unwrap();

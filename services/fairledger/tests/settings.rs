@@ -103,14 +103,36 @@ fn settings_are_the_logs_and_every_folder_follows_them() {
         err.contains("grace_s") && err.contains("--change-settings"),
         "{err}"
     );
-    // Without settings of its own, a server folds by the log's.
+    // Without settings of its own, a server folds by the log's, from the checkpoint it left
+    // at its stop (settings the log changed are not other settings of its projection's).
     let server = Server::start(&["--data", data_arg]);
     let (_, s) = server.call("GET", "/v1/settings", None);
     assert_eq!(
         (s["seq"].as_u64(), &s["settings"]["grace_s"]),
         (Some(changed_at), &600.into())
     );
+    let log = server.stderr.lock().unwrap().clone();
+    assert!(!log.contains("rebuilding"), "{log}");
     server.stop();
+    // A flag alone is compared alone: the others stay the log's.
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            data_arg,
+            "--heartbeat-timeout-s",
+            "45",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("heartbeat_timeout_s") && !err.contains("grace_s"),
+        "{err}"
+    );
     // Asked to, it makes the config's the log's from now on.
     let server = Server::start(&[
         "--config",

@@ -630,7 +630,16 @@ impl Projector {
         config: Option<StateConfig>,
         log: &L,
     ) -> Result<Self, ProjectionError> {
-        let mut p = Self::open_stored(dir, config)?;
+        // A log that sets its settings in its first event folds alike whatever configuration
+        // the fold starts from: a projection built from another one is the same projection.
+        let settles_itself = match log.read(1, 1).await?.first() {
+            Some(e) => matches!(
+                decode(&e.payload).map(|env| env.event),
+                Ok(Event::SettingsSet(_))
+            ),
+            None => false,
+        };
+        let mut p = Self::open_stored(dir, config, settles_itself)?;
         let log_last = log.last_seq().await?;
         if p.last_seq > log_last {
             return Err(ProjectionError::AheadOfLog {
@@ -693,7 +702,13 @@ impl Projector {
         }
     }
 
-    fn open_stored(dir: &Path, config: Option<StateConfig>) -> Result<Self, ProjectionError> {
+    /// Opens the stored projection; `adopt` opens it with the configuration it was built with,
+    /// whatever `config` says (the log sets its own settings first).
+    fn open_stored(
+        dir: &Path,
+        config: Option<StateConfig>,
+        adopt: bool,
+    ) -> Result<Self, ProjectionError> {
         let storage = |e: sled::Error| match e {
             sled::Error::Corruption { .. } => ProjectionError::Corrupt {
                 dir: dir.to_owned(),
@@ -713,7 +728,14 @@ impl Projector {
         let checkpoints = db.open_tree("checkpoint").map_err(storage)?;
         // The fold settings and row format the projection is built with, fixed at creation.
         let stored = tree.get(CONFIG).map_err(storage)?;
+        let built_with = |v: &[u8]| -> Option<StateConfig> {
+            let (format, c): (u32, StateConfig) = serde_json::from_slice(v).ok()?;
+            (format == FORMAT).then_some(c)
+        };
         let config = match (config, &stored) {
+            (Some(_), Some(v)) if adopt && built_with(v).is_some() => {
+                built_with(v).expect("checked")
+            }
             (Some(c), _) => c,
             (None, Some(v)) => {
                 let (format, c): (u32, StateConfig) =
@@ -764,7 +786,7 @@ impl Projector {
                         seq, state.last_seq()
                     )));
                 }
-                if *state.config() != config {
+                if *state.base_config() != config {
                     return Err(ProjectionError::OtherSettings {
                         dir: dir.to_owned(),
                     });
@@ -1410,7 +1432,7 @@ impl Projector {
             overlay: Default::default(),
             newest: self.archive.newest.clone(),
         });
-        let config = *self.state.config();
+        let config = *self.state.base_config();
         let log = log.clone();
         let runtime = tokio::runtime::Handle::current();
         let writing = std::thread::Builder::new()

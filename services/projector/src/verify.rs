@@ -131,6 +131,12 @@ pub async fn head_at<L: EventLog>(log: &L, seq: u64) -> Result<Option<Head>, Pro
             return Ok(None);
         }
         for e in events.iter().take_while(|e| e.seq <= seq) {
+            if e.seq != head.seq + 1 {
+                return Err(ProjectionError::Gap {
+                    expected: head.seq + 1,
+                    got: e.seq,
+                });
+            }
             head = head.next(e.seq, &e.payload);
         }
     }

@@ -299,16 +299,69 @@ async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
     p.catch_up(&log).await.unwrap();
     assert_eq!(p.digest().unwrap(), digest);
     drop(p);
-    // Other settings: rebuilt too.
+    // Other settings: the simulated ledger sets its own in its first event, so the projection
+    // opens as it was built whatever configuration is asked for...
     let other = StateConfig {
         window_ms: 3_600_000,
         ..config()
     };
-    let err = Projector::open(&pdir, other, &log).await.err().unwrap();
+    let p = Projector::open(&pdir, other, &log).await.unwrap();
+    assert_eq!(p.digest().unwrap(), digest);
+    drop(p);
+    // ...but the projection of a log that sets none is rebuilt under other settings.
+    let plain = EmbeddedLog::open(&dir.path().join("plain")).unwrap();
+    write_all(&plain, &one_a_second(lab_and_node())).await;
+    let plain_dir = dir.path().join("plain-p");
+    Projector::open(&plain_dir, config(), &plain)
+        .await
+        .unwrap()
+        .catch_up(&plain)
+        .await
+        .unwrap();
+    let err = Projector::open(&plain_dir, other, &plain).await.err().unwrap();
     assert!(
         matches!(err, projector::ProjectionError::OtherSettings { .. }),
         "{err}"
     );
+    // Settings the log changed are the log's, not other settings of the projection's: a
+    // checkpoint taken after a `settings_set` opens again without a rebuild, and an offline
+    // refold from the same starting configuration agrees with every kept row.
+    let settled = EmbeddedLog::open(&dir.path().join("settled")).unwrap();
+    let events = one_a_second(
+        lab_and_node()
+            .into_iter()
+            .chain([ledger::Event::SettingsSet(ledger::settings::Settings {
+                clock_skew_tolerance_ms: 1000,
+                max_min_runtime_s: 12 * 3600,
+                ..Default::default()
+            })]),
+    );
+    write_all(&settled, &events).await;
+    let sdir = dir.path().join("settled-p");
+    {
+        let mut p = Projector::open(&sdir, config(), &settled).await.unwrap();
+        p.catch_up(&settled).await.unwrap();
+        assert_eq!(p.state().config().min_runtime_cap_ms, 12 * 3_600_000);
+        p.checkpoint().unwrap();
+    }
+    let p = Projector::open(&sdir, config(), &settled).await.unwrap();
+    assert_eq!(
+        p.last_seq(),
+        events.len() as u64,
+        "opened from its checkpoint"
+    );
+    assert_eq!(p.state().config().min_runtime_cap_ms, 12 * 3_600_000);
+    let found = projector::verify::verify(
+        &settled,
+        &p.kept(),
+        *p.state().base_config(),
+        p.last_seq(),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    assert!(found.differences.is_empty(), "{:?}", found.differences);
+    drop(p);
     // A projection ahead of the log belongs to another log.
     let empty = EmbeddedLog::open(&dir.path().join("empty")).unwrap();
     let err = Projector::open(&pdir, config(), &empty)

@@ -478,7 +478,7 @@ pub(crate) async fn audit_verify(
     };
     let (kept, config, up_to) = {
         let p = app.inner.projection.read().await;
-        (p.kept(), *p.state().config(), p.last_seq())
+        (p.kept(), *p.state().base_config(), p.last_seq())
     };
     let log = app.inner.log.clone();
     let runtime = tokio::runtime::Handle::current();
