@@ -467,13 +467,47 @@ fn write_checkpoint(tree: &sled::Tree, state: &State, book: &Book) -> sled::Resu
 /// Folds `events` (ascending) up to sequence `to` into `state` and `book`, in memory only, as
 /// the projection folded them: an event that does not decode is skipped, its sequence counted.
 pub(crate) fn refold(state: &mut State, book: &mut Book, events: &[Stored], to: u64) {
-    for e in events.iter().take_while(|e| e.seq <= to) {
-        if let Ok(env) = decode(&e.payload) {
-            book.apply(state, e.seq, &env);
+    let events: Vec<&Stored> = events.iter().take_while(|e| e.seq <= to).collect();
+    // In slices, so that what is hashed ahead stays small beside the events.
+    for slice in events.chunks(16 * 1024) {
+        let hashed = hashed_in_parallel(slice);
+        for (e, hashed) in slice.iter().zip(hashed) {
+            if let Ok(env) = decode(&e.payload) {
+                book.apply(state, e.seq, &env);
+            }
+            book.link_hashing(e.seq, &hashed);
+            state.skip(e.seq);
         }
-        book.link(e.seq, &e.payload);
-        state.skip(e.seq);
     }
+}
+
+/// What the chain of heads hashes for each of `events` ([`ledger::chain::hashed`]), worked out
+/// on every core: the one costly step of chaining, which does not depend on the order.
+fn hashed_in_parallel(events: &[&Stored]) -> Vec<Vec<u8>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads < 2 || events.len() < 1024 {
+        return events
+            .iter()
+            .map(|e| ledger::chain::hashed(&e.payload))
+            .collect();
+    }
+    let chunk = events.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = events
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .map(|e| ledger::chain::hashed(&e.payload))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| p.join().expect("hashing does not panic"))
+            .collect()
+    })
 }
 
 /// The stored checkpoint in `checkpoints` refolded with `log`'s events after it up to `to`, and
