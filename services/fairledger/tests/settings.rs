@@ -18,6 +18,18 @@ fn run(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `serve` with `args`, which must refuse to start: what it said.
+fn refused(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{err}");
+    err
+}
+
 #[test]
 fn settings_are_the_logs_and_every_folder_follows_them() {
     let dir = tempfile::tempdir().unwrap();
@@ -85,20 +97,7 @@ fn settings_are_the_logs_and_every_folder_follows_them() {
     server.stop();
 
     // The config no longer says what the log does (grace 300 against 600): refused, naming it.
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config_arg,
-            "--data",
-            data_arg,
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let err = refused(&["--config", config_arg, "--data", data_arg]);
     assert!(
         err.contains("grace_s") && err.contains("--change-settings"),
         "{err}"
@@ -115,20 +114,7 @@ fn settings_are_the_logs_and_every_folder_follows_them() {
     assert!(!log.contains("rebuilding"), "{log}");
     server.stop();
     // A flag alone is compared alone: the others stay the log's.
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data",
-            data_arg,
-            "--heartbeat-timeout-s",
-            "45",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let err = refused(&["--data", data_arg, "--heartbeat-timeout-s", "45"]);
     assert!(
         err.contains("heartbeat_timeout_s") && !err.contains("grace_s"),
         "{err}"

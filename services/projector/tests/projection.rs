@@ -318,7 +318,10 @@ async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
         .catch_up(&plain)
         .await
         .unwrap();
-    let err = Projector::open(&plain_dir, other, &plain).await.err().unwrap();
+    let err = Projector::open(&plain_dir, other, &plain)
+        .await
+        .err()
+        .unwrap();
     assert!(
         matches!(err, projector::ProjectionError::OtherSettings { .. }),
         "{err}"
