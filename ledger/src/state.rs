@@ -317,6 +317,9 @@ pub struct State {
     /// the first). Schedulers fence their decisions on it: only another placement can make a
     /// placement unsafe, so submissions arriving meanwhile do not stop decisions from landing.
     pub(crate) last_start_seq: u64,
+    /// The sequence of the last `SettingsSet` folded, applied or rejected (0 before the first):
+    /// what a change of settings is fenced on.
+    last_settings_event_seq: u64,
     /// The ledger's clock: the time of the latest event applied.
     pub(crate) now_ms: u64,
     /// The allocation tree.
@@ -398,6 +401,7 @@ impl State {
             config,
             last_seq: 0,
             last_start_seq: 0,
+            last_settings_event_seq: 0,
             now_ms: 0,
             allocations: AllocationTree::default(),
             cluster: Cluster::default(),
@@ -439,6 +443,13 @@ impl State {
     /// placement unsafe, so submissions arriving meanwhile do not stop decisions from landing.
     pub fn last_start_seq(&self) -> u64 {
         self.last_start_seq
+    }
+
+    /// The sequence of the last `SettingsSet` folded, applied or rejected (0 before the
+    /// first). A change of settings made from these is fenced on it, so that two changes made
+    /// from the same settings cannot both land, the second undoing the first.
+    pub fn last_settings_event_seq(&self) -> u64 {
+        self.last_settings_event_seq
     }
 
     /// The ledger's clock: the time of the latest event folded (never goes back).
@@ -574,6 +585,7 @@ impl State {
         State {
             last_seq: after.last_seq,
             last_start_seq: after.last_start_seq,
+            last_settings_event_seq: after.last_settings_event_seq,
             rejections: after.rejections.clone(),
             ..self.clone()
         }
@@ -716,8 +728,10 @@ impl State {
             });
         }
         self.last_seq = seq;
-        if matches!(env.event, Event::WorkloadStarted(_)) {
-            self.last_start_seq = seq;
+        match env.event {
+            Event::WorkloadStarted(_) => self.last_start_seq = seq,
+            Event::SettingsSet(_) => self.last_settings_event_seq = seq,
+            _ => {}
         }
         if env.occurred_at_ms + self.config.clock_skew_tolerance_ms < self.now_ms {
             return self.reject(Rejection::TimeWentBackwards {

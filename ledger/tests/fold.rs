@@ -749,6 +749,9 @@ fn settings_take_effect_at_their_position_in_the_log() {
         "window_fixed",
     );
     assert_eq!(l.state.settings(), &raised);
+    // A change is fenced on the last settings event, refused ones included: they are in the log.
+    assert_eq!(l.state.last_settings_event_seq(), l.state.last_seq());
+    assert!(l.state.settings_seq() < l.state.last_settings_event_seq());
     // Before any allocation exists, the window may still change shape.
     let mut fresh = Ledger::default();
     fresh.ok(

@@ -133,6 +133,10 @@ impl Router {
 /// scheduler's decisions (see `ledger::State::last_start_seq`).
 pub const STARTS: &str = "fairledger.ledger.workload.started.>";
 
+/// The subject filter of every change of the ledger's settings (`settings_set`): the fence of
+/// a change made from the settings read (see `ledger::State::last_settings_event_seq`).
+pub const SETTINGS: &str = "fairledger.ledger.settings.>";
+
 /// The subject filter of every workload event of the allocation at `path` and below.
 pub fn workloads_of(path: &str) -> String {
     format!("{LEDGER_PREFIX}.workload.*.{}.>", path_tokens(Some(path)))

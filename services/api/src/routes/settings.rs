@@ -34,7 +34,7 @@ pub(crate) async fn settings(State(app): State<App>) -> Response {
     request_body(content = serde_json::Value, description = "the settings to change, by the names of GET's `settings`; those left out stay as they are (an empty object changes nothing and writes nothing)"),
     responses(
         (status = 200, description = "set: the settings in force and the event's sequence", body = serde_json::Value),
-        (status = 409, description = "the ledger refused it (the usage window is fixed once allocations exist)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the ledger refused it (the usage window is fixed once allocations exist), or the settings changed meanwhile", body = problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "a setting is out of bounds, named in `field`", body = problem::Problem, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn set_settings(
@@ -43,7 +43,21 @@ pub(crate) async fn set_settings(
     body: Result<Json<serde_json::Map<String, serde_json::Value>>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(changes) = body.map_err(bad_body)?;
-    let now = app.inner.projection.read().await.state().settings().clone();
+    let (now, fence) = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        // Before the log sets any, the settings this process schedules by are the ones changed.
+        let now = if state.settings_seq() == 0 {
+            Settings::from_configs(
+                state.config(),
+                &app.inner.policy,
+                state.settings().heartbeat_timeout_ms(),
+            )
+        } else {
+            state.settings().clone()
+        };
+        (now, state.last_settings_event_seq())
+    };
     let mut merged = serde_json::to_value(&now).expect("settings serialize");
     for (name, value) in changes {
         merged[name] = value;
@@ -51,8 +65,28 @@ pub(crate) async fn set_settings(
     let settings: Settings =
         serde_json::from_value(merged).map_err(|e| problem::data_error(e.to_string()))?;
     if settings != now {
-        app.write(Event::SettingsSet(settings), None, None, &caller.actor())
-            .await?;
+        // Fenced on the settings it changed: a change that landed meanwhile is not undone.
+        let fence = eventlog::Expect::LastSubjectSequence {
+            filter: eventlog::subject::SETTINGS.to_owned(),
+            seq: fence,
+        };
+        app.write_expecting(
+            Event::SettingsSet(settings),
+            None,
+            None,
+            &caller.actor(),
+            Some(fence),
+        )
+        .await
+        .map_err(|e| {
+            e.unwrap_or_else(|| {
+                Problem::new(
+                    axum::http::StatusCode::CONFLICT,
+                    "settings-changed",
+                    "the settings changed while this change was made; read them again and retry",
+                )
+            })
+        })?;
     }
     let p = app.inner.projection.read().await;
     Ok(Json(answer(p.state())).into_response())
