@@ -14,13 +14,15 @@ use common::{wait_for, Server, BIN};
 use eventlog::testing::NatsServer;
 use serde_json::{json, Value};
 
-/// A contract of 2 s and a grace of 2 s, two teams of equal weight, no nodes but the agents'.
+/// A contract of `min_runtime_s` and a grace of 2 s, two teams of equal weight, no nodes but
+/// the agents'. Protection may be asked up to 12 h (the default cap is 8 h): the agents, which
+/// fold the log themselves, must follow the log's settings to launch what asks for more.
 fn cluster(dir: &Path, min_runtime_s: u64) -> PathBuf {
     let path = dir.join("cluster.toml");
     std::fs::write(
         &path,
         format!(
-            "[policy]\nmin_runtime_s = {min_runtime_s}\ngrace_s = 2\n\n\
+            "[policy]\nmin_runtime_s = {min_runtime_s}\ngrace_s = 2\nmax_min_runtime_s = 43200\n\n\
              [[allocations]]\npath = \"lab/a\"\nweight = 1\n\n\
              [[allocations]]\npath = \"lab/b\"\nweight = 1\n"
         ),
@@ -494,9 +496,10 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         .join(row["output_log"].as_str().unwrap());
     assert!(output.is_file(), "no {}: {row}", output.display());
     let seen = tmp.path().join("env.txt");
+    // 10 h of protection, within the log's cap and over the default one.
     let dump = submit(
         &server,
-        json!({"allocation": "lab/b", "gpus_per_node": 1,
+        json!({"allocation": "lab/b", "gpus_per_node": 1, "min_runtime_s": 36000,
                "command": ["sh", "-c", format!("env > {}", seen.display())]}),
     );
     wait_for(&server, &dump, "finished");
@@ -760,9 +763,11 @@ fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only(
     wait_for_node(&server, "gpu-1");
     let jobs = tmp.path().join("jobs.log");
     let job = script(tmp.path(), &jobs);
+    // 10 h of protection, within the log's cap and over the default one.
     let id = submit(
         &server,
-        json!({"allocation": "lab/a", "gpus_per_node": 2, "command": [job.to_str().unwrap(), "0"]}),
+        json!({"allocation": "lab/a", "gpus_per_node": 2, "min_runtime_s": 36000,
+               "command": [job.to_str().unwrap(), "0"]}),
     );
     wait_for(&server, &id, "finished");
     let h = history(&server, &id);
