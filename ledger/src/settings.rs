@@ -18,7 +18,9 @@ use crate::state::StateConfig;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Settings {
-    /// The policy that orders the queue: fairshare, fairtree, fifo or priority.
+    /// The policy that orders the queue: fairshare, fairtree, fifo or priority (`name` in a
+    /// scenario file's `[policy]`).
+    #[serde(alias = "name")]
     pub policy: String,
     /// Usage lookback of the fair-share ranking, in seconds.
     pub window_s: u64,

@@ -12,6 +12,8 @@
 //! reservations = 4          # most reservations per pass (1 to 64; the default)
 //! defragment = true         # assemble whole nodes for under-served multi-GPU work
 //! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
+//! topology_label = "rack"   # nodes with equal values of this label are close for gangs
+//! preemptors_per_pass = 16  # blocked workloads a pass lets look for victims
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
 //! count = 16
@@ -50,6 +52,7 @@ use std::path::{Path, PathBuf};
 
 use ledger::event::{AllocationSet, Envelope, Event, NodeRegistered};
 use ledger::policy::{self, PolicyConfig};
+use ledger::settings::Settings;
 use ledger::sim::{Fault, FaultKind};
 use ledger::{Outcome, State, StateConfig};
 use rand::{RngExt, SeedableRng};
@@ -62,9 +65,10 @@ use crate::SimError;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
-    /// Scheduler settings.
+    /// The ledger's settings (`name` or `policy` names the policy), the first event of the
+    /// ledger a run writes.
     #[serde(default)]
-    pub policy: PolicySection,
+    pub policy: Settings,
     /// Node groups.
     #[serde(default)]
     pub nodes: Vec<NodeGroup>,
@@ -80,52 +84,6 @@ pub struct Scenario {
     /// Random GPU failures.
     #[serde(default)]
     pub failures: Option<Failures>,
-}
-
-/// `[policy]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PolicySection {
-    /// Policy name.
-    pub name: String,
-    /// Usage lookback.
-    pub window_s: u64,
-    /// Buckets of the lookback.
-    pub window_buckets: u32,
-    /// Contract default.
-    pub min_runtime_s: u64,
-    /// Contract cap.
-    pub max_min_runtime_s: u64,
-    /// Grace after a preemption request.
-    pub grace_s: u64,
-    /// Hysteresis margin on the ranking key.
-    pub margin: f64,
-    /// Silence after which a node's GPUs go unhealthy.
-    pub heartbeat_timeout_s: u64,
-    /// The most reservations per pass (see `PolicyConfig::reservations_max`).
-    pub reservations: u32,
-    /// Assemble whole nodes for under-served multi-GPU work (see `PolicyConfig::defragment`).
-    pub defragment: bool,
-    /// Hysteresis in time (see `PolicyConfig::reversal_window_ms`).
-    pub reversal_window_s: u64,
-}
-
-impl Default for PolicySection {
-    fn default() -> Self {
-        PolicySection {
-            name: "fairshare".into(),
-            window_s: 7 * 24 * 3600,
-            window_buckets: 168,
-            min_runtime_s: 7200,
-            max_min_runtime_s: 28_800,
-            grace_s: 300,
-            margin: 0.05,
-            heartbeat_timeout_s: ledger::health::DEFAULT_TIMEOUT_MS / 1000,
-            reservations: PolicyConfig::default().reservations_max,
-            defragment: PolicyConfig::default().defragment,
-            reversal_window_s: PolicyConfig::default().reversal_window_ms / 1000,
-        }
-    }
 }
 
 /// `[[nodes]]`.
@@ -259,7 +217,7 @@ impl Scenario {
         nodes_required: bool,
     ) -> Result<Prepared, SimError> {
         let bad = |message: String| SimError::Invalid(message);
-        let name = policy_override.unwrap_or(&self.policy.name);
+        let name = policy_override.unwrap_or(&self.policy.policy);
         let policy_name = policy::POLICY_NAMES
             .iter()
             .find(|p| **p == name)
@@ -374,11 +332,10 @@ impl Scenario {
                 ));
             }
         }
+        // A simulation's events are exact: no skew to tolerate.
         let state_config = StateConfig {
-            window_ms: p.window_s * 1000,
-            window_buckets: p.window_buckets,
-            min_runtime_cap_ms: p.max_min_runtime_s * 1000,
             clock_skew_tolerance_ms: 0,
+            ..p.state_config()
         };
         // The set-up goes through the fold's own rules: a scenario the ledger would refuse in
         // part (a model or label it does not take, a node listed twice) is refused whole.
@@ -398,21 +355,17 @@ impl Scenario {
             state_config,
             policy: PolicyConfig {
                 policy: policy_name,
-                min_runtime_ms: p.min_runtime_s * 1000,
-                grace_ms: p.grace_s * 1000,
-                margin: p.margin,
-                reservations_max: p.reservations,
-                defragment: p.defragment,
-                reversal_window_ms: p.reversal_window_s * 1000,
-                // Reports need decisions, not the reasons of every waiting workload.
-                explain: false,
-                ..PolicyConfig::default()
+                ..p.policy_config(&PolicyConfig {
+                    // Reports need decisions, not the reasons of every waiting workload.
+                    explain: false,
+                    ..PolicyConfig::default()
+                })
             },
             setup,
             nodes,
             weights,
             faults,
-            heartbeat_timeout_ms: p.heartbeat_timeout_s * 1000,
+            heartbeat_timeout_ms: p.heartbeat_timeout_ms(),
             failures: self.failures.clone(),
         };
         // The bounds are the ledger's, which folds these settings as its first event.
