@@ -22,7 +22,11 @@ pub use crate::identity::{PrincipalGranted, PrincipalRevoked, Role};
 /// - 2: names hold to [`crate::names`] (node names, GPU models, labels, allocation path
 ///   segments, and what a workload runs). A version-1 event is folded by the rules of its day,
 ///   so a replay of an old log comes out as it did when it was written.
-pub const SCHEMA_VERSION: u16 = 2;
+/// - 3: the last admin is the last whose token does not expire: an admin is not revoked while
+///   only admins whose tokens expire would be left (who would all be locked out in time). A
+///   version-2 revocation is folded by the rule of its day. The ledger's settings are an event
+///   (`settings_set`).
+pub const SCHEMA_VERSION: u16 = 3;
 
 /// The oldest schema version this build folds.
 pub const OLDEST_SCHEMA_VERSION: u16 = 1;

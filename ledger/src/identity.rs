@@ -522,15 +522,24 @@ impl Principals {
 
     /// Whether [`Principals::revoke`] would revoke `name`: a live principal, and not the last
     /// admin.
-    pub fn check_revoke(&self, name: &str) -> Result<(), Rejection> {
+    /// From schema version 3, only admins whose tokens do not expire count as the admins left:
+    /// revoking the last of them would lock every admin out once the others expire.
+    pub fn check_revoke(&self, schema_version: u16, name: &str) -> Result<(), Rejection> {
         let target = self
             .by_name
             .get(name)
             .ok_or_else(|| Rejection::UnknownPrincipal {
                 name: name.to_owned(),
             })?;
-        if target.role == Role::Admin && self.iter().filter(|p| p.role == Role::Admin).count() == 1
-        {
+        if target.role != Role::Admin {
+            return Ok(());
+        }
+        let left = self
+            .iter()
+            .filter(|p| p.role == Role::Admin && p.name != name)
+            .filter(|p| schema_version < 3 || p.expires_at_ms.is_none())
+            .count();
+        if left == 0 {
             return Err(Rejection::LastAdmin {
                 name: name.to_owned(),
             });
@@ -538,9 +547,10 @@ impl Principals {
         Ok(())
     }
 
-    /// Revokes the live principal `name`; never the last admin, so someone can always grant.
-    pub fn revoke(&mut self, name: &str) -> Result<(), Rejection> {
-        self.check_revoke(name)?;
+    /// Revokes the live principal `name`; never the last admin (from schema version 3, the last
+    /// whose token does not expire), so someone can always grant.
+    pub fn revoke(&mut self, schema_version: u16, name: &str) -> Result<(), Rejection> {
+        self.check_revoke(schema_version, name)?;
         let p = self.by_name.remove(name).expect("checked above");
         self.by_token.remove(&p.token_sha256);
         self.revoked.insert(p.token_sha256, p.name);

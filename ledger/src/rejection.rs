@@ -294,7 +294,7 @@ pub enum Rejection {
         window_buckets: u32,
     },
     /// The last admin cannot be revoked: nobody could grant anything again.
-    #[error("{name:?} is the last admin; grant another admin before revoking it")]
+    #[error("{name:?} is the last admin (from schema version 3, admins whose tokens expire do not count); grant another admin without an expiry before revoking it")]
     LastAdmin {
         /// The name.
         name: String,

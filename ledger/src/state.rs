@@ -714,7 +714,7 @@ impl State {
             Event::WorkloadRequeued(e) => self.expect_phase(e.workload, Phase::Stopped).map(drop),
             Event::PrincipalGranted(e) => self.principals.check_grant(e, &self.allocations),
             Event::SettingsSet(e) => self.check_settings(e),
-            Event::PrincipalRevoked(e) => self.principals.check_revoke(&e.name),
+            Event::PrincipalRevoked(e) => self.principals.check_revoke(env.schema_version, &e.name),
         }
     }
 
@@ -767,9 +767,10 @@ impl State {
             Event::WorkloadFinished(e) => self.workload_finished(e),
             Event::WorkloadRequeued(e) => self.workload_requeued(e),
             Event::PrincipalGranted(e) => self.principal_granted(seq, e, &env.actor),
-            Event::PrincipalRevoked(e) => {
-                self.principals.revoke(&e.name).map(|()| Outcome::Applied)
-            }
+            Event::PrincipalRevoked(e) => self
+                .principals
+                .revoke(env.schema_version, &e.name)
+                .map(|()| Outcome::Applied),
             Event::SettingsSet(e) => self.settings_set(seq, e),
         };
         match result {

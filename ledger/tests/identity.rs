@@ -165,6 +165,53 @@ fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
     assert_eq!(rejected(l.apply(S, bad_digest)).code(), "invalid_grant");
 }
 
+/// rule: admins whose tokens expire do not count as the last admin (schema version 3): a
+/// temporary admin cannot be the one left, which would lock every admin out once it expired.
+/// A version-2 log replays as it was folded.
+#[test]
+fn an_admin_whose_token_expires_is_not_the_last_admin_from_version_3() {
+    let events = |version: u16| {
+        let mut tmp = grant("tmpadm", Role::Admin, &[], None, 2);
+        if let Event::PrincipalGranted(g) = &mut tmp {
+            g.expires_at_ms = Some(3 * S);
+        }
+        [
+            grant("admin", Role::Admin, &[], None, 1),
+            tmp,
+            revoke("admin"),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(move |(i, e)| {
+            let mut env = Envelope::new(Uuid::from_u128(i as u128 + 1), 0, "test", e);
+            env.schema_version = version;
+            env
+        })
+    };
+    let fold = |version: u16| {
+        let mut state = ledger::State::new(Default::default());
+        let outcomes: Vec<Outcome> = events(version)
+            .enumerate()
+            .map(|(i, env)| state.apply(i as u64 + 1, &env))
+            .collect();
+        (state, outcomes)
+    };
+    let (now, outcomes) = fold(SCHEMA_VERSION);
+    let r = rejected(outcomes[2].clone());
+    assert_eq!(r.code(), "last_admin", "{r}");
+    assert!(r.to_string().contains("without an expiry"), "{r}");
+    assert!(now.principals().get("admin").is_some());
+    // The same revocation written under version 2 was applied then, and still is.
+    let (then, outcomes) = fold(2);
+    assert_eq!(outcomes[2], Outcome::Applied);
+    assert!(then.principals().get("admin").is_none());
+    // With another admin that does not expire, the revocation stands.
+    let mut l = Ledger::default();
+    l.ok(0, grant("admin", Role::Admin, &[], None, 1));
+    l.ok(0, grant("admin2", Role::Admin, &[], None, 3));
+    l.ok(0, revoke("admin"));
+}
+
 /// rules: each role may take exactly the kinds of action of the table in `ledger::identity`,
 /// written out again here so a change to one is a change to the other.
 #[test]

@@ -555,7 +555,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         "idempotency_key": "forged",
         "envelope": {
             "id": "01a23880-0000-7000-8000-000000000001",
-            "schema_version": 2,
+            "schema_version": ledger::event::SCHEMA_VERSION,
             "occurred_at_ms": 1,
             "actor": "agent:gpu-h",
             "type": "workload_finished",
@@ -578,7 +578,7 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         "idempotency_key": "future",
         "envelope": {
             "id": "01a23880-0000-7000-8000-000000000002",
-            "schema_version": 2,
+            "schema_version": ledger::event::SCHEMA_VERSION,
             "occurred_at_ms": before["now_ms"].as_u64().unwrap() + 3_600_000,
             "actor": "agent:gpu-h",
             "type": "node_registered",
