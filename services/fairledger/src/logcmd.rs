@@ -106,6 +106,7 @@ pub async fn connect_waiting(
 impl LogArgs {
     /// Opens the log these arguments name.
     pub async fn open(&self) -> Result<AnyLog, String> {
+        private_dir(&self.data)?;
         match &self.nats {
             Some(url) => {
                 let options = JetStreamOptions {
@@ -130,6 +131,32 @@ impl LogArgs {
             None => format!("the embedded log in {}", self.data.join("log").display()),
         }
     }
+}
+
+/// Makes the data directory `dir` (the log, the projection, tokens, runs: submissions'
+/// commands and environments) reachable by its owner only, creating it if need be.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let failed =
+        |e: std::io::Error| format!("cannot prepare the data directory {}: {e}", dir.display());
+    if !dir.exists() {
+        return std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(failed);
+    }
+    let mode = std::fs::metadata(dir).map_err(failed)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))
+            .map_err(failed)?;
+        eprintln!(
+            "made {} reachable by its owner only (it was {:o}): it holds submissions' commands and environments",
+            dir.display(),
+            mode & 0o777
+        );
+    }
+    Ok(())
 }
 
 /// A runtime for one command.

@@ -1438,3 +1438,24 @@ fn a_what_if_offline_at_the_servers_sequence_is_the_servers_answer() {
         "{err}"
     );
 }
+
+/// The data directory holds submissions' commands and environments and the first admin's
+/// token: serve creates it reachable by its owner only, and makes an existing one so.
+#[test]
+fn the_data_directory_is_reachable_by_its_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let fresh = dir.path().join("fresh");
+    let server = Server::start(&["--data", fresh.to_str().unwrap(), "--no-agents"]);
+    assert_eq!(mode(&fresh), 0o700);
+    server.stop();
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let server = Server::start(&["--data", open.to_str().unwrap(), "--no-agents"]);
+    assert_eq!(mode(&open), 0o700);
+    let said = server.stderr.lock().unwrap().clone();
+    assert!(said.contains("reachable by its owner only"), "{said}");
+    server.stop();
+}
