@@ -541,7 +541,8 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
             )
         })?;
         let (kept, config, up_to) = (p.kept(), *p.state().base_config(), p.last_seq());
-        projector::verify::verify(&log, &kept, config, up_to, &scope)
+        let open = projector::verify::open_rows_now(p.book(), p.state());
+        projector::verify::verify(&log, &kept, &open, config, up_to, &scope)
             .await
             .map_err(|e| e.to_string())
     })?;
@@ -563,7 +564,7 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
             println!("differs: {}", describe_difference(d));
         }
         println!(
-            "compared {} kept rows with a refold of sequences 1 to {} in {:.2} s: {}",
+            "compared {} rows (kept, and the periods under way) with a refold of sequences 1 to {} in {:.2} s: {}",
             found.compared,
             found.last_seq,
             started.elapsed().as_secs_f64(),

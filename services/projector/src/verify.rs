@@ -61,12 +61,23 @@ pub struct Verification {
     pub differences: Vec<Difference>,
 }
 
-/// Refolds `log` up to `up_to` and compares the rows it closes, in `scope`, with `kept`'s.
-/// Kept rows of periods the refold has not closed yet (the projection may have moved on) are
-/// not compared.
+/// The rows of every period still open in `book`, read at `state`'s clock (its last event):
+/// the periods under way, as an audit shows them.
+pub fn open_rows_now(book: &Book, state: &State) -> Vec<Row> {
+    Granularity::ALL
+        .iter()
+        .flat_map(|&g| book.open_rows(state, g, 0, state.now_ms()))
+        .collect()
+}
+
+/// Refolds `log` up to `up_to` and compares the rows it closes, in `scope`, with `kept`'s, and
+/// the periods still open at `up_to`'s clock with `open` (the projection's, read at the same
+/// sequence by [`open_rows_now`]): the hour under way is verified too. Kept rows of periods
+/// the refold has not closed yet (the projection may have moved on) are not compared.
 pub async fn verify<L: EventLog>(
     log: &L,
     kept: &Kept,
+    open: &[Row],
     config: StateConfig,
     up_to: u64,
     scope: &Scope,
@@ -107,6 +118,29 @@ pub async fn verify<L: EventLog>(
         }
     }
     for (_, row) in refold {
+        compared += 1;
+        differences.push(Difference {
+            kept: None,
+            refold: Some(row),
+        });
+    }
+    // The periods under way, read at the last event folded on both sides.
+    let mut refold_open: BTreeMap<[u8; 15], Row> = open_rows_now(&book, &state)
+        .into_iter()
+        .filter(|r| scope.holds(r))
+        .map(|r| (kept_key(&r), r))
+        .collect();
+    for row in open.iter().filter(|r| scope.holds(r)) {
+        compared += 1;
+        match refold_open.remove(&kept_key(row)) {
+            Some(r) if r == *row => {}
+            other => differences.push(Difference {
+                kept: Some(row.clone()),
+                refold: other,
+            }),
+        }
+    }
+    for (_, row) in refold_open {
         compared += 1;
         differences.push(Difference {
             kept: None,

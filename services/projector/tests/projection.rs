@@ -357,6 +357,7 @@ async fn a_corrupt_or_foreign_projection_is_rebuilt_from_the_log() {
     let found = projector::verify::verify(
         &settled,
         &p.kept(),
+        &projector::verify::open_rows_now(p.book(), p.state()),
         *p.state().base_config(),
         p.last_seq(),
         &Default::default(),

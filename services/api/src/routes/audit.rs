@@ -476,15 +476,16 @@ pub(crate) async fn audit_verify(
             "a verification is already running; try again when it ends",
         ));
     };
-    let (kept, config, up_to) = {
+    let (kept, open, config, up_to) = {
         let p = app.inner.projection.read().await;
-        (p.kept(), *p.state().base_config(), p.last_seq())
+        let open = projector::verify::open_rows_now(p.book(), p.state());
+        (p.kept(), open, *p.state().base_config(), p.last_seq())
     };
     let log = app.inner.log.clone();
     let runtime = tokio::runtime::Handle::current();
     let found = tokio::task::spawn_blocking(move || {
         runtime.block_on(projector::verify::verify(
-            &log, &kept, config, up_to, &scope,
+            &log, &kept, &open, config, up_to, &scope,
         ))
     })
     .await
