@@ -347,8 +347,16 @@ fn unreachable(base: &str, e: &ureq::Error) -> String {
 }
 
 fn tls_failed(e: &ureq::Error) -> String {
+    let what = e.to_string();
+    if what.contains("CaUsedAsEndEntity") {
+        // openssl's usual self-signed recipe marks the certificate a CA, which browsers and
+        // curl forgive and rustls does not.
+        return format!(
+            "TLS failed ({what}): the server's certificate is marked as a CA (CA:TRUE, as `openssl req -x509` makes it); make one with `fairledger tls-cert`, or add -addext basicConstraints=critical,CA:FALSE to openssl"
+        );
+    }
     format!(
-        "TLS failed ({e}); use http:// for a server without TLS, and pass --ca-file for one \
+        "TLS failed ({what}); use http:// for a server without TLS, and pass --ca-file for one \
          whose certificate a private CA signed"
     )
 }

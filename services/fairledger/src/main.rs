@@ -196,6 +196,16 @@ enum Command {
         /// Workload id.
         id: String,
     },
+    /// Make a self-signed certificate and key for `serve --tls-cert/--tls-key` that the
+    /// command-line client and agents accept with `--ca-file` (an end entity, not a CA).
+    TlsCert {
+        /// Names and addresses the server is reached by.
+        #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        hosts: Vec<String>,
+        /// Directory to write cert.pem and key.pem (readable by you only) into.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+    },
     /// The ledger's settings (policy, contract, grace, margin, window…), or change them.
     Settings {
         #[command(flatten)]
@@ -323,6 +333,43 @@ struct SimArgs {
     /// or teams:N.
     #[arg(long)]
     allocation_column: Option<String>,
+}
+
+/// `fairledger tls-cert`: a self-signed end-entity certificate for `hosts`, and its key.
+fn tls_cert(hosts: &[String], out: &std::path::Path) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let made =
+        rcgen::generate_simple_self_signed(hosts.to_vec()).map_err(|e| format!("--host: {e}"))?;
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let (cert, key) = (out.join("cert.pem"), out.join("key.pem"));
+    let write = |path: &std::path::Path, text: String, mode: u32| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .map_err(|e| {
+                format!(
+                    "cannot write {} ({e}); move the old one away first",
+                    path.display()
+                )
+            })
+    };
+    write(&key, made.signing_key.serialize_pem(), 0o600)?;
+    write(&cert, made.cert.pem(), 0o644)?;
+    println!(
+        "wrote {} and {} for {}\n  serve:   fairledger serve --tls-cert {} --tls-key {}\n  clients: --api https://{}:8080 --ca-file {}",
+        cert.display(),
+        key.display(),
+        hosts.join(", "),
+        cert.display(),
+        key.display(),
+        hosts.first().map_or("localhost", String::as_str),
+        cert.display()
+    );
+    Ok(())
 }
 
 /// `--work-model`: checkpoint or restart.
@@ -461,6 +508,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }
+        Command::TlsCert { hosts, out } => tls_cert(&hosts, &out),
         Command::Settings { client, command } => {
             client::settings(&client, command.unwrap_or(client::SettingsCommand::Show))
         }

@@ -977,16 +977,21 @@ fn a_revocation_reaches_every_api_process_on_nats() {
     assert!(first.stop().success());
 }
 
-/// https: `serve --tls-cert --tls-key` answers over TLS only; the client trusts it with
-/// --ca-file and refuses it without, and an agent over --api reaches it the same way.
+/// https: `serve --tls-cert --tls-key` with the certificate `fairledger tls-cert` makes
+/// answers over TLS only; the client trusts it with --ca-file and refuses it without, and an
+/// agent over --api reaches it the same way.
 #[test]
 fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
     let tmp = tempfile::tempdir().unwrap();
-    let cert =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let (ok, said, err) = run(&["tls-cert", "--out", tmp.path().to_str().unwrap()]);
+    assert!(ok && said.contains("--ca-file"), "{said}{err}");
     let (cert_file, key_file) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
-    std::fs::write(&cert_file, cert.cert.pem()).unwrap();
-    std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&key_file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the key is its owner's only");
+    // Made again, it refuses to overwrite them.
+    let (ok, _, err) = run(&["tls-cert", "--out", tmp.path().to_str().unwrap()]);
+    assert!(!ok && err.contains("move the old one away"), "{err}");
     let data = tmp.path().join("data");
     let server = Server::start(&[
         "--data",
@@ -1458,4 +1463,46 @@ fn the_data_directory_is_reachable_by_its_owner_only() {
     let said = server.stderr.lock().unwrap().clone();
     assert!(said.contains("reachable by its owner only"), "{said}");
     server.stop();
+}
+
+/// A certificate marked as a CA (as `openssl req -x509` makes one) is refused by rustls even
+/// when trusted with --ca-file: the client says why and how to make one that works.
+#[test]
+fn a_certificate_marked_as_a_ca_is_refused_with_what_to_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut params =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+            .unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    let (cert_file, key_file) = (tmp.path().join("ca.pem"), tmp.path().join("ca-key.pem"));
+    std::fs::write(&cert_file, cert.pem()).unwrap();
+    std::fs::write(&key_file, key.serialize_pem()).unwrap();
+    let data = tmp.path().join("data");
+    let server = Server::start(&[
+        "--data",
+        data.to_str().unwrap(),
+        "--no-agents",
+        "--tls-cert",
+        cert_file.to_str().unwrap(),
+        "--tls-key",
+        key_file.to_str().unwrap(),
+    ]);
+    let api = format!("https://{}", server.addr);
+    let token = server.token_file();
+    let (ok, _, err) = run(&[
+        "whoami",
+        "--api",
+        &api,
+        "--token-file",
+        &token,
+        "--ca-file",
+        cert_file.to_str().unwrap(),
+    ]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("marked as a CA") && err.contains("fairledger tls-cert"),
+        "{err}"
+    );
 }
