@@ -977,6 +977,20 @@ fn a_revocation_reaches_every_api_process_on_nats() {
     assert!(first.stop().success());
 }
 
+/// `serve` over https in `dir/data`, with no agents of its own.
+fn https_server(dir: &std::path::Path, cert: &std::path::Path, key: &std::path::Path) -> Server {
+    let data = dir.join("data");
+    Server::start(&[
+        "--data",
+        data.to_str().unwrap(),
+        "--no-agents",
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ])
+}
+
 /// https: `serve --tls-cert --tls-key` with the certificate `fairledger tls-cert` makes
 /// answers over TLS only; the client trusts it with --ca-file and refuses it without, and an
 /// agent over --api reaches it the same way.
@@ -992,16 +1006,7 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
     // Made again, it refuses to overwrite them.
     let (ok, _, err) = run(&["tls-cert", "--out", tmp.path().to_str().unwrap()]);
     assert!(!ok && err.contains("move the old one away"), "{err}");
-    let data = tmp.path().join("data");
-    let server = Server::start(&[
-        "--data",
-        data.to_str().unwrap(),
-        "--no-agents",
-        "--tls-cert",
-        cert_file.to_str().unwrap(),
-        "--tls-key",
-        key_file.to_str().unwrap(),
-    ]);
+    let server = https_server(tmp.path(), &cert_file, &key_file);
     let api = format!("https://{}", server.addr);
     let client = |extra: &[&str]| {
         let out = Command::new(BIN)
@@ -1479,16 +1484,7 @@ fn a_certificate_marked_as_a_ca_is_refused_with_what_to_do() {
     let (cert_file, key_file) = (tmp.path().join("ca.pem"), tmp.path().join("ca-key.pem"));
     std::fs::write(&cert_file, cert.pem()).unwrap();
     std::fs::write(&key_file, key.serialize_pem()).unwrap();
-    let data = tmp.path().join("data");
-    let server = Server::start(&[
-        "--data",
-        data.to_str().unwrap(),
-        "--no-agents",
-        "--tls-cert",
-        cert_file.to_str().unwrap(),
-        "--tls-key",
-        key_file.to_str().unwrap(),
-    ]);
+    let server = https_server(tmp.path(), &cert_file, &key_file);
     let api = format!("https://{}", server.addr);
     let token = server.token_file();
     let (ok, _, err) = run(&[
