@@ -101,32 +101,71 @@ impl Settings {
                 ),
             );
         }
-        if !(3600..=366 * DAY_S).contains(&self.window_s) {
-            return bad(
+        // Whole numbers within bounds, in the order they are checked; a bound's gloss follows it.
+        let bounded: [(&'static str, u64, u64, u64, &str); 9] = [
+            (
                 "window_s",
-                format!(
-                    "{} must lie in 3600 (an hour) to 31622400 (a year)",
-                    self.window_s
-                ),
-            );
-        }
-        if !(1..=WINDOW_BUCKETS_MAX).contains(&self.window_buckets) {
-            return bad(
+                self.window_s,
+                3600,
+                366 * DAY_S,
+                " (an hour to a year)",
+            ),
+            (
                 "window_buckets",
-                format!(
-                    "{} must lie in 1 to {WINDOW_BUCKETS_MAX}",
-                    self.window_buckets
-                ),
-            );
-        }
-        if self.max_min_runtime_s > 30 * DAY_S {
-            return bad(
+                self.window_buckets.into(),
+                1,
+                WINDOW_BUCKETS_MAX.into(),
+                "",
+            ),
+            (
                 "max_min_runtime_s",
-                format!(
-                    "{} must be at most 2592000 (30 days)",
-                    self.max_min_runtime_s
-                ),
-            );
+                self.max_min_runtime_s,
+                0,
+                30 * DAY_S,
+                " (30 days)",
+            ),
+            ("grace_s", self.grace_s, 0, DAY_S, " (a day)"),
+            (
+                "reversal_window_s",
+                self.reversal_window_s,
+                0,
+                30 * DAY_S,
+                " (30 days)",
+            ),
+            ("reservations", self.reservations.into(), 1, 64, ""),
+            (
+                "preemptors_per_pass",
+                self.preemptors_per_pass.into(),
+                1,
+                1024,
+                "",
+            ),
+            (
+                "heartbeat_timeout_s",
+                self.heartbeat_timeout_s,
+                1,
+                DAY_S,
+                " (a day)",
+            ),
+            (
+                "clock_skew_tolerance_ms",
+                self.clock_skew_tolerance_ms,
+                0,
+                3_600_000,
+                " (an hour)",
+            ),
+        ];
+        for (field, value, low, high, gloss) in bounded {
+            if !(low..=high).contains(&value) {
+                return bad(
+                    field,
+                    if low == 0 {
+                        format!("{value} must be at most {high}{gloss}")
+                    } else {
+                        format!("{value} must lie in {low} to {high}{gloss}")
+                    },
+                );
+            }
         }
         if self.min_runtime_s > self.max_min_runtime_s {
             return bad(
@@ -137,35 +176,8 @@ impl Settings {
                 ),
             );
         }
-        if self.grace_s > DAY_S {
-            return bad(
-                "grace_s",
-                format!("{} must be at most 86400 (a day)", self.grace_s),
-            );
-        }
         if !(self.margin.is_finite() && (0.0..10.0).contains(&self.margin)) {
             return bad("margin", format!("{} must lie in [0, 10)", self.margin));
-        }
-        if self.reversal_window_s > 30 * DAY_S {
-            return bad(
-                "reversal_window_s",
-                format!(
-                    "{} must be at most 2592000 (30 days)",
-                    self.reversal_window_s
-                ),
-            );
-        }
-        if !(1..=64).contains(&self.reservations) {
-            return bad(
-                "reservations",
-                format!("{} must lie in 1 to 64", self.reservations),
-            );
-        }
-        if !(1..=1024).contains(&self.preemptors_per_pass) {
-            return bad(
-                "preemptors_per_pass",
-                format!("{} must lie in 1 to 1024", self.preemptors_per_pass),
-            );
         }
         let label =
             std::collections::BTreeMap::from([(self.topology_label.clone(), String::new())]);
@@ -175,24 +187,6 @@ impl Settings {
                 format!(
                     "{:?}: a label key has 1 to 128 letters, digits, '-', '_', '.' or '/', the first a letter or digit",
                     self.topology_label
-                ),
-            );
-        }
-        if !(1..=DAY_S).contains(&self.heartbeat_timeout_s) {
-            return bad(
-                "heartbeat_timeout_s",
-                format!(
-                    "{} must lie in 1 to 86400 (a day)",
-                    self.heartbeat_timeout_s
-                ),
-            );
-        }
-        if self.clock_skew_tolerance_ms > 3_600_000 {
-            return bad(
-                "clock_skew_tolerance_ms",
-                format!(
-                    "{} must be at most 3600000 (an hour)",
-                    self.clock_skew_tolerance_ms
                 ),
             );
         }
