@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 
 use ledger::event::*;
+use ledger::policy::summary::QueueSummary;
 use ledger::policy::{Blocked, PolicyConfig, POLICY_NAMES};
 use ledger::sim::{Engine, Fault, FaultKind, SimWorkload};
 use ledger::{Outcome, Phase, State, StateConfig};
@@ -352,6 +353,52 @@ fn run_seed(seed: u64) {
                 terse.reservations,
                 explained.reservations
             );
+            // The queue's summary counts what the explained queue holds: every pending workload
+            // the pass does not start, once, by allocation (headed by its first in the policy's order) and by reason.
+            let summary = QueueSummary::of(state, &explained.pending);
+            let waiting = state
+                .workloads()
+                .values()
+                .filter(|w| w.phase == Phase::Pending)
+                .count() as u64
+                - explained.starts().count() as u64;
+            assert_eq!(summary.pending, waiting, "summary at event {seq}");
+            let gpus: u64 = explained
+                .pending
+                .iter()
+                .map(|p| state.workloads()[&p.workload].gpus())
+                .sum();
+            assert_eq!(summary.gpus, gpus, "summary at event {seq}");
+            for (what, pending, g) in [
+                (
+                    "allocations",
+                    summary.by_allocation.iter().map(|a| a.pending).sum::<u64>(),
+                    summary.by_allocation.iter().map(|a| a.gpus).sum::<u64>(),
+                ),
+                (
+                    "reasons",
+                    summary.by_reason.iter().map(|r| r.pending).sum(),
+                    summary.by_reason.iter().map(|r| r.gpus).sum(),
+                ),
+            ] {
+                assert_eq!((pending, g), (waiting, gpus), "{what} at event {seq}");
+            }
+            for a in &summary.by_allocation {
+                let first = explained
+                    .pending
+                    .iter()
+                    .find(|p| {
+                        state.allocation_path(&state.workloads()[&p.workload])
+                            == a.allocation.as_deref()
+                    })
+                    .expect("an allocation in the summary has a queue");
+                assert_eq!(
+                    (first.workload, first.position, first.reason.code()),
+                    (a.head, a.head_position, a.head_reason),
+                    "head of {:?} at event {seq}",
+                    a.allocation
+                );
+            }
             // No GPU idles while work that may borrow it waits: single-node work that would fit
             // on reserved GPUs borrows them, so it waits behind a reservation only where the
             // GPUs are gathered from workloads leaving for it or for a gang (they are not lent),

@@ -41,6 +41,7 @@ pub mod fifo;
 pub mod placement;
 pub mod priority;
 pub mod rank;
+pub mod summary;
 mod victims;
 
 use std::ops::Bound;
@@ -254,6 +255,29 @@ pub enum Blocked {
         /// Its cap.
         max_gpus: u32,
     },
+}
+
+impl Blocked {
+    /// The reason's name as listings and filters use it: `holds_reservation`,
+    /// `waiting_for_preemption`, `behind_reservation`, `no_capacity` or `allocation_cap`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Blocked::HoldsReservation { .. } => "holds_reservation",
+            Blocked::WaitingForPreemption { .. } => "waiting_for_preemption",
+            Blocked::BehindReservation { .. } => "behind_reservation",
+            Blocked::NoCapacity { .. } => "no_capacity",
+            Blocked::AllocationCap { .. } => "allocation_cap",
+        }
+    }
+
+    /// Every reason's code, in the order summaries list them (closest to starting first).
+    pub const CODES: [&'static str; 5] = [
+        "holds_reservation",
+        "waiting_for_preemption",
+        "behind_reservation",
+        "allocation_cap",
+        "no_capacity",
+    ];
 }
 
 /// A pending workload and why it waits.

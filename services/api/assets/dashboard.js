@@ -7,17 +7,31 @@ const TOKEN_KEY = "fairledger-token";
 const UNALLOCATED = "(unallocated)";
 const view = {
   lastSeq: 0,
-  work: new Map(), // workload id -> {allocation, name}
   leaves: [], // leaf allocation paths, in tree order
   colours: new Map(),
   hourly: [], // [{from, to, held: {path: gpus}}]
   samples: [], // [{t, held: {path: gpus}}] while the page is open
   capacity: 0,
-  refreshing: null,
+  nodes: [], // every node, as /v1/nodes answers them
+  layout: [], // where each node is drawn on the canvas: {x, y, w, h, node}
   period: null,
   started: false,
   following: false,
+  // Paged lists: the cursor of each page shown before the current one, and the current one.
+  waiting: { cursors: [], cursor: null, next: null, allocation: null },
+  running: { cursors: [], cursor: null, next: null },
+  nodePage: 0,
+  // Live updates: what the events since the last refresh touched, and when it ran.
+  dirty: new Set(),
+  refreshing: false,
+  lastRefresh: 0,
+  timer: null,
 };
+
+/// Rows a paged table shows.
+const PAGE = 50;
+/// The least time between two refreshes while events pour in, in ms.
+const REFRESH_EVERY = 1000;
 
 // ---- the token ------------------------------------------------------------------------------
 
@@ -206,38 +220,49 @@ async function refreshAllocations() {
   document.getElementById("asof").textContent = `as of event ${v.as_of_seq}`;
 }
 
-async function refreshWork() {
-  const [running, pending, queue] = await Promise.all([
-    listed("phase=running"),
-    listed("phase=pending,stopped"),
-    api("/v1/queue"),
-  ]);
-  view.work.clear();
-  for (const w of [...running.workloads, ...pending.workloads]) {
-    view.work.set(w.id, { allocation: w.allocation, name: w.name });
-  }
+async function refreshWaiting() {
+  const w = view.waiting;
+  let path = `/v1/queue?limit=${PAGE}`;
+  if (w.cursor !== null) path += `&after=${w.cursor}`;
+  if (w.allocation) path += `&allocation=${encodeURIComponent(w.allocation)}`;
+  const [page, whole] = await Promise.all([api(path), w.allocation ? api("/v1/queue?limit=0") : null]);
+  const s = (whole || page).summary;
+  w.next = page.next_after;
+  document.getElementById("waiting-total").textContent =
+    `${s.pending} waiting for ${s.gpus} GPUs in ${s.by_allocation.length} allocation${s.by_allocation.length === 1 ? "" : "s"}`;
   fill(
-    "running",
-    running.workloads.map((w) => [
-      { text: w.name || "-", colour: colour(w.allocation) },
-      shortId(w.id),
-      w.allocation || UNALLOCATED,
-      w.user,
-      { text: `${w.nodes}×${w.gpus_per_node}`, num: true },
-      when(w.started_at_ms),
-      when(w.protected_until_ms),
-      w.state,
+    "waiting-summary",
+    s.by_allocation.map((a) => [
+      { text: a.allocation || UNALLOCATED, colour: colour(a.allocation) },
+      { text: a.pending, num: true },
+      { text: a.gpus, num: true },
+      shortId(a.head.id),
+      { text: a.head.position, num: true },
+      a.head.reason.replaceAll("_", " "),
     ]),
   );
+  document.querySelectorAll("#waiting-summary tbody tr").forEach((tr, i) => {
+    const path = s.by_allocation[i].allocation;
+    tr.dataset.allocation = path || "";
+    if (path && path === w.allocation) tr.classList.add("chosen");
+  });
+  document.getElementById("waiting-reasons").textContent = s.by_reason.length
+    ? "By reason: " + s.by_reason.map((r) => `${r.code.replaceAll("_", " ")} ${r.pending} (${r.gpus} GPUs)`).join(" · ")
+    : "";
+  document.getElementById("waiting-filter").textContent = w.allocation ? `${w.allocation} only (click it again for all)` : "";
+  const first = page.pending.length ? page.pending[0].position : 0;
+  const last = page.pending.length ? page.pending[page.pending.length - 1].position : 0;
+  document.getElementById("waiting-page").textContent = page.pending.length ? `positions ${first}–${last}` : "none";
+  document.getElementById("waiting-prev").disabled = w.cursors.length === 0;
+  document.getElementById("waiting-next").disabled = w.next === null || w.next === undefined;
   fill(
     "waiting",
-    queue.pending.map((p) => {
+    page.pending.map((p) => {
       const start = p.reason && (p.reason.start_at_ms || p.reason.until_ms);
       return [
         { text: p.position, num: true },
-        (view.work.get(p.id) || {}).name || "-",
         shortId(p.id),
-        p.allocation || UNALLOCATED,
+        { text: p.allocation || UNALLOCATED, colour: colour(p.allocation) },
         p.user,
         { text: `${p.nodes}×${p.gpus_per_node}`, num: true },
         span((Date.now() - p.submitted_at_ms) / 1000),
@@ -248,59 +273,82 @@ async function refreshWork() {
   );
 }
 
-/// Every workload a listing's `query` selects, page after page (at most 20 pages).
-async function listed(query) {
-  const workloads = [];
-  let before = null;
-  for (let page = 0; page < 20; page++) {
-    const v = await api(`/v1/workloads?${query}&limit=1000${before ? `&before=${before}` : ""}`);
-    workloads.push(...v.workloads);
-    before = v.next_before;
-    if (!before) break;
+async function refreshRunning() {
+  const r = view.running;
+  let path = `/v1/workloads?phase=running&limit=${PAGE}`;
+  if (r.cursor) path += `&before=${r.cursor}`;
+  const page = await api(path);
+  r.next = page.next_before;
+  const from = r.cursors.length * PAGE;
+  document.getElementById("running-page").textContent = page.workloads.length
+    ? `${from + 1}–${from + page.workloads.length}, newest first`
+    : "none";
+  document.getElementById("running-prev").disabled = r.cursors.length === 0;
+  document.getElementById("running-next").disabled = !r.next;
+  fill(
+    "running",
+    page.workloads.map((w) => [
+      { text: w.name || "-", colour: colour(w.allocation) },
+      shortId(w.id),
+      w.allocation || UNALLOCATED,
+      w.user,
+      { text: `${w.nodes}×${w.gpus_per_node}`, num: true },
+      when(w.started_at_ms),
+      when(w.protected_until_ms),
+      w.state,
+    ]),
+  );
+}
+
+/// Every node, page after page (5,000 a page).
+async function allNodes() {
+  const nodes = [];
+  let after = null, summary = null;
+  for (;;) {
+    const v = await api(`/v1/nodes?limit=5000${after ? `&after=${encodeURIComponent(after)}` : ""}`);
+    summary = summary || v.summary;
+    nodes.push(...v.nodes);
+    after = v.next_after;
+    if (!after) return { nodes, summary };
   }
-  return { workloads };
 }
 
 async function refreshNodes() {
-  const v = await api("/v1/nodes");
-  view.capacity = v.nodes.reduce((sum, n) => sum + n.gpus, 0);
-  const grid = document.getElementById("gpus");
-  grid.replaceChildren(
-    ...v.nodes.map((n) => {
-      const row = document.createElement("div");
-      row.className = "node";
-      const name = document.createElement("span");
-      name.className = "name";
-      name.textContent = n.node;
-      row.appendChild(name);
-      for (const g of n.gpu) {
-        const cell = document.createElement("span");
-        cell.className = "gpu";
-        const holder = g.workload ? view.work.get(g.workload) : null;
-        if (g.healthy === false) {
-          cell.classList.add("unhealthy");
-          cell.textContent = "✕";
-        } else if (g.workload) {
-          cell.style.background = colour(holder ? holder.allocation : null);
-        } else {
-          cell.classList.add("free");
-        }
-        if (n.draining) cell.classList.add("draining");
-        cell.title = `${n.node} GPU ${g.gpu}: ${g.workload ? `${(holder && holder.allocation) || UNALLOCATED} (${(holder && holder.name) || g.workload})` : "free"}${g.healthy === false ? ", unhealthy" : ""}`;
-        row.appendChild(cell);
-      }
-      if (n.draining) {
-        const tag = document.createElement("span");
-        tag.className = "tag";
-        tag.textContent = "draining";
-        row.appendChild(tag);
-      }
-      return row;
-    }),
+  const { nodes, summary } = await allNodes();
+  view.nodes = nodes;
+  view.capacity = summary.gpus;
+  const held = summary.by_model.reduce((s, m) => s + m.held_gpus, 0);
+  const free = summary.by_model.reduce((s, m) => s + m.free_gpus, 0);
+  const healthy = summary.by_model.reduce((s, m) => s + m.healthy_gpus, 0);
+  document.getElementById("cluster-summary").textContent =
+    `${summary.nodes} nodes, ${summary.gpus} GPUs: ${held} held, ${free} free, ${summary.gpus - healthy} unhealthy` +
+    (summary.by_state.length ? " · nodes " + summary.by_state.map((s) => `${s.state} ${s.nodes}`).join(", ") : "");
+  fill(
+    "nodes-summary",
+    summary.by_model.map((m) => [
+      m.model,
+      { text: m.nodes, num: true },
+      { text: m.gpus, num: true },
+      { text: m.healthy_gpus, num: true },
+      { text: m.held_gpus, num: true },
+      { text: m.free_gpus, num: true },
+    ]),
   );
+  drawGpus();
+  showNodePage();
+}
+
+function showNodePage() {
+  const pages = Math.max(1, Math.ceil(view.nodes.length / PAGE));
+  view.nodePage = Math.min(view.nodePage, pages - 1);
+  const from = view.nodePage * PAGE;
+  const shown = view.nodes.slice(from, from + PAGE);
+  document.getElementById("nodes-page").textContent = shown.length ? `${from + 1}–${from + shown.length} of ${view.nodes.length}` : "none";
+  document.getElementById("nodes-prev").disabled = view.nodePage === 0;
+  document.getElementById("nodes-next").disabled = view.nodePage >= pages - 1;
   fill(
     "nodes",
-    v.nodes.map((n) => {
+    shown.map((n) => {
       const held = n.gpu.filter((g) => g.workload && typeof g.utilization_pct === "number");
       const util = held.length ? `${Math.round(held.reduce((s, g) => s + g.utilization_pct, 0) / held.length)}%` : "-";
       const down = n.gpu.filter((g) => g.healthy === false).map((g) => g.gpu);
@@ -308,6 +356,158 @@ async function refreshNodes() {
     }),
   );
 }
+
+/// The GPUs on the canvas: one block per node, its GPUs side by side, grouped by model; the
+/// cells as large as lets every node fit in about 480 pixels of height.
+function drawGpus() {
+  const canvas = document.getElementById("gpus");
+  const width = 1100;
+  const models = [];
+  for (const n of view.nodes) {
+    let group = models.find((m) => m.model === n.model);
+    if (!group) models.push((group = { model: n.model, nodes: [] }));
+    group.nodes.push(n);
+  }
+  const widest = Math.max(1, ...view.nodes.map((n) => n.gpus));
+  const named = view.nodes.length <= 64;
+  const label = 16;
+  const fits = (cell) => {
+    const gap = Math.max(3, cell / 2);
+    const block = widest * (cell + 1) + gap + (named ? 0 : 0);
+    const perRow = Math.max(1, Math.floor(width / block));
+    const rowH = cell + gap + (named ? 14 : 0);
+    let h = 0;
+    for (const m of models) h += label + Math.ceil(m.nodes.length / perRow) * rowH;
+    return { cell, gap, block, perRow, rowH, h };
+  };
+  let geometry = null;
+  for (const cell of [22, 16, 12, 9, 7, 5, 4, 3]) {
+    geometry = fits(cell);
+    if (geometry.h <= 480) break;
+  }
+  const { cell, block, perRow, rowH, h } = geometry;
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio;
+  canvas.height = Math.max(40, h) * ratio;
+  canvas.style.height = `${Math.max(40, h)}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, h);
+  ctx.font = "11px system-ui, sans-serif";
+  view.layout = [];
+  let y = 0;
+  for (const m of models) {
+    ctx.fillStyle = "#555";
+    ctx.fillText(`${m.model}: ${m.nodes.length} node${m.nodes.length === 1 ? "" : "s"}`, 0, y + 11);
+    y += label;
+    m.nodes.forEach((n, i) => {
+      const x0 = (i % perRow) * block, y0 = y + Math.floor(i / perRow) * rowH;
+      n.gpu.forEach((g, k) => {
+        ctx.fillStyle = g.healthy === false ? "#ffffff" : g.workload ? colour(g.allocation) : "#e4e6ea";
+        ctx.fillRect(x0 + k * (cell + 1), y0, cell, cell);
+        if (g.healthy === false) {
+          ctx.strokeStyle = "#b71c1c";
+          ctx.strokeRect(x0 + k * (cell + 1) + 0.5, y0 + 0.5, cell - 1, cell - 1);
+        }
+      });
+      if (n.draining) {
+        ctx.fillStyle = "rgba(0,0,0,0.25)";
+        for (let k = 0; k < n.gpu.length; k += 2) ctx.fillRect(x0 + k * (cell + 1), y0 + cell / 2, cell, 2);
+      }
+      if (named) {
+        ctx.fillStyle = "#1d232b";
+        ctx.fillText(n.node, x0, y0 + cell + 12);
+      }
+      view.layout.push({ x: x0, y: y0, w: n.gpu.length * (cell + 1), h: cell, node: n, cell });
+    });
+    y += Math.ceil(m.nodes.length / perRow) * rowH;
+  }
+  canvas.dataset.gpus = String(view.nodes.reduce((s, n) => s + n.gpu.length, 0));
+  canvas.dataset.nodes = String(view.nodes.length);
+}
+
+/// What the tooltip says about node `n`.
+function describeNode(n) {
+  const lines = [`${n.node} (${n.model}, ${n.state}${n.draining ? ", draining" : ""}): ${n.free_gpus} of ${n.gpus} GPUs free`];
+  for (const g of n.gpu) {
+    const what = g.workload ? `${g.allocation || UNALLOCATED} (${shortId(g.workload)})` : "free";
+    lines.push(`GPU ${g.gpu}: ${what}${g.healthy === false ? ", unhealthy" : ""}`);
+  }
+  return lines.join("\n");
+}
+
+/// The colour drawn for GPU `gpu` of node `name` (for checking what the canvas shows).
+function pixelAt(name, gpu) {
+  const at = view.layout.find((l) => l.node.node === name);
+  if (!at) return null;
+  const ratio = window.devicePixelRatio || 1;
+  const x = Math.floor((at.x + gpu * (at.cell + 1) + at.cell / 2) * ratio);
+  const y = Math.floor((at.y + at.cell / 2) * ratio);
+  const [r, g, b] = document.getElementById("gpus").getContext("2d").getImageData(x, y, 1, 1).data;
+  return "#" + [r, g, b].map((c) => c.toString(16).padStart(2, "0")).join("");
+}
+
+/// An allocation's colour as the canvas writes it (#rrggbb).
+function colourOf(path) {
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.fillStyle = colour(path);
+  return ctx.fillStyle;
+}
+
+window.fairledger = { pixelAt, colourOf, view };
+
+(function tooltips() {
+  const canvas = document.getElementById("gpus");
+  const tip = document.getElementById("gpu-tip");
+  canvas.addEventListener("mousemove", (e) => {
+    const box = canvas.getBoundingClientRect();
+    const scale = 1100 / box.width;
+    const x = (e.clientX - box.left) * scale, y = (e.clientY - box.top) * scale;
+    const at = view.layout.find((l) => x >= l.x && x < l.x + l.w && y >= l.y && y < l.y + l.h);
+    if (!at) {
+      tip.hidden = true;
+      return;
+    }
+    tip.textContent = describeNode(at.node);
+    tip.style.left = `${e.clientX + 12}px`;
+    tip.style.top = `${e.clientY + 12}px`;
+    tip.hidden = false;
+  });
+  canvas.addEventListener("mouseleave", () => (tip.hidden = true));
+})();
+
+function pager(prefix, list, refresh) {
+  document.getElementById(`${prefix}-next`).addEventListener("click", () => {
+    if (list.next === null || list.next === undefined) return;
+    list.cursors.push(list.cursor);
+    list.cursor = list.next;
+    refresh().catch(report);
+  });
+  document.getElementById(`${prefix}-prev`).addEventListener("click", () => {
+    if (!list.cursors.length) return;
+    list.cursor = list.cursors.pop();
+    refresh().catch(report);
+  });
+}
+pager("waiting", view.waiting, refreshWaiting);
+pager("running", view.running, refreshRunning);
+document.getElementById("nodes-next").addEventListener("click", () => {
+  view.nodePage += 1;
+  showNodePage();
+});
+document.getElementById("nodes-prev").addEventListener("click", () => {
+  view.nodePage = Math.max(0, view.nodePage - 1);
+  showNodePage();
+});
+document.querySelector("#waiting-summary tbody").addEventListener("click", (e) => {
+  const tr = e.target.closest("tr");
+  if (!tr) return;
+  const w = view.waiting;
+  w.allocation = tr.dataset.allocation && tr.dataset.allocation !== w.allocation ? tr.dataset.allocation : null;
+  w.cursors = [];
+  w.cursor = null;
+  refreshWaiting().catch(report);
+});
 
 async function refreshHistory() {
   const hours = Number(document.getElementById("span").value);
@@ -387,12 +587,16 @@ const events = [];
 
 function about(e) {
   const p = e.payload || {};
-  const id = p.workload;
-  if (id) {
-    const w = view.work.get(id);
-    return (w && w.name) || p.name || shortId(id);
-  }
+  if (p.workload) return p.name || shortId(p.workload);
   return p.node || p.path || p.name || "-";
+}
+
+/// What an event of `type` may change on the page.
+function touches(type) {
+  if (type.startsWith("workload_") || type.startsWith("preemption_")) return ["waiting", "running", "nodes", "allocations"];
+  if (type.startsWith("node_") || type.startsWith("gpu_")) return ["nodes", "waiting"];
+  if (type.startsWith("allocation_") || type === "settings_set") return ["allocations", "waiting"];
+  return [];
 }
 
 function addEvent(seq, e) {
@@ -447,7 +651,13 @@ async function follow() {
           } catch (e) {
             // An event that is not JSON (the ledger keeps what it could not decode): skip it.
           }
-          if (envelope) addEvent(id, envelope);
+          if (envelope) {
+            addEvent(id, envelope);
+            touches(envelope.type || "").forEach((what) => view.dirty.add(what));
+          } else {
+            ["waiting", "running", "nodes", "allocations"].forEach((what) => view.dirty.add(what));
+          }
+          view.dirty.add("events");
           refreshSoon();
         }
       }
@@ -461,19 +671,32 @@ async function follow() {
   }
 }
 
+/// Refreshes what the events touched: at once when the last refresh is a second old, else a
+/// second after it, never two at a time. Each refresh reads pages and summaries, never whole
+/// lists, so the page keeps up however fast events come.
 function refreshSoon() {
-  if (view.refreshing) return;
-  view.refreshing = setTimeout(async () => {
-    view.refreshing = null;
-    fill("events", events);
-    await refreshAll().catch(report);
-    drawChart();
-  }, 250);
+  if (view.timer || view.refreshing) return;
+  const wait = Math.max(0, view.lastRefresh + REFRESH_EVERY - Date.now());
+  view.timer = setTimeout(async () => {
+    view.timer = null;
+    view.refreshing = true;
+    view.lastRefresh = Date.now();
+    const dirty = view.dirty;
+    view.dirty = new Set();
+    if (dirty.has("events")) fill("events", events);
+    const work = [];
+    if (dirty.has("waiting")) work.push(refreshWaiting());
+    if (dirty.has("running")) work.push(refreshRunning());
+    if (dirty.has("nodes")) work.push(refreshNodes());
+    if (dirty.has("allocations")) work.push(refreshAllocations().then(drawChart));
+    await Promise.all(work).catch(report);
+    view.refreshing = false;
+    if (view.dirty.size) refreshSoon();
+  }, wait);
 }
 
 async function refreshAll() {
-  await refreshWork();
-  await Promise.all([refreshAllocations(), refreshNodes()]);
+  await Promise.all([refreshWaiting(), refreshRunning(), refreshAllocations(), refreshNodes()]);
 }
 
 function report(e) {

@@ -142,16 +142,14 @@ enum Command {
         /// Workload id.
         id: String,
     },
-    /// The pending workloads in policy order, with why each waits (like squeue).
+    /// The pending workloads in policy order, with why each waits (like squeue), printed page
+    /// after page however long the queue; or, with --summary, how many wait for how many GPUs
+    /// by allocation and by reason.
     Queue {
         #[command(flatten)]
         client: client::ClientArgs,
-        /// Only this allocation and below.
-        #[arg(long, short)]
-        allocation: Option<String>,
-        /// Only the workloads I submitted.
-        #[arg(long)]
-        me: bool,
+        #[command(flatten)]
+        which: client::QueueArgs,
     },
     /// Grant, list and revoke principals' tokens (admin).
     Token {
@@ -170,6 +168,8 @@ enum Command {
     Nodes {
         #[command(flatten)]
         client: client::ClientArgs,
+        #[command(flatten)]
+        which: client::NodesArgs,
         #[command(subcommand)]
         command: Option<client::NodesCommand>,
     },
@@ -494,17 +494,17 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Submit { client, submit } => client::submit(&client, submit),
         Command::Status { client, id } => client::status(&client, &id),
         Command::Cancel { client, id } => client::cancel(&client, &id),
-        Command::Queue {
-            client,
-            allocation,
-            me,
-        } => client::queue(&client, allocation.as_deref(), me),
+        Command::Queue { client, which } => client::queue(&client, &which),
         Command::Token { client, command } => client::token_command(&client, command),
         Command::Whoami { client } => client::whoami(&client),
         Command::Explain { client, id } => client::explain(&client, &id),
         Command::Jobs { client, filter } => client::jobs(&client, &filter),
         Command::Whatif { client, what } => client::what_if(&client, &what),
-        Command::Nodes { client, command } => client::nodes(&client, command),
+        Command::Nodes {
+            client,
+            which,
+            command,
+        } => client::nodes(&client, &which, command),
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }

@@ -252,8 +252,8 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         assert!(text.contains(shown), "{shown} is not on the page:\n{text}");
     }
     assert_eq!(
-        browser.eval("document.querySelectorAll('#gpus .gpu').length"),
-        json!(32),
+        browser.eval("document.getElementById('gpus').dataset.gpus"),
+        json!("32"),
         "every GPU of the demo cluster is drawn"
     );
     // The token left the address bar for the tab's session storage.
@@ -271,12 +271,39 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         Duration::from_secs(2),
     );
     assert!(shown, "not shown within 2 s:\n{}", browser.text());
-    // Its GPUs are drawn in its allocation's colour (the grid is redrawn just after the table).
+    // Its two GPUs are drawn in its allocation's colour, and the node's tooltip names it.
+    let id = answer["id"].as_str().unwrap();
     let coloured = browser.wait_for(
-        "[...document.querySelectorAll('#gpus .gpu')].filter(g => g.title.includes('seen-by-the-browser')).length === 2",
+        &format!(
+            "(() => {{ const f = window.fairledger; \
+               const held = f.view.nodes.flatMap(n => n.gpu.filter(g => g.workload === '{id}').map(g => [n.node, g.gpu])); \
+               return held.length === 2 && held.every(([n, g]) => f.pixelAt(n, g) === f.colourOf('ai2/tulu')); }})()"
+        ),
         Duration::from_secs(2),
     );
     assert!(coloured, "its GPUs are not drawn:\n{}", browser.text());
+    let at = browser.eval(&format!(
+        "(() => {{ const f = window.fairledger; const c = document.getElementById('gpus'); \
+           c.scrollIntoView(); const b = c.getBoundingClientRect(); const s = b.width / 1100; \
+           const l = f.view.layout.find(l => l.node.gpu.some(g => g.workload === '{id}')); \
+           return [b.left + (l.x + 2) * s, b.top + (l.y + 2) * s]; }})()"
+    ));
+    browser.page(
+        "Input.dispatchMouseEvent",
+        json!({"type": "mouseMoved", "x": at[0], "y": at[1]}),
+    );
+    let tip = browser.wait_for(
+        &format!(
+            "!document.getElementById('gpu-tip').hidden && document.getElementById('gpu-tip').textContent.includes('ai2/tulu ({})')",
+            &id[id.len() - 12..]
+        ),
+        Duration::from_secs(2),
+    );
+    assert!(
+        tip,
+        "pointing at its node says nothing of it: {}",
+        browser.eval("document.getElementById('gpu-tip').textContent")
+    );
 
     let shot = browser.page("Page.captureScreenshot", json!({"format": "png"}));
     let png = base64::engine::general_purpose::STANDARD

@@ -49,41 +49,152 @@ fn node_state(draining: bool, healthy: u32, held: u32) -> &'static str {
     }
 }
 
-#[utoipa::path(get, path = "/v1/nodes", tag = "nodes",
-    responses((status = 200, description = "every node: GPUs, model, labels, its state (idle, mix, alloc, drng, drain, down), whether it is drained, which GPUs are healthy, held and how utilized", body = serde_json::Value)))]
-pub(crate) async fn nodes(State(app): State<App>) -> Response {
+/// What `GET /v1/nodes` lists.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NodesQuery {
+    /// Only nodes of this GPU model.
+    model: Option<String>,
+    /// Only nodes in these states, comma-separated: idle, mix, alloc, drng, drain, down.
+    state: Option<String>,
+    /// At most this many (default 500, at most 5,000; 0 answers the summary alone).
+    limit: Option<usize>,
+    /// The page after another: its `next_after` (a node's name).
+    after: Option<String>,
+}
+
+/// Every node state, in the order summaries list them.
+const NODE_STATES: [&str; 6] = ["idle", "mix", "alloc", "drng", "drain", "down"];
+/// Nodes `/v1/nodes` answers when not asked for a number.
+const NODES_PAGE: usize = 500;
+/// The most nodes one page answers.
+const NODES_PAGE_MAX: usize = 5_000;
+
+#[utoipa::path(get, path = "/v1/nodes", tag = "nodes", params(NodesQuery),
+    responses(
+        (status = 200, description = "the cluster's summary (nodes and GPUs by model and by state), then one page of nodes in registration order: GPUs, model, labels, state (idle, mix, alloc, drng, drain, down), whether drained, and for each GPU whether it is healthy, which workload of which allocation holds it and how utilized it is; `next_after` pages on", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn nodes(
+    State(app): State<App>,
+    query: Result<axum::extract::Query<NodesQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let axum::extract::Query(query) = query.map_err(super::bad_query)?;
+    let limit = query.limit.unwrap_or(NODES_PAGE);
+    if limit > NODES_PAGE_MAX {
+        return Err(Problem::invalid(
+            "limit",
+            format!("limit must be 0 (the summary alone) to {NODES_PAGE_MAX}"),
+        ));
+    }
+    let mut states = Vec::new();
+    for name in query.state.iter().flat_map(|s| s.split(',')) {
+        let name = name.trim();
+        let known = NODE_STATES.iter().find(|s| **s == name).ok_or_else(|| {
+            Problem::invalid(
+                "state",
+                format!("{name:?} is not a node state; use {}, comma-separated", NODE_STATES.join(", ")),
+            )
+        })?;
+        states.push(*known);
+    }
     let p = app.inner.projection.read().await;
-    let cluster = &p.state().cluster();
-    let rows: Vec<_> = cluster
-        .nodes
-        .iter()
-        .map(|n| {
-            let gpus: Vec<_> = (0..n.gpu_count)
-                .map(|g| {
-                    json!({
-                        "gpu": g,
-                        "healthy": n.healthy & (1u64 << g) != 0,
-                        "workload": n.holder(g),
-                        "utilization_pct": n.utilization_pct[g as usize],
-                    })
+    let state = p.state();
+    let cluster = state.cluster();
+    let from = match query.after.as_deref() {
+        None => 0,
+        Some(after) => {
+            cluster
+                .nodes
+                .iter()
+                .position(|n| n.name == after)
+                .ok_or_else(|| Problem::invalid("after", format!("{after:?} is not a node (next_after)")))?
+                + 1
+        }
+    };
+    // The summary: by model and by state, over the nodes the filters select.
+    let mut by_model: Vec<(&str, [u64; 5])> = Vec::new();
+    let mut by_state = [(0u64, 0u64); NODE_STATES.len()];
+    let mut rows = Vec::new();
+    let mut next_after = None;
+    for (i, n) in cluster.nodes.iter().enumerate() {
+        let healthy = (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones();
+        let held = (0..n.gpu_count).filter(|&g| n.holder(g).is_some()).count() as u32;
+        let node_state = node_state(n.draining, healthy, held);
+        if query.model.as_deref().is_some_and(|m| m != n.model)
+            || !(states.is_empty() || states.contains(&node_state))
+        {
+            continue;
+        }
+        let at = match by_model.iter().position(|(m, _)| *m == n.model) {
+            Some(at) => at,
+            None => {
+                by_model.push((&n.model, [0; 5]));
+                by_model.len() - 1
+            }
+        };
+        let figures = &mut by_model[at].1;
+        for (f, v) in figures.iter_mut().zip([1, n.gpu_count, healthy, held, n.free_count()]) {
+            *f += u64::from(v);
+        }
+        let s = NODE_STATES.iter().position(|s| *s == node_state).expect("a known state");
+        by_state[s].0 += 1;
+        by_state[s].1 += u64::from(n.gpu_count);
+        if i < from {
+            continue;
+        }
+        if rows.len() == limit {
+            if next_after.is_none() && limit > 0 {
+                next_after = rows.last().map(|r: &serde_json::Value| r["node"].clone());
+            }
+            continue;
+        }
+        let gpus: Vec<_> = (0..n.gpu_count)
+            .map(|g| {
+                let holder = n.holder(g);
+                let allocation = holder
+                    .and_then(|id| state.workloads().get(&id))
+                    .and_then(|w| state.allocation_path(w));
+                json!({
+                    "gpu": g,
+                    "healthy": n.healthy & (1u64 << g) != 0,
+                    "workload": holder,
+                    "allocation": allocation,
+                    "utilization_pct": n.utilization_pct[g as usize],
                 })
-                .collect();
-            let healthy = (n.healthy & ledger::cluster::mask_of(n.gpu_count)).count_ones();
-            let held = (0..n.gpu_count).filter(|&g| n.holder(g).is_some()).count() as u32;
-            json!({
-                "node": n.name,
-                "model": n.model,
-                "labels": n.labels,
-                "gpus": n.gpu_count,
-                "state": node_state(n.draining, healthy, held),
-                "healthy_gpus": healthy,
-                "free_gpus": n.free_count(),
-                "draining": n.draining,
-                "gpu": gpus,
             })
-        })
-        .collect();
-    Json(json!({"as_of_seq": p.state().last_seq(), "nodes": rows})).into_response()
+            .collect();
+        rows.push(json!({
+            "node": n.name,
+            "model": n.model,
+            "labels": n.labels,
+            "gpus": n.gpu_count,
+            "state": node_state,
+            "healthy_gpus": healthy,
+            "free_gpus": n.free_count(),
+            "draining": n.draining,
+            "gpu": gpus,
+        }));
+    }
+    let summary = json!({
+        "nodes": by_model.iter().map(|(_, f)| f[0]).sum::<u64>(),
+        "gpus": by_model.iter().map(|(_, f)| f[1]).sum::<u64>(),
+        "by_model": by_model.iter().map(|(model, f)| json!({
+            "model": model, "nodes": f[0], "gpus": f[1], "healthy_gpus": f[2],
+            "held_gpus": f[3], "free_gpus": f[4],
+        })).collect::<Vec<_>>(),
+        "by_state": NODE_STATES.iter().zip(by_state).filter(|(_, (n, _))| *n > 0)
+            .map(|(s, (nodes, gpus))| json!({"state": s, "nodes": nodes, "gpus": gpus}))
+            .collect::<Vec<_>>(),
+    });
+    Ok(Json(json!({
+        "as_of_seq": state.last_seq(),
+        "summary": summary,
+        "nodes": rows,
+        "next_after": next_after,
+    }))
+    .into_response())
 }
 
 #[utoipa::path(post, path = "/v1/nodes", tag = "nodes", request_body = NodeBody,

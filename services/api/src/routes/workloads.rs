@@ -335,7 +335,20 @@ pub(crate) struct QueueQuery {
     allocation: Option<String>,
     /// Only workloads this principal submitted: its name (`alice`) or actor (`user:alice`).
     user: Option<String>,
+    /// Only workloads waiting for these reasons, comma-separated: holds_reservation,
+    /// waiting_for_preemption, behind_reservation, allocation_cap, no_capacity.
+    reason: Option<String>,
+    /// At most this many rows (default 200, at most 5,000; 0 answers the summary alone).
+    limit: Option<usize>,
+    /// The page after another: its `next_after` (a position), or a workload's id to list
+    /// what waits behind it.
+    after: Option<String>,
 }
+
+/// Rows `/v1/queue` answers when not asked for a number.
+const QUEUE_PAGE: usize = 200;
+/// The most rows one page of `/v1/queue` answers.
+const QUEUE_PAGE_MAX: usize = 5_000;
 
 use projector::is_user;
 
@@ -594,42 +607,129 @@ pub(crate) fn listed(row: &projector::WorkloadRow, now_ms: u64) -> serde_json::V
 }
 
 #[utoipa::path(get, path = "/v1/queue", tag = "workloads", params(QueueQuery),
-    responses((status = 200, description = "pending workloads in policy order with reasons", body = serde_json::Value)))]
+    responses(
+        (status = 200, description = "the queue's summary (counts and GPUs by allocation and by reason, the head of each allocation's queue), then one page of pending workloads in policy order with their reasons; `next_after` pages on", body = serde_json::Value),
+        (status = 422, description = "a parameter is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
 pub(crate) async fn queue(
     State(app): State<App>,
     query: Result<Query<QueueQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(query) = query.map_err(bad_query)?;
+    let limit = query.limit.unwrap_or(QUEUE_PAGE);
+    if limit > QUEUE_PAGE_MAX {
+        return Err(Problem::invalid(
+            "limit",
+            format!("limit must be 0 (the summary alone) to {QUEUE_PAGE_MAX}"),
+        ));
+    }
+    let mut reasons = Vec::new();
+    for code in query.reason.iter().flat_map(|r| r.split(',')) {
+        let code = code.trim();
+        let known = Blocked::CODES.iter().find(|c| **c == code).ok_or_else(|| {
+            Problem::invalid(
+                "reason",
+                format!("{code:?} is not a reason; use {}, comma-separated", Blocked::CODES.join(", ")),
+            )
+        })?;
+        reasons.push(*known);
+    }
+    enum After {
+        Position(u32),
+        Workload(Uuid),
+    }
+    let after = match query.after.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(a) => Some(match (a.parse::<u32>(), Uuid::parse_str(a)) {
+            (Ok(position), _) => After::Position(position),
+            (_, Ok(id)) => After::Workload(id),
+            _ => {
+                return Err(Problem::invalid(
+                    "after",
+                    format!("{a:?} is neither a position (next_after) nor a workload id"),
+                ))
+            }
+        }),
+    };
     let p = app.inner.projection.read().await;
     let state = p.state();
     let plan = explained(state, &app.inner.policy);
-    let mut rows = Vec::new();
-    for pending in &plan.pending {
-        let Some(w) = state.workloads().get(&pending.workload) else {
-            continue;
-        };
-        let path = state.allocation_path(w);
-        if let Some(filter) = &query.allocation {
-            let under = path.is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/")));
-            if !under {
-                continue;
-            }
+    let under = |path: Option<&str>| match &query.allocation {
+        None => true,
+        Some(filter) => path.is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/"))),
+    };
+    let matched: Vec<&ledger::policy::Pending> = plan
+        .pending
+        .iter()
+        .filter(|pending| {
+            let Some(w) = state.workloads().get(&pending.workload) else {
+                return false;
+            };
+            under(state.allocation_path(w))
+                && query.user.as_deref().is_none_or(|u| is_user(state.submitter(w), u))
+                && (reasons.is_empty() || reasons.contains(&pending.reason.code()))
+        })
+        .collect();
+    let from = match after {
+        None => 0,
+        Some(After::Position(position)) => matched.partition_point(|p| p.position <= position),
+        Some(After::Workload(id)) => {
+            matched
+                .iter()
+                .position(|p| p.workload == id)
+                .ok_or_else(|| {
+                    Problem::invalid(
+                        "after",
+                        format!("workload {id} is not in this queue (it started, ended, does not match the filters or does not exist); page on by position"),
+                    )
+                })?
+                + 1
         }
-        let user = state.submitter(w);
-        if query.user.as_deref().is_some_and(|u| !is_user(user, u)) {
-            continue;
-        }
-        rows.push(json!({
-            "position": pending.position,
-            "id": w.id,
-            "allocation": path,
-            "user": user,
-            "gpus_per_node": w.gpus_per_node,
-            "nodes": w.nodes,
-            "priority": w.priority,
-            "submitted_at_ms": w.submitted_at_ms,
-            "reason": reason(&pending.reason),
-        }));
-    }
-    Ok(Json(json!({"as_of_seq": state.last_seq(), "pending": rows})).into_response())
+    };
+    let page = &matched[from.min(matched.len())..(from + limit).min(matched.len())];
+    let rows: Vec<serde_json::Value> = page
+        .iter()
+        .filter_map(|pending| {
+            let w = state.workloads().get(&pending.workload)?;
+            Some(json!({
+                "position": pending.position,
+                "id": w.id,
+                "allocation": state.allocation_path(w),
+                "user": state.submitter(w),
+                "gpus_per_node": w.gpus_per_node,
+                "nodes": w.nodes,
+                "priority": w.priority,
+                "submitted_at_ms": w.submitted_at_ms,
+                "reason": reason(&pending.reason),
+            }))
+        })
+        .collect();
+    let next_after = (from + page.len() < matched.len())
+        .then(|| page.last().map(|p| p.position))
+        .flatten();
+    let summary = ledger::policy::summary::QueueSummary::of(state, matched.iter().copied());
+    Ok(Json(json!({
+        "as_of_seq": state.last_seq(),
+        "summary": summary_json(&summary),
+        "pending": rows,
+        "next_after": next_after,
+    }))
+    .into_response())
+}
+
+/// A queue's summary as the API answers it.
+fn summary_json(s: &ledger::policy::summary::QueueSummary) -> serde_json::Value {
+    json!({
+        "pending": s.pending,
+        "gpus": s.gpus,
+        "by_allocation": s.by_allocation.iter().map(|a| json!({
+            "allocation": a.allocation,
+            "pending": a.pending,
+            "gpus": a.gpus,
+            "head": {"id": a.head, "position": a.head_position, "reason": a.head_reason},
+        })).collect::<Vec<_>>(),
+        "by_reason": s.by_reason.iter().map(|r| json!({
+            "code": r.code, "pending": r.pending, "gpus": r.gpus,
+        })).collect::<Vec<_>>(),
+    })
 }

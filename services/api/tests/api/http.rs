@@ -3,6 +3,7 @@
 //! bad input answered with problem+json naming the field while the log does not move.
 
 use axum::body::Body;
+use serde_json::Value;
 use axum::http::{Request, StatusCode};
 use eventlog::{AnyLog, EmbeddedLog, EventLog};
 use http_body_util::BodyExt;
@@ -1562,4 +1563,112 @@ async fn idle_slow_and_surplus_connections_are_cut_off_and_the_server_answers_on
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     stop.send(()).unwrap();
     served.await.unwrap().unwrap();
+}
+
+/// The queue answers its summary first and pages in policy order: pages of any size put
+/// together are the whole queue, `after` a workload's id lists what waits behind it, and the
+/// filters and the summary agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_pages_behind_its_summary() {
+    let f = fixture(true).await;
+    place(&f, r#"{"allocation":"a/x","gpus_per_node":8,"nodes":2}"#).await;
+    for i in 0..7 {
+        let allocation = if i % 3 == 0 { "b" } else { "a/x" };
+        let gpus = 1 + i % 4;
+        submit(
+            &f,
+            &format!(r#"{{"allocation":"{allocation}","gpus_per_node":{gpus}}}"#),
+        )
+        .await;
+    }
+    let (status, _, whole) = call(&f, "GET", "/v1/queue?limit=5000", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let all: Vec<Value> = whole["pending"].as_array().unwrap().clone();
+    assert_eq!(all.len(), 7, "{whole}");
+    assert_eq!(whole["next_after"], Value::Null);
+    let summary = &whole["summary"];
+    assert_eq!(summary["pending"], 7, "{summary}");
+    let gpus: u64 = all
+        .iter()
+        .map(|p| p["gpus_per_node"].as_u64().unwrap() * p["nodes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(summary["gpus"], gpus, "{summary}");
+    for a in summary["by_allocation"].as_array().unwrap() {
+        let theirs: Vec<&Value> = all
+            .iter()
+            .filter(|p| p["allocation"] == a["allocation"])
+            .collect();
+        assert_eq!(a["pending"], theirs.len(), "{a}");
+        assert_eq!(a["head"]["id"], theirs[0]["id"], "{a}");
+        assert_eq!(a["head"]["position"], theirs[0]["position"], "{a}");
+    }
+    let by_reason: u64 = summary["by_reason"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["pending"].as_u64().unwrap())
+        .sum();
+    assert_eq!(by_reason, 7, "{summary}");
+
+    // Pages of three, put together, are the whole queue (nothing ran meanwhile: the cluster is
+    // full with protected work).
+    let mut paged = Vec::new();
+    let mut after: Option<u64> = None;
+    for _ in 0..10 {
+        let uri = match after {
+            Some(a) => format!("/v1/queue?limit=3&after={a}"),
+            None => "/v1/queue?limit=3".to_owned(),
+        };
+        let (status, _, page) = call(&f, "GET", &uri, None, &[]).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert_eq!(page["summary"]["pending"], 7, "every page has the summary");
+        paged.extend(page["pending"].as_array().unwrap().iter().cloned());
+        after = page["next_after"].as_u64();
+        if after.is_none() {
+            break;
+        }
+    }
+    let ids = |rows: &[Value]| rows.iter().map(|p| p["id"].clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&paged), ids(&all));
+
+    // After a workload's id: what waits behind it; the summary alone with limit=0.
+    let third = all[2]["id"].as_str().unwrap();
+    let (_, _, behind) = call(&f, "GET", &format!("/v1/queue?after={third}"), None, &[]).await;
+    assert_eq!(ids(behind["pending"].as_array().unwrap()), ids(&all[3..]));
+    let (_, _, alone) = call(&f, "GET", "/v1/queue?limit=0", None, &[]).await;
+    assert!(alone["pending"].as_array().unwrap().is_empty());
+    assert_eq!(alone["summary"], whole["summary"]);
+
+    // Filters narrow the rows and the summary alike.
+    let (_, _, b) = call(&f, "GET", "/v1/queue?allocation=b", None, &[]).await;
+    let b_rows: Vec<Value> = all
+        .iter()
+        .filter(|p| p["allocation"] == "b")
+        .cloned()
+        .collect();
+    assert_eq!(ids(b["pending"].as_array().unwrap()), ids(&b_rows));
+    assert_eq!(b["summary"]["pending"], b_rows.len());
+    let code = all[0]["reason"]["code"].as_str().unwrap();
+    let (_, _, why) = call(&f, "GET", &format!("/v1/queue?reason={code}"), None, &[]).await;
+    let same: Vec<Value> = all
+        .iter()
+        .filter(|p| p["reason"]["code"] == code)
+        .cloned()
+        .collect();
+    assert_eq!(ids(why["pending"].as_array().unwrap()), ids(&same));
+
+    // Bad parameters are named, and an id that does not wait is said to.
+    for (uri, field) in [
+        ("/v1/queue?limit=5001", "limit"),
+        ("/v1/queue?reason=bored", "reason"),
+        ("/v1/queue?after=soon", "after"),
+        (
+            "/v1/queue?after=00000000-0000-7000-8000-000000000000",
+            "after",
+        ),
+    ] {
+        let (status, _, problem) = call(&f, "GET", uri, None, &[]).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{uri}: {problem}");
+        assert_eq!(problem["field"], field, "{uri}: {problem}");
+    }
 }
