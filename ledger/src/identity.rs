@@ -417,6 +417,16 @@ impl Principals {
         self.by_name.values()
     }
 
+    /// The live principals named after `name`, by name (all of them without one).
+    pub fn after<'a>(&'a self, name: Option<&str>) -> impl Iterator<Item = &'a Principal> + 'a {
+        use std::ops::Bound;
+        let from = match name {
+            Some(n) => Bound::Excluded(n.to_owned()),
+            None => Bound::Unbounded,
+        };
+        self.by_name.range((from, Bound::Unbounded)).map(|(_, p)| p)
+    }
+
     /// How many are live.
     pub fn len(&self) -> usize {
         self.by_name.len()

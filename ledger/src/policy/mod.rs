@@ -349,6 +349,54 @@ impl Plan {
             .iter()
             .filter(|d| matches!(d, Decision::Preempt { .. }))
     }
+
+    /// When `pending` (one of this plan's) may start, as far as the plan can tell: the
+    /// reservation's start where it holds one, the end of the grace periods of the workloads
+    /// leaving for it, else no sooner than the reservation it waits behind (or the head of the
+    /// queue's) is due; `None` when no end is in sight (no running work it waits for has an
+    /// estimate or a contract ending).
+    pub fn estimate(&self, pending: &Pending) -> Option<Estimate> {
+        match &pending.reason {
+            Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|at_ms| Estimate {
+                at_ms,
+                exact: true,
+                how: "the reserved nodes free up then, by the running workloads' duration estimates",
+            }),
+            Blocked::WaitingForPreemption { until_ms, .. } => Some(Estimate {
+                at_ms: *until_ms,
+                exact: true,
+                how: "the workloads preempted for it leave when their grace periods end",
+            }),
+            Blocked::BehindReservation { holder } => self
+                .reservation_of(*holder)
+                .and_then(|r| r.start_at_ms)
+                .map(|at_ms| Estimate {
+                    at_ms,
+                    exact: false,
+                    how: "the nodes it would fit on are drained for a workload ranked above it, which starts then",
+                }),
+            _ => self
+                .reservations
+                .first()
+                .and_then(|r| r.start_at_ms)
+                .map(|at_ms| Estimate {
+                    at_ms,
+                    exact: false,
+                    how: "it waits behind the head of the queue, whose reserved nodes free up then",
+                }),
+        }
+    }
+}
+
+/// When a waiting workload may start ([`Plan::estimate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Estimate {
+    /// The time.
+    pub at_ms: u64,
+    /// `true`: it starts then if nothing changes; `false`: not before then.
+    pub exact: bool,
+    /// How it was derived, in a sentence.
+    pub how: &'static str,
 }
 
 /// Runs one scheduling pass at `now_ms`. Pure: the same state, time and config give the same plan.

@@ -47,6 +47,16 @@ pub(crate) struct Inner {
     /// Audits of periods, at most half the cores at a time: however many auditors query, the
     /// writers keep the other half.
     pub(crate) audits: Arc<tokio::sync::Semaphore>,
+    /// The queue's last explained plan and summary: the ledger position and time they were
+    /// worked out at.
+    #[allow(clippy::type_complexity)]
+    pub(crate) queue_plan: std::sync::Mutex<
+        Option<(
+            u64,
+            u64,
+            Arc<(ledger::policy::Plan, ledger::policy::summary::QueueSummary)>,
+        )>,
+    >,
 }
 
 /// Event streams that may replay more than [`REPLAY_FREE`] past events at once, and at most
@@ -85,6 +95,7 @@ impl App {
                 audits: Arc::new(tokio::sync::Semaphore::new(
                     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
                 )),
+                queue_plan: Default::default(),
             }),
         }
     }

@@ -244,6 +244,22 @@ fn the_command_line_client_speaks_to_the_server() {
         lines[1].contains(&id) && lines[1].contains("ai2/tulu"),
         "{queue}"
     );
+    // Where the queue stands, without its rows: by allocation with each one's head, by reason.
+    let summary = cli(&server, &["queue", "--summary"]).unwrap();
+    assert!(
+        summary.starts_with("1 waiting for 8 GPUs") && summary.contains(&id),
+        "{summary}"
+    );
+    let tulu = summary
+        .lines()
+        .find(|l| l.starts_with("ai2/tulu "))
+        .unwrap_or_else(|| panic!("{summary}"));
+    assert_eq!(tulu.split_whitespace().nth(1), Some("1"), "{summary}");
+    let nodes = cli(&server, &["nodes", "--summary"]).unwrap();
+    assert!(
+        nodes.starts_with("4 nodes, 32 GPUs") && nodes.contains("H100"),
+        "{nodes}"
+    );
     let why = cli(&server, &["explain", &id]).unwrap();
     assert!(why.contains("is 1 of 1 in the queue"), "{why}");
     assert!(
@@ -373,6 +389,24 @@ fn the_command_line_client_speaks_to_the_server() {
     )
     .unwrap();
     assert_eq!(only.lines().count(), 2, "{only}");
+    // Every event, page after page: three at a time they are the same as all at once.
+    let (_, head) = server.call("GET", "/v1/events?limit=1", None);
+    let all = cli(&server, &["events", "-n", "0"]).unwrap();
+    assert_eq!(
+        all.lines().count() as u64,
+        head["last_seq"].as_u64().unwrap() + 1,
+        "{all}"
+    );
+    let seqs = |text: &str| {
+        text.lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().next().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let few: Value =
+        serde_json::from_str(&cli(&server, &["events", "-n", "5", "--json"]).unwrap()).unwrap();
+    assert_eq!(few["events"].as_array().unwrap().len(), 5, "{few}");
+    assert_eq!(seqs(&all)[..5], ["1", "2", "3", "4", "5"]);
     // Followed: the same row, as it comes.
     struct Follow(std::process::Child);
     impl Drop for Follow {

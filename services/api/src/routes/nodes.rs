@@ -94,7 +94,10 @@ pub(crate) async fn nodes(
         let known = NODE_STATES.iter().find(|s| **s == name).ok_or_else(|| {
             Problem::invalid(
                 "state",
-                format!("{name:?} is not a node state; use {}, comma-separated", NODE_STATES.join(", ")),
+                format!(
+                    "{name:?} is not a node state; use {}, comma-separated",
+                    NODE_STATES.join(", ")
+                ),
             )
         })?;
         states.push(*known);
@@ -109,7 +112,9 @@ pub(crate) async fn nodes(
                 .nodes
                 .iter()
                 .position(|n| n.name == after)
-                .ok_or_else(|| Problem::invalid("after", format!("{after:?} is not a node (next_after)")))?
+                .ok_or_else(|| {
+                    Problem::invalid("after", format!("{after:?} is not a node (next_after)"))
+                })?
                 + 1
         }
     };
@@ -135,10 +140,16 @@ pub(crate) async fn nodes(
             }
         };
         let figures = &mut by_model[at].1;
-        for (f, v) in figures.iter_mut().zip([1, n.gpu_count, healthy, held, n.free_count()]) {
+        for (f, v) in figures
+            .iter_mut()
+            .zip([1, n.gpu_count, healthy, held, n.free_count()])
+        {
             *f += u64::from(v);
         }
-        let s = NODE_STATES.iter().position(|s| *s == node_state).expect("a known state");
+        let s = NODE_STATES
+            .iter()
+            .position(|s| *s == node_state)
+            .expect("a known state");
         by_state[s].0 += 1;
         by_state[s].1 += u64::from(n.gpu_count);
         if i < from {

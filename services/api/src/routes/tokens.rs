@@ -142,21 +142,52 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(answer)).into_response())
 }
 
-#[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
+/// What `GET /v1/tokens` lists.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TokensQuery {
+    /// At most this many (default 500, at most 5,000).
+    limit: Option<usize>,
+    /// The page after another: its `next_after` (a principal's name).
+    after: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/tokens", tag = "tokens", params(TokensQuery),
     responses(
-        (status = 200, description = "every live principal: name, role, scope, who granted it and when, expiry (never a token)", body = serde_json::Value),
+        (status = 200, description = "the live principals by name, a page at a time: name, role, scope, who granted it and when, expiry (never a token); `total` counts them all, `next_after` pages on", body = serde_json::Value),
         (status = 403, description = "not an admin", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "a parameter is invalid; `field` names it", body = problem::Problem, content_type = "application/problem+json"),
     ))]
-pub(crate) async fn list(State(app): State<App>) -> Response {
+pub(crate) async fn list(
+    State(app): State<App>,
+    query: Result<axum::extract::Query<TokensQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let axum::extract::Query(query) = query.map_err(super::bad_query)?;
+    let limit = query.limit.unwrap_or(500);
+    if !(1..=5_000).contains(&limit) {
+        return Err(Problem::invalid("limit", "limit must be 1 to 5000"));
+    }
     let p = app.inner.projection.read().await;
     let now = scheduler::wall_clock_ms();
-    let rows: Vec<_> = p
-        .state()
-        .principals()
-        .iter()
+    let principals = p.state().principals();
+    let mut page = principals.after(query.after.as_deref());
+    let rows: Vec<_> = page
+        .by_ref()
+        .take(limit)
         .map(|p| describe(p, now))
         .collect();
-    Json(json!({"as_of_seq": p.state().last_seq(), "tokens": rows})).into_response()
+    let next_after = page
+        .next()
+        .and(rows.last())
+        .map(|last| last["name"].clone());
+    Ok(Json(json!({
+        "as_of_seq": p.state().last_seq(),
+        "total": principals.len(),
+        "tokens": rows,
+        "next_after": next_after,
+    }))
+    .into_response())
 }
 
 #[utoipa::path(delete, path = "/v1/tokens/{name}", tag = "tokens",

@@ -1,5 +1,6 @@
 //! Workloads: submit, read, cancel, explain, and the queue in policy order.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
@@ -10,7 +11,8 @@ use axum::Json;
 use eventlog::EventLog;
 use ledger::event::*;
 use ledger::identity::Action;
-use ledger::policy::{decide, Blocked, PolicyConfig};
+use ledger::policy::summary::QueueSummary;
+use ledger::policy::{decide, Blocked, Plan, PolicyConfig};
 use ledger::Phase;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -460,32 +462,7 @@ pub(crate) async fn explain(
     }
     let policy_name = state.policy_config(&app.inner.policy).policy;
     let key_meaning = ledger::policy::by_name(policy_name).and_then(|p| p.key_meaning());
-    // The start estimate: the reservation's, where the policy knows one; otherwise when enough
-    // running work should have ended by its estimates and contracts.
-    let estimate = match &mine.reason {
-        Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|t| {
-            json!({"start_at_ms": t, "how": "the reserved nodes free up then, by the running workloads' duration estimates"})
-        }),
-        Blocked::WaitingForPreemption { until_ms, .. } => Some(json!({
-            "start_at_ms": until_ms,
-            "how": "the workloads preempted for it leave when their grace periods end",
-        })),
-        Blocked::BehindReservation { holder } => plan
-            .reservation_of(*holder)
-            .and_then(|r| r.start_at_ms)
-            .map(|t| json!({
-                "not_before_ms": t,
-                "how": "the nodes it would fit on are drained for a workload ranked above it, which starts then",
-            })),
-        _ => plan
-            .reservations
-            .first()
-            .and_then(|r| r.start_at_ms)
-            .map(|t| json!({
-                "not_before_ms": t,
-                "how": "it waits behind the head of the queue, whose reserved nodes free up then",
-            })),
-    };
+    let estimate = plan.estimate(mine).map(estimate_json);
     Ok(Json(json!({
         "id": id,
         "phase": "pending",
@@ -501,6 +478,17 @@ pub(crate) async fn explain(
         "preemptions": w.preemptions,
     }))
     .into_response())
+}
+
+/// A start estimate as `explain` and a dry run answer it: `start_at_ms` when it starts then if
+/// nothing changes, `not_before_ms` when it cannot start sooner; and how it was derived.
+fn estimate_json(e: ledger::policy::Estimate) -> serde_json::Value {
+    let key = if e.exact {
+        "start_at_ms"
+    } else {
+        "not_before_ms"
+    };
+    json!({ key: e.at_ms, "how": e.how })
 }
 
 /// Rows a listing reads at most to answer one page.
@@ -629,7 +617,10 @@ pub(crate) async fn queue(
         let known = Blocked::CODES.iter().find(|c| **c == code).ok_or_else(|| {
             Problem::invalid(
                 "reason",
-                format!("{code:?} is not a reason; use {}, comma-separated", Blocked::CODES.join(", ")),
+                format!(
+                    "{code:?} is not a reason; use {}, comma-separated",
+                    Blocked::CODES.join(", ")
+                ),
             )
         })?;
         reasons.push(*known);
@@ -653,20 +644,28 @@ pub(crate) async fn queue(
     };
     let p = app.inner.projection.read().await;
     let state = p.state();
-    let plan = explained(state, &app.inner.policy);
+    let planned = queue_plan(&app, state);
+    let (plan, everything) = (&planned.0, &planned.1);
     let under = |path: Option<&str>| match &query.allocation {
         None => true,
         Some(filter) => path.is_some_and(|p| p == filter || p.starts_with(&format!("{filter}/"))),
     };
+    let filtered = query.allocation.is_some() || query.user.is_some() || !reasons.is_empty();
     let matched: Vec<&ledger::policy::Pending> = plan
         .pending
         .iter()
         .filter(|pending| {
+            if !filtered {
+                return true;
+            }
             let Some(w) = state.workloads().get(&pending.workload) else {
                 return false;
             };
             under(state.allocation_path(w))
-                && query.user.as_deref().is_none_or(|u| is_user(state.submitter(w), u))
+                && query
+                    .user
+                    .as_deref()
+                    .is_none_or(|u| is_user(state.submitter(w), u))
                 && (reasons.is_empty() || reasons.contains(&pending.reason.code()))
         })
         .collect();
@@ -707,18 +706,50 @@ pub(crate) async fn queue(
     let next_after = (from + page.len() < matched.len())
         .then(|| page.last().map(|p| p.position))
         .flatten();
-    let summary = ledger::policy::summary::QueueSummary::of(state, matched.iter().copied());
+    let summary = if filtered {
+        &QueueSummary::of(state, matched.iter().copied())
+    } else {
+        everything
+    };
     Ok(Json(json!({
         "as_of_seq": state.last_seq(),
-        "summary": summary_json(&summary),
+        "summary": summary_json(summary),
         "pending": rows,
         "next_after": next_after,
     }))
     .into_response())
 }
 
+/// How long `/v1/queue` answers from the plan it worked out last while the ledger has not
+/// moved: only the estimates of start times age meanwhile.
+const PLAN_REUSE_MS: u64 = 5_000;
+
+/// The explained plan `/v1/queue` answers from, with the summary of the whole queue: worked
+/// out again when the ledger moved or after [`PLAN_REUSE_MS`], so that a long queue read page
+/// after page is not planned (nor counted) once per page.
+fn queue_plan(app: &App, state: &ledger::State) -> Arc<(Plan, QueueSummary)> {
+    let now = scheduler::wall_clock_ms();
+    let seq = state.last_seq();
+    if let Some((at_seq, at_ms, planned)) = app
+        .inner
+        .queue_plan
+        .lock()
+        .expect("never poisoned")
+        .as_ref()
+    {
+        if *at_seq == seq && now.saturating_sub(*at_ms) < PLAN_REUSE_MS {
+            return planned.clone();
+        }
+    }
+    let plan = explained(state, &app.inner.policy);
+    let summary = QueueSummary::of(state, &plan.pending);
+    let planned = Arc::new((plan, summary));
+    *app.inner.queue_plan.lock().expect("never poisoned") = Some((seq, now, planned.clone()));
+    planned
+}
+
 /// A queue's summary as the API answers it.
-fn summary_json(s: &ledger::policy::summary::QueueSummary) -> serde_json::Value {
+fn summary_json(s: &QueueSummary) -> serde_json::Value {
     json!({
         "pending": s.pending,
         "gpus": s.gpus,

@@ -3,10 +3,10 @@
 //! bad input answered with problem+json naming the field while the log does not move.
 
 use axum::body::Body;
-use serde_json::Value;
 use axum::http::{Request, StatusCode};
 use eventlog::{AnyLog, EmbeddedLog, EventLog};
 use http_body_util::BodyExt;
+use serde_json::Value;
 use std::time::Duration;
 use tower::ServiceExt;
 
@@ -1671,4 +1671,89 @@ async fn the_queue_pages_behind_its_summary() {
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{uri}: {problem}");
         assert_eq!(problem["field"], field, "{uri}: {problem}");
     }
+}
+
+/// Nodes and tokens page like the queue: a summary (nodes), `limit`, and `next_after` to go
+/// on; each GPU names the allocation of the workload holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_and_tokens_page() {
+    let f = fixture(true).await;
+    let placed = place(&f, r#"{"allocation":"a/x","gpus_per_node":8}"#).await;
+    let (status, _, first) = call(&f, "GET", "/v1/nodes?limit=1", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let rows = first["nodes"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{first}");
+    assert_eq!(first["next_after"], rows[0]["node"]);
+    let summary = &first["summary"];
+    assert_eq!(
+        (summary["nodes"].as_u64(), summary["gpus"].as_u64()),
+        (Some(2), Some(16))
+    );
+    assert_eq!(summary["by_model"][0]["held_gpus"], 8, "{summary}");
+    let states: Vec<&str> = summary["by_state"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["idle", "alloc"], "{summary}");
+    let after = first["next_after"].as_str().unwrap();
+    let (_, _, second) = call(&f, "GET", &format!("/v1/nodes?after={after}"), None, &[]).await;
+    assert_eq!(second["nodes"].as_array().unwrap().len(), 1, "{second}");
+    assert_eq!(second["next_after"], Value::Null);
+    let both = [&first["nodes"][0], &second["nodes"][0]];
+    let held = both
+        .iter()
+        .find(|n| n["state"] == "alloc")
+        .expect("one node is full");
+    for gpu in held["gpu"].as_array().unwrap() {
+        assert_eq!(gpu["workload"], placed["id"], "{gpu}");
+        assert_eq!(gpu["allocation"], "a/x", "{gpu}");
+    }
+    let (_, _, idle) = call(&f, "GET", "/v1/nodes?state=idle", None, &[]).await;
+    assert_eq!(idle["nodes"].as_array().unwrap().len(), 1, "{idle}");
+    assert_eq!(
+        idle["summary"]["nodes"], 1,
+        "the summary follows the filters"
+    );
+    let (_, _, none) = call(&f, "GET", "/v1/nodes?model=A100", None, &[]).await;
+    assert!(none["nodes"].as_array().unwrap().is_empty(), "{none}");
+    for (uri, field) in [
+        ("/v1/nodes?state=asleep", "state"),
+        ("/v1/nodes?after=nowhere", "after"),
+        ("/v1/nodes?limit=5001", "limit"),
+        ("/v1/tokens?limit=0", "limit"),
+    ] {
+        let (status, _, problem) = call(&f, "GET", uri, None, &[]).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{uri}: {problem}");
+        assert_eq!(problem["field"], field, "{uri}: {problem}");
+    }
+
+    // Tokens: by name, two a page, every principal once.
+    for name in ["carol", "bob", "dave"] {
+        token(&f, name, "viewer", &[], None).await;
+    }
+    let mut names = Vec::new();
+    let mut after: Option<String> = None;
+    for _ in 0..5 {
+        let uri = match &after {
+            Some(a) => format!("/v1/tokens?limit=2&after={a}"),
+            None => "/v1/tokens?limit=2".to_owned(),
+        };
+        let (status, _, page) = call(&f, "GET", &uri, None, &[]).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert_eq!(page["total"], 4, "{page}");
+        names.extend(
+            page["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["name"].as_str().unwrap().to_owned()),
+        );
+        after = page["next_after"].as_str().map(str::to_owned);
+        if after.is_none() {
+            break;
+        }
+    }
+    assert_eq!(names, ["admin", "bob", "carol", "dave"]);
 }

@@ -2,6 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 
+use super::listings::{written, Listing};
 use super::*;
 
 /// Which events `fairledger events` prints.
@@ -10,8 +11,8 @@ pub struct EventsArgs {
     /// Start after this sequence.
     #[arg(long, default_value_t = 0)]
     pub after: u64,
-    /// At most this many (without --follow).
-    #[arg(long, default_value_t = 100)]
+    /// At most this many (without --follow; 0: all, printed page after page).
+    #[arg(long, short = 'n', default_value_t = 100)]
     pub limit: usize,
     /// Keep printing new events as they come.
     #[arg(long, short)]
@@ -35,18 +36,34 @@ pub fn events(args: &ClientArgs, which: &EventsArgs) -> Result<(), String> {
     }
     let header = ["SEQ", "TIME (UTC)", "TYPE", "ABOUT", "ALLOCATION", "ACTOR"];
     if !which.follow {
-        query.push(("limit", which.limit.to_string()));
-        let v = api.call("GET", &with_query("/v1/events", &query), None)?;
-        print(args, &v, |v| {
-            let rows = v["events"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|e| event_row(&e["seq"], &e["event"], e["subject"].as_str()))
-                .collect();
-            columns(&header, rows)
-        });
-        return Ok(());
+        // Page after page (1,000 a page) up to the limit or the end of the log.
+        let limit = if which.limit == 0 {
+            usize::MAX
+        } else {
+            which.limit
+        };
+        let mut listing = Listing::new(args, "events", &header);
+        let mut after = which.after;
+        while listing.printed() < limit {
+            let mut q = query.clone();
+            q[0].1 = after.to_string();
+            q.push(("limit", (limit - listing.printed()).min(1_000).to_string()));
+            let page = api.call("GET", &with_query("/v1/events", &q), None)?;
+            let room = limit - listing.printed();
+            let printed = listing.page(&page, room, &["next_after", "now_ms"], |e| {
+                event_row(&e["seq"], &e["event"], e["subject"].as_str())
+            });
+            if printed.is_err() {
+                return written(printed);
+            }
+            match page["next_after"].as_u64() {
+                Some(next) if next > after && next < page["last_seq"].as_u64().unwrap_or(0) => {
+                    after = next
+                }
+                _ => break,
+            }
+        }
+        return written(listing.finish(None));
     }
     let url = format!("{}{}", api.base, with_query("/v1/events/stream", &query));
     let mut response = api
@@ -222,40 +239,25 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             });
         }
         TokenCommand::List => {
-            let v = api.call("GET", "/v1/tokens", None)?;
-            print(args, &v, |v| {
-                let rows = v["tokens"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|t| {
-                        let scope = match (t["allocations"].as_array(), t["node"].as_str()) {
-                            (Some(a), _) if !a.is_empty() => {
-                                a.iter().map(text).collect::<Vec<_>>().join(",")
-                            }
-                            (_, Some(n)) => format!("node {n}"),
-                            _ => "-".into(),
-                        };
-                        let expires = match (t["expired"].as_bool(), t["expires_at"].as_str()) {
-                            (Some(true), Some(at)) => format!("expired {at}"),
-                            (_, Some(at)) => at.to_owned(),
-                            _ => "never".into(),
-                        };
-                        vec![
-                            text(&t["name"]),
-                            text(&t["role"]),
-                            scope,
-                            text(&t["granted_by"]),
-                            text(&t["granted_at"]),
-                            expires,
-                        ]
-                    })
-                    .collect();
-                columns(
-                    &["NAME", "ROLE", "SCOPE", "GRANTED_BY", "GRANTED", "EXPIRES"],
-                    rows,
-                )
-            });
+            let header = ["NAME", "ROLE", "SCOPE", "GRANTED_BY", "GRANTED", "EXPIRES"];
+            let mut listing = Listing::new(args, "tokens", &header);
+            let mut after: Option<String> = None;
+            loop {
+                let path = match &after {
+                    Some(a) => with_query("/v1/tokens", &[("after", a.clone())]),
+                    None => "/v1/tokens".to_owned(),
+                };
+                let page = api.call("GET", &path, None)?;
+                let printed = listing.page(&page, usize::MAX, &["next_after"], token_row);
+                if printed.is_err() {
+                    return written(printed);
+                }
+                after = page["next_after"].as_str().map(str::to_owned);
+                if after.is_none() {
+                    break;
+                }
+            }
+            return written(listing.finish(None));
         }
         TokenCommand::Revoke { name } => {
             let v = api.call("DELETE", &format!("/v1/tokens/{name}"), None)?;
@@ -279,6 +281,28 @@ pub fn whoami(args: &ClientArgs) -> Result<(), String> {
         )
     });
     Ok(())
+}
+
+/// One principal as `fairledger token list` shows it.
+fn token_row(t: &Value) -> Vec<String> {
+    let scope = match (t["allocations"].as_array(), t["node"].as_str()) {
+        (Some(a), _) if !a.is_empty() => a.iter().map(text).collect::<Vec<_>>().join(","),
+        (_, Some(n)) => format!("node {n}"),
+        _ => "-".into(),
+    };
+    let expires = match (t["expired"].as_bool(), t["expires_at"].as_str()) {
+        (Some(true), Some(at)) => format!("expired {at}"),
+        (_, Some(at)) => at.to_owned(),
+        _ => "never".into(),
+    };
+    vec![
+        text(&t["name"]),
+        text(&t["role"]),
+        scope,
+        text(&t["granted_by"]),
+        text(&t["granted_at"]),
+        expires,
+    ]
 }
 
 #[cfg(test)]

@@ -129,13 +129,10 @@ fn terminal_line(text: &str) -> std::borrow::Cow<'_, str> {
     ledger::names::terminal_safe(text)
 }
 
-/// What a listing's write error means for the command: a reader that went away (`| head`) is
-/// not a failure.
-fn written(result: io::Result<()>) -> Result<(), String> {
-    match result {
-        Err(e) if e.kind() != io::ErrorKind::BrokenPipe => Err(format!("writing the listing: {e}")),
-        _ => Ok(()),
-    }
+/// A listing's write error as the command reports it. (A reader that went away, `| head`,
+/// ends the process by SIGPIPE before this, as for other command-line tools.)
+pub(super) fn written(result: io::Result<()>) -> Result<(), String> {
+    result.map_err(|e| format!("writing the listing: {e}"))
 }
 
 /// Rows asked of the API per page.
@@ -249,7 +246,14 @@ fn queue_summary(s: &Value) -> String {
         text(&s["gpus"])
     );
     out += &columns(
-        &["ALLOCATION", "WAITING", "GPUS", "HEAD", "POS", "HEAD'S REASON"],
+        &[
+            "ALLOCATION",
+            "WAITING",
+            "GPUS",
+            "HEAD",
+            "POS",
+            "HEAD'S REASON",
+        ],
         rows("by_allocation", &|a| {
             vec![
                 a["allocation"]
@@ -388,9 +392,9 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
             break;
         }
     }
-    let more = before
-        .is_some()
-        .then_some("(more: raise --limit (0 for all), or narrow with --since, --state, --allocation)");
+    let more = before.is_some().then_some(
+        "(more: raise --limit (0 for all), or narrow with --since, --state, --allocation)",
+    );
     written(listing.finish(more))
 }
 
@@ -533,10 +537,17 @@ fn nodes_summary(s: &Value) -> String {
     out += &columns(
         &["MODEL", "NODES", "GPUS", "HEALTHY", "HELD", "FREE"],
         rows("by_model", &|m| {
-            ["model", "nodes", "gpus", "healthy_gpus", "held_gpus", "free_gpus"]
-                .iter()
-                .map(|k| text(&m[*k]))
-                .collect()
+            [
+                "model",
+                "nodes",
+                "gpus",
+                "healthy_gpus",
+                "held_gpus",
+                "free_gpus",
+            ]
+            .iter()
+            .map(|k| text(&m[*k]))
+            .collect()
         }),
     );
     out += "\n";

@@ -601,7 +601,6 @@ pub enum NodesCommand {
     },
 }
 
-
 /// ", preempted N times before" when it was, for a sentence about a workload.
 fn preempted_before(v: &Value) -> String {
     match v["preemptions"].as_u64().unwrap_or(0) {
