@@ -56,6 +56,7 @@ pub mod alloc;
 pub mod book;
 pub mod chain;
 pub mod cluster;
+pub mod dryrun;
 pub mod event;
 pub mod health;
 pub mod identity;

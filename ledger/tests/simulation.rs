@@ -828,3 +828,135 @@ fn the_dry_run_verdict_is_the_folds() {
     );
     eprintln!("{applied} events applied and {rejected} rejected as the dry run said");
 }
+
+/// A submission tried first meets what the dry run said: refused for the same reason as the
+/// fold refuses the real one; otherwise, folded in and planned at the same moment, started on
+/// the placement the dry run named, or waiting at its position for its reason with the same
+/// preemptions decided for it. Probed along the simulations' ledgers with submissions of every
+/// shape, some invalid.
+#[test]
+fn a_submission_meets_what_its_dry_run_said() {
+    let seeds: u64 = std::env::var("FAIRLEDGER_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(500)
+        .min(30);
+    let (mut starts, mut waits, mut refused) = (0, 0, 0);
+    for seed in 0..seeds {
+        let _guard = SeedGuard(seed);
+        let sc = scenario(seed);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xd2);
+        let mut state = State::new(sc.state_config);
+        for (seq, env) in ledger_of(seed) {
+            state.apply(seq, &env);
+            if seq % 17 != 0 {
+                continue;
+            }
+            let leaves: Vec<String> = state
+                .allocations()
+                .nodes
+                .iter()
+                .filter(|a| a.is_leaf() && !a.removed)
+                .map(|a| a.path.clone())
+                .collect();
+            let mut submitted = WorkloadSubmitted::new(
+                Uuid::from_u128(rng.random()),
+                match rng.random_range(0..10) {
+                    0 => None,
+                    1 => Some("no/such".into()),
+                    _ if leaves.is_empty() => None,
+                    _ => Some(leaves[rng.random_range(0..leaves.len())].clone()),
+                },
+                rng.random_range(0..10),
+                rng.random_range(0..3),
+            );
+            submitted.priority = rng.random_range(-1..2);
+            submitted.min_runtime_s = rng.random_bool(0.3).then(|| rng.random_range(0..40_000));
+            submitted.duration_estimate_s =
+                rng.random_bool(0.5).then(|| rng.random_range(60..20_000));
+            let (envelope_id, at) = (Uuid::from_u128(rng.random()), env.occurred_at_ms);
+            let said = ledger::dryrun::dry_run(
+                &state,
+                envelope_id,
+                at,
+                "user:probe",
+                submitted.clone(),
+                &sc.policy,
+            );
+            // The real one, on a copy of the ledger.
+            let id = submitted.workload;
+            let mut real = state.clone();
+            let submission = Envelope::new(
+                envelope_id,
+                at,
+                "user:probe",
+                Event::WorkloadSubmitted(submitted),
+            );
+            let outcome = real.apply(seq + 1, &submission);
+            let plan = ledger::policy::decide(
+                &real,
+                real.now_ms(),
+                &PolicyConfig {
+                    explain: true,
+                    ..real.policy_config(&sc.policy)
+                },
+            );
+            let start = plan.decisions.iter().find_map(|d| match d {
+                ledger::policy::Decision::Start {
+                    workload,
+                    placement,
+                    ..
+                } if *workload == id => Some(placement.clone()),
+                _ => None,
+            });
+            match (&said, outcome) {
+                (ledger::dryrun::DryRun::Refused(r), Outcome::Rejected(f)) => {
+                    assert_eq!(*r, f, "seed {seed} at {seq}");
+                    refused += 1;
+                }
+                (ledger::dryrun::DryRun::Starts { placement, .. }, Outcome::Applied) => {
+                    assert_eq!(Some(placement), start.as_ref(), "seed {seed} at {seq}");
+                    starts += 1;
+                }
+                (
+                    ledger::dryrun::DryRun::Waits {
+                        position,
+                        reason,
+                        preempting,
+                        ..
+                    },
+                    Outcome::Applied,
+                ) => {
+                    assert_eq!(start, None, "seed {seed} at {seq}: it would start");
+                    let mine = plan.pending.iter().find(|p| p.workload == id).unwrap();
+                    assert_eq!((mine.position, &mine.reason), (*position, reason));
+                    let for_it: Vec<_> = plan
+                        .decisions
+                        .iter()
+                        .filter_map(|d| match d {
+                            ledger::policy::Decision::Preempt {
+                                workload,
+                                reason,
+                                beneficiary: Some(b),
+                                ..
+                            } if *b == id => Some((*workload, *reason)),
+                            _ => None,
+                        })
+                        .collect();
+                    assert_eq!(&for_it, preempting, "seed {seed} at {seq}");
+                    waits += 1;
+                }
+                (said, outcome) => {
+                    panic!("seed {seed} at {seq}: the dry run said {said:?}, the fold {outcome:?}")
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{starts} would start, {waits} would wait, {refused} refused, as their dry runs said"
+    );
+    assert!(
+        starts > 0 && waits > 0 && refused > 0,
+        "{starts} {waits} {refused}"
+    );
+}

@@ -195,6 +195,29 @@ fn cli(server: &Server, args: &[&str]) -> Result<String, String> {
 fn the_command_line_client_speaks_to_the_server() {
     let data = tempfile::tempdir().unwrap();
     let server = Server::start(&["--data", data.path().to_str().unwrap()]);
+    // Tried first: it would start at once on the four nodes, and nothing is submitted.
+    let tried = cli(
+        &server,
+        &[
+            "submit",
+            "-a",
+            "uw/nlp",
+            "-g",
+            "8",
+            "-n",
+            "4",
+            "--test-only",
+        ],
+    )
+    .unwrap();
+    assert!(
+        tried.starts_with("would start now on demo-")
+            && tried.matches(":0,1,2,3,4,5,6,7").count() == 4
+            && tried.ends_with("nothing was submitted (--test-only)\n"),
+        "{tried}"
+    );
+    let refused = cli(&server, &["submit", "-a", "nope", "-g", "1", "--test-only"]).unwrap_err();
+    assert!(refused.contains("(field allocation)"), "{refused}");
     // A 4-node gang takes the whole demo cluster; the next one waits.
     let first = cli(
         &server,
@@ -219,6 +242,20 @@ fn the_command_line_client_speaks_to_the_server() {
         date.len() == 10 && date.as_bytes()[4] == b'-' && protected.contains(" UTC (in "),
         "{status}"
     );
+    // The next would wait, first in line, until the gang's contract ends (it may preempt it
+    // then).
+    let last_seq = || server.call("GET", "/v1/events?limit=1", None).1["last_seq"].clone();
+    let before = last_seq();
+    let tried = cli(
+        &server,
+        &["submit", "-a", "ai2/tulu", "-g", "8", "--test-only"],
+    )
+    .unwrap();
+    assert!(
+        tried.starts_with("would wait: 1 of 1 in the queue, "),
+        "{tried}"
+    );
+    assert_eq!(last_seq(), before, "a dry run writes nothing");
     // Waiting for a placement that does not come within the time fails, and says so; the
     // workload stays queued.
     let second = cli(

@@ -69,6 +69,10 @@ pub(crate) struct SubmitQuery {
     wait: Option<String>,
     /// How long `wait=placed` waits, in seconds (default 30, at most 300).
     timeout_s: Option<u64>,
+    /// `true`: answer what would happen to this submission now (refused as the real one would
+    /// be, or where it would start, or where it would wait, why and until when, and whom the
+    /// policy would preempt for it), writing nothing.
+    dry_run: Option<bool>,
 }
 
 #[utoipa::path(post, path = "/v1/workloads", tag = "workloads",
@@ -76,6 +80,7 @@ pub(crate) struct SubmitQuery {
     request_body = SubmitRequest,
     responses(
         (status = 202, description = "durable and folded; pending", body = serde_json::Value),
+        (status = 200, description = "dry_run=true: what would happen to it now (`would`: start or wait; `would_start_at`, RFC 3339; placement; position and reason; the workloads it would preempt); nothing written", body = serde_json::Value),
         (status = 200, description = "placed (wait=placed), or the workload an idempotency key already made", body = serde_json::Value),
         (status = 400, description = "malformed JSON or query", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "no token, or an unknown, revoked or expired one", body = problem::Problem, content_type = "application/problem+json"),
@@ -130,6 +135,12 @@ pub(crate) async fn submit(
             return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
         }
     }
+    if query.dry_run == Some(true) && wait_placed {
+        return Err(Problem::invalid(
+            "wait",
+            "a dry run places nothing to wait for; leave out wait or dry_run",
+        ));
+    }
     let id = Uuid::now_v7();
     let submitted = WorkloadSubmitted {
         model: request.model.clone(),
@@ -148,6 +159,9 @@ pub(crate) async fn submit(
             request.nodes.unwrap_or(1),
         )
     };
+    if query.dry_run == Some(true) {
+        return dry_run(&app, &caller, submitted).await;
+    }
     let allocation = request.allocation.clone();
     let seq = app
         .write(
@@ -200,6 +214,89 @@ pub(crate) async fn submit(
         Json(json!({"id": id, "seq": seq, "phase": "pending"})),
     )
         .into_response())
+}
+
+/// `POST /v1/workloads?dry_run=true`: what `submitted` would meet now; nothing is written.
+/// A refusal is the real submission's problem, word for word.
+async fn dry_run(
+    app: &App,
+    caller: &Caller,
+    submitted: WorkloadSubmitted,
+) -> Result<Response, Problem> {
+    use ledger::dryrun::DryRun;
+    let now = scheduler::wall_clock_ms();
+    let p = app.inner.projection.read().await;
+    let state = p.state();
+    let event = Event::WorkloadSubmitted(submitted.clone());
+    let said = ledger::dryrun::dry_run(
+        state,
+        Uuid::now_v7(),
+        now,
+        &caller.actor(),
+        submitted,
+        &app.inner.policy,
+    );
+    let mut answer = json!({"dry_run": true, "as_of_seq": state.last_seq()});
+    let start_at = |answer: &mut serde_json::Value, at_ms: u64| {
+        answer["would_start_at"] = json!(super::date(at_ms));
+        answer["would_start_at_ms"] = json!(at_ms);
+    };
+    match said {
+        DryRun::Refused(r) => return Err(Problem::refused(&r, &event)),
+        DryRun::Duplicate(original) => {
+            answer["duplicate"] = json!(true);
+            answer["id"] = json!(original);
+        }
+        DryRun::Starts {
+            placement,
+            protected_until_ms,
+            borrowed,
+        } => {
+            answer["would"] = json!("start");
+            start_at(&mut answer, state.now_ms().max(now));
+            answer["estimate"] = json!({
+                "start_at_ms": state.now_ms().max(now),
+                "how": "it fits now: the next scheduling pass starts it",
+            });
+            answer["placement"] = json!(placement);
+            answer["protected_until_ms"] = json!(protected_until_ms);
+            answer["borrowed"] = json!(borrowed);
+            answer["preempts"] = json!([]);
+        }
+        DryRun::Waits {
+            position,
+            of,
+            reason: why,
+            key,
+            estimate,
+            preempting,
+        } => {
+            answer["would"] = json!("wait");
+            answer["position"] = json!(position);
+            answer["of"] = json!(of);
+            answer["reason"] = reason(&why);
+            answer["key"] = json!(key);
+            answer["would_start_at"] = json!(null);
+            answer["would_start_at_ms"] = json!(null);
+            if let Some(e) = estimate {
+                start_at(&mut answer, e.at_ms);
+            }
+            answer["estimate"] = estimate.map_or(json!(null), estimate_json);
+            answer["preempts"] = preempting
+                .iter()
+                .map(|(victim, why)| {
+                    let w = state.workloads().get(victim);
+                    json!({
+                        "id": victim,
+                        "allocation": w.and_then(|w| state.allocation_path(w)),
+                        "gpus": w.map(|w| w.gpus()),
+                        "reason": why,
+                    })
+                })
+                .collect();
+        }
+    }
+    Ok(Json(answer).into_response())
 }
 
 #[utoipa::path(get, path = "/v1/workloads/{id}", tag = "workloads",

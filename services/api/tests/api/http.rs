@@ -1757,3 +1757,119 @@ async fn nodes_and_tokens_page() {
     }
     assert_eq!(names, ["admin", "bob", "carol", "dave"]);
 }
+
+/// A dry run answers what the real submission then meets: the same refusal, word for word; or,
+/// with nothing else happening, the start it said (on the placement it said), or the wait.
+/// Shapes of every kind, some invalid, from a seeded generator (`FAIRLEDGER_SEED` replays one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_says_what_the_submission_then_meets() {
+    use rand::{RngExt, SeedableRng};
+    let seed: u64 = std::env::var("FAIRLEDGER_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(scheduler::wall_clock_ms);
+    eprintln!("FAIRLEDGER_SEED={seed}");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let f = fixture(true).await;
+    let before = f.log.last_seq().await.unwrap();
+    let (mut started, mut waiting, mut refused) = (0, 0, 0);
+    const NODES: [u32; 10] = [1, 1, 1, 1, 1, 1, 1, 2, 2, 0];
+    for i in 0..30 {
+        let allocation = ["a/x", "b", "a/x", "b", "a/x", "b", "nope", "a"][rng.random_range(0..8)];
+        let gpus = if rng.random_bool(0.1) {
+            [0, 9][rng.random_range(0..2)]
+        } else {
+            rng.random_range(1..5)
+        };
+        let mut body = serde_json::json!({
+            "allocation": allocation,
+            "gpus_per_node": gpus,
+            "nodes": NODES[rng.random_range(0..10)],
+            "name": format!("try-{i}"),
+        });
+        if rng.random_bool(0.2) {
+            body["min_runtime_s"] = serde_json::json!(rng.random_range(0..40_000));
+        }
+        if rng.random_bool(0.2) {
+            body["model"] = serde_json::json!(["H100", "A100"][rng.random_range(0..2)]);
+        }
+        let body = body.to_string();
+        let (dry_status, _, said) =
+            call(&f, "POST", "/v1/workloads?dry_run=true", Some(&body), &[]).await;
+        let (status, _, met) = call(
+            &f,
+            "POST",
+            "/v1/workloads?wait=placed&timeout_s=1",
+            Some(&body),
+            &[],
+        )
+        .await;
+        if dry_status != StatusCode::OK {
+            assert_eq!((dry_status, &said), (status, &met), "{body}");
+            refused += 1;
+            continue;
+        }
+        assert_eq!(said["dry_run"], true, "{said}");
+        match said["would"].as_str() {
+            Some("start") => {
+                assert_eq!(status, StatusCode::OK, "{body}: said {said}, met {met}");
+                assert_eq!(
+                    said["placement"], met["workload"]["placement"],
+                    "{body}: said {said}, met {met}"
+                );
+                assert!(
+                    said["would_start_at"].as_str().unwrap().ends_with('Z'),
+                    "{said}"
+                );
+                started += 1;
+            }
+            Some("wait") => {
+                // Not placed within the wait: still pending.
+                assert_eq!(
+                    status,
+                    StatusCode::ACCEPTED,
+                    "{body}: said {said}, met {met}"
+                );
+                let id = met["id"].as_str().unwrap();
+                let (_, _, why) =
+                    call(&f, "GET", &format!("/v1/workloads/{id}/explain"), None, &[]).await;
+                assert_eq!(
+                    (&why["position"], &why["reason"]["code"]),
+                    (&said["position"], &said["reason"]["code"]),
+                    "{body}: said {said}, explained {why}"
+                );
+                waiting += 1;
+            }
+            _ => panic!("{said}"),
+        }
+    }
+    eprintln!("{started} started, {waiting} waited, {refused} were refused, as said");
+    assert!(started > 0 && refused > 0, "{started} {waiting} {refused}");
+    // Dry runs wrote nothing: the log holds the real submissions and their starts only.
+    let (_, _, events) = call(
+        &f,
+        "GET",
+        &format!("/v1/events?after={before}&limit=1000"),
+        None,
+        &[],
+    )
+    .await;
+    let submitted = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"]["type"] == "workload_submitted")
+        .count();
+    assert_eq!(submitted, started + waiting);
+    // A dry run does not wait.
+    let (status, _, problem) = call(
+        &f,
+        "POST",
+        "/v1/workloads?dry_run=true&wait=placed",
+        Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    assert_eq!(problem["field"], "wait");
+}

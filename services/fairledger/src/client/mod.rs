@@ -225,6 +225,11 @@ pub struct SubmitArgs {
     /// not.
     #[arg(long, value_parser = seconds)]
     pub wait: Option<u64>,
+    /// Submit nothing: say whether it would be accepted, and where and when it would start,
+    /// or where it would wait and why, and whom the policy would preempt for it (Slurm's
+    /// `sbatch --test-only`).
+    #[arg(long, conflicts_with = "wait")]
+    pub test_only: bool,
     /// The command the node agent runs.
     #[arg(last = true)]
     pub command: Vec<String>,
@@ -377,6 +382,11 @@ pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
         "model": s.model, "priority": s.priority, "min_runtime_s": s.min_runtime,
         "duration_estimate_s": s.duration, "checkpoint_s": s.checkpoint, "command": s.command,
     });
+    if s.test_only {
+        let v = api.call("POST", "/v1/workloads?dry_run=true", Some(&body))?;
+        print(args, &v, dry_run_text);
+        return Ok(());
+    }
     let path = match s.wait {
         Some(t) => format!("/v1/workloads?wait=placed&timeout_s={t}"),
         None => "/v1/workloads".into(),
@@ -399,6 +409,81 @@ pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
         }
         _ => Ok(()),
     }
+}
+
+/// What `submit --test-only` says of a dry run's answer.
+fn dry_run_text(v: &Value) -> String {
+    if v["duplicate"] == true {
+        return format!(
+            "nothing would be submitted: this idempotency key made {} before\n",
+            text(&v["id"])
+        );
+    }
+    let mut out = String::new();
+    if v["would"] == "start" {
+        let on: Vec<String> = v["placement"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                let gpus: Vec<String> = p["gpus"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(text)
+                    .collect();
+                format!("{}:{}", text(&p["node"]), gpus.join(","))
+            })
+            .collect();
+        out += &format!("would start now on {}", on.join(" "));
+        if let Some(until) = v["borrowed"]["until_ms"].as_u64() {
+            out += &format!(", on GPUs lent until {}", when(&Value::from(until)));
+        }
+        out += &format!(
+            "; protected from preemption until {}\n",
+            when(&v["protected_until_ms"])
+        );
+    } else {
+        out += &format!(
+            "would wait: {} of {} in the queue, {}: {}\n",
+            text(&v["position"]),
+            text(&v["of"]),
+            text(&v["reason"]["code"]).replace('_', " "),
+            text(&v["reason"]["detail"]),
+        );
+        let e = &v["estimate"];
+        match (e["start_at_ms"].as_u64(), e["not_before_ms"].as_u64()) {
+            (Some(at), _) => {
+                out += &format!("estimated start {}: {}\n", when(&Value::from(at)), text(&e["how"]))
+            }
+            (_, Some(at)) => {
+                out += &format!("not before {}: {}\n", when(&Value::from(at)), text(&e["how"]))
+            }
+            _ => out += "no start in sight: no running work it waits for has an estimate or a contract ending; a duration estimate lets work borrow idle GPUs\n",
+        }
+    }
+    let preempts = v["preempts"].as_array().cloned().unwrap_or_default();
+    if !preempts.is_empty() {
+        out += &format!(
+            "{} running workload(s) would be preempted for it:\n",
+            preempts.len()
+        );
+        out += &columns(
+            &["ID", "ALLOCATION", "GPUS", "REASON"],
+            preempts
+                .iter()
+                .map(|p| {
+                    vec![
+                        text(&p["id"]),
+                        text(&p["allocation"]),
+                        text(&p["gpus"]),
+                        text(&p["reason"]),
+                    ]
+                })
+                .collect(),
+        );
+    }
+    out + "nothing was submitted (--test-only)\n"
 }
 
 pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
