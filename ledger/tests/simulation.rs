@@ -841,7 +841,8 @@ fn a_submission_meets_what_its_dry_run_said() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(500)
         .min(30);
-    let (mut starts, mut waits, mut refused) = (0, 0, 0);
+    use ledger::dryrun::{Change, Start};
+    let (mut starts, mut waits, mut refused, mut offered) = (0, 0, 0, 0);
     for seed in 0..seeds {
         let _guard = SeedGuard(seed);
         let sc = scenario(seed);
@@ -875,6 +876,7 @@ fn a_submission_meets_what_its_dry_run_said() {
             submitted.duration_estimate_s =
                 rng.random_bool(0.5).then(|| rng.random_range(60..20_000));
             let (envelope_id, at) = (Uuid::from_u128(rng.random()), env.occurred_at_ms);
+            let shape = submitted.clone();
             let said = ledger::dryrun::dry_run(
                 &state,
                 envelope_id,
@@ -945,6 +947,48 @@ fn a_submission_meets_what_its_dry_run_said() {
                         .collect();
                     assert_eq!(&for_it, preempting, "seed {seed} at {seq}");
                     waits += 1;
+                    // Every alternative offered starts sooner, and is what a dry run of the
+                    // changed submission says on its own copy of the ledger.
+                    let baseline = Start::of(&said, at).unwrap();
+                    let alternatives = ledger::dryrun::alternatives(
+                        &state,
+                        &shape,
+                        baseline,
+                        None,
+                        "user:probe",
+                        at,
+                        &sc.policy,
+                        &leaves,
+                    );
+                    for alt in alternatives {
+                        assert!(
+                            alt.start.sooner_than(&baseline),
+                            "seed {seed} at {seq}: {alt:?}"
+                        );
+                        let mut changed = shape.clone();
+                        changed.workload = Uuid::from_u128(rng.random());
+                        match &alt.change {
+                            Change::GpusPerNode(g) => changed.gpus_per_node = *g,
+                            Change::Nodes(n) => changed.nodes = *n,
+                            Change::MinRuntimeS(s) => changed.min_runtime_s = Some(*s),
+                            Change::DurationEstimateS(s) => changed.duration_estimate_s = Some(*s),
+                            Change::Allocation(a) => changed.allocation = Some(a.clone()),
+                        }
+                        let alone = ledger::dryrun::dry_run(
+                            &state,
+                            Uuid::from_u128(rng.random()),
+                            at,
+                            "user:probe",
+                            changed,
+                            &sc.policy,
+                        );
+                        assert_eq!(
+                            Start::of(&alone, state.now_ms().max(at)),
+                            Some(alt.start),
+                            "seed {seed} at {seq}: {alt:?} alone: {alone:?}"
+                        );
+                        offered += 1;
+                    }
                 }
                 (said, outcome) => {
                     panic!("seed {seed} at {seq}: the dry run said {said:?}, the fold {outcome:?}")
@@ -953,10 +997,10 @@ fn a_submission_meets_what_its_dry_run_said() {
         }
     }
     eprintln!(
-        "{starts} would start, {waits} would wait, {refused} refused, as their dry runs said"
+        "{starts} would start, {waits} would wait ({offered} alternatives offered), {refused} refused, as their dry runs said"
     );
     assert!(
-        starts > 0 && waits > 0 && refused > 0,
-        "{starts} {waits} {refused}"
+        starts > 0 && waits > 0 && refused > 0 && offered > 0,
+        "{starts} {waits} {refused} {offered}"
     );
 }

@@ -66,6 +66,7 @@ impl Browser {
                 "--no-first-run",
                 "--remote-debugging-port=0",
                 "--window-size=1300,2200",
+                "--enable-precise-memory-info",
             ])
             .arg(format!("--user-data-dir={}", profile.path().display()))
             .arg("about:blank")
@@ -571,6 +572,29 @@ fn the_dashboard_and_the_queue_hold_at_a_thousand_nodes_and_a_hundred_thousand_w
     assert!(
         summary.contains("team-9 ") && summary.contains("no_capacity"),
         "{summary}"
+    );
+    // What a researcher asks of a queue this long: why one waits and what would start it
+    // sooner, and what a submission would meet. Timed here for BENCHMARKS.md, not checked.
+    let (_, page) = server.call("GET", "/v1/queue?limit=1&after=50000", None);
+    let id = page["pending"][0]["id"].as_str().unwrap().to_owned();
+    let asked = Instant::now();
+    let (status, why) = server.call("GET", &format!("/v1/workloads/{id}/explain"), None);
+    let explained = asked.elapsed();
+    assert_eq!(status, 200, "{why}");
+    assert!(why["alternatives"].is_array(), "{why}");
+    let asked = Instant::now();
+    let (status, tried) = server.call(
+        "POST",
+        "/v1/workloads?dry_run=true",
+        Some(r#"{"allocation":"team-3","gpus_per_node":8,"nodes":2}"#),
+    );
+    let dry_run = asked.elapsed();
+    assert_eq!((status, &tried["would"]), (200, &json!("wait")), "{tried}");
+    eprintln!(
+        "explain at position 50,001 in {:.0} ms ({} alternatives); a dry run in {:.0} ms",
+        explained.as_secs_f64() * 1e3,
+        why["alternatives"].as_array().unwrap().len(),
+        dry_run.as_secs_f64() * 1e3
     );
     let started = Instant::now();
     let listed = cli(&["queue"]);

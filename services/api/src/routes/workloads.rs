@@ -223,19 +223,40 @@ async fn dry_run(
     caller: &Caller,
     submitted: WorkloadSubmitted,
 ) -> Result<Response, Problem> {
-    use ledger::dryrun::DryRun;
+    use ledger::dryrun::{DryRun, Start};
     let now = scheduler::wall_clock_ms();
-    let p = app.inner.projection.read().await;
-    let state = p.state();
+    // Worked out on a copy, the ledger's lock released: writers do not wait for it.
+    let state = app.inner.projection.read().await.state().clone();
     let event = Event::WorkloadSubmitted(submitted.clone());
-    let said = ledger::dryrun::dry_run(
-        state,
-        Uuid::now_v7(),
-        now,
-        &caller.actor(),
-        submitted,
-        &app.inner.policy,
-    );
+    let allocations = submittable(&state, Some(&caller.0));
+    let (actor, policy) = (caller.actor(), app.inner.policy.clone());
+    let (state, said, alternatives) = tokio::task::spawn_blocking(move || {
+        let said = ledger::dryrun::dry_run(
+            &state,
+            Uuid::now_v7(),
+            now,
+            &actor,
+            submitted.clone(),
+            &policy,
+        );
+        let alternatives = match Start::of(&said, now) {
+            Some(start @ (Start::At(_) | Start::Unknown)) => ledger::dryrun::alternatives(
+                &state,
+                &submitted,
+                start,
+                None,
+                &actor,
+                now,
+                &policy,
+                &allocations,
+            ),
+            _ => Vec::new(),
+        };
+        (state, said, alternatives)
+    })
+    .await
+    .map_err(|e| Problem::unavailable(e.to_string()))?;
+    let state = &state;
     let mut answer = json!({"dry_run": true, "as_of_seq": state.last_seq()});
     let start_at = |answer: &mut serde_json::Value, at_ms: u64| {
         answer["would_start_at"] = json!(super::date(at_ms));
@@ -262,6 +283,7 @@ async fn dry_run(
             answer["protected_until_ms"] = json!(protected_until_ms);
             answer["borrowed"] = json!(borrowed);
             answer["preempts"] = json!([]);
+            answer["alternatives"] = json!([]);
         }
         DryRun::Waits {
             position,
@@ -282,6 +304,7 @@ async fn dry_run(
                 start_at(&mut answer, e.at_ms);
             }
             answer["estimate"] = estimate.map_or(json!(null), estimate_json);
+            answer["alternatives"] = alternatives_json(&alternatives);
             answer["preempts"] = preempting
                 .iter()
                 .map(|(victim, why)| {
@@ -559,8 +582,24 @@ pub(crate) async fn explain(
     }
     let policy_name = state.policy_config(&app.inner.policy).policy;
     let key_meaning = ledger::policy::by_name(policy_name).and_then(|p| p.key_meaning());
-    let estimate = plan.estimate(mine).map(estimate_json);
-    Ok(Json(json!({
+    let own = plan.estimate(mine);
+    let estimate = own.map(estimate_json);
+    // What would start it sooner, within its submitter's rights.
+    let submitter = state
+        .submitter(w)
+        .split_once(':')
+        .and_then(|(_, name)| state.principals().get(name));
+    // Worked out on a copy, the ledger's lock released: writers do not wait for it.
+    let asked = Alternatives {
+        shape: ledger::dryrun::resubmission(state, w, Uuid::now_v7()),
+        start: own.map_or(ledger::dryrun::Start::Unknown, ledger::dryrun::Start::At),
+        waiting: Some(id),
+        actor: state.submitter(w).to_owned(),
+        at_ms: scheduler::wall_clock_ms().max(state.now_ms()),
+        allocations: submittable(state, submitter),
+        state: state.clone(),
+    };
+    let mut answer = json!({
         "id": id,
         "phase": "pending",
         "position": mine.position,
@@ -573,8 +612,123 @@ pub(crate) async fn explain(
         "ahead": ahead,
         "estimate": estimate,
         "preemptions": w.preemptions,
-    }))
-    .into_response())
+    });
+    drop(p);
+    answer["alternatives"] = alternatives_json(&asked.work_out(&app).await?);
+    Ok(Json(answer).into_response())
+}
+
+/// What [`ledger::dryrun::alternatives`] is asked, on a copy of the state.
+struct Alternatives {
+    state: ledger::State,
+    shape: WorkloadSubmitted,
+    start: ledger::dryrun::Start,
+    waiting: Option<Uuid>,
+    actor: String,
+    at_ms: u64,
+    allocations: Vec<String>,
+}
+
+impl Alternatives {
+    /// The alternatives, worked out off the async workers.
+    async fn work_out(self, app: &App) -> Result<Vec<ledger::dryrun::Alternative>, Problem> {
+        let policy = app.inner.policy.clone();
+        tokio::task::spawn_blocking(move || {
+            ledger::dryrun::alternatives(
+                &self.state,
+                &self.shape,
+                self.start,
+                self.waiting,
+                &self.actor,
+                self.at_ms,
+                &policy,
+                &self.allocations,
+            )
+        })
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string()))
+    }
+}
+
+/// The leaf allocations `principal` may submit to (none without one: a revoked submitter).
+fn submittable(
+    state: &ledger::State,
+    principal: Option<&ledger::identity::Principal>,
+) -> Vec<String> {
+    let Some(principal) = principal else {
+        return Vec::new();
+    };
+    let tree = state.allocations();
+    tree.nodes
+        .iter()
+        .filter(|a| a.is_leaf() && !a.removed)
+        .filter(|a| {
+            principal
+                .allows(
+                    &Action::Submit {
+                        allocation: Some(&a.path),
+                    },
+                    tree,
+                )
+                .is_ok()
+        })
+        .map(|a| a.path.clone())
+        .collect()
+}
+
+/// The changes that would start a workload sooner, as `explain` and a dry run answer them.
+fn alternatives_json(found: &[ledger::dryrun::Alternative]) -> serde_json::Value {
+    use ledger::dryrun::{Change, DryRun, Start};
+    found
+        .iter()
+        .map(|a| {
+            let (change, what) = match &a.change {
+                Change::GpusPerNode(g) => {
+                    (json!({"gpus_per_node": g}), format!("{g} GPUs per node"))
+                }
+                Change::Nodes(n) => (json!({"nodes": n}), format!("{n} node(s)")),
+                Change::MinRuntimeS(s) => (
+                    json!({"min_runtime_s": s}),
+                    format!("protection from preemption of {}", span_text(*s)),
+                ),
+                Change::DurationEstimateS(s) => (
+                    json!({"duration_estimate_s": s}),
+                    format!(
+                        "a duration estimate of at most {} (lent GPUs need one)",
+                        span_text(*s)
+                    ),
+                ),
+                Change::Allocation(p) => (json!({"allocation": p}), format!("charged to {p}")),
+            };
+            let would = if matches!(a.outlook, DryRun::Starts { .. }) {
+                "start"
+            } else {
+                "wait"
+            };
+            let (at, exact) = match a.start {
+                Start::Now(t) => (Some(t), true),
+                Start::At(e) => (Some(e.at_ms), e.exact),
+                Start::Unknown => (None, false),
+            };
+            json!({
+                "change": change,
+                "what": what,
+                "would": would,
+                "estimated_start": at.map(super::date),
+                "estimated_start_ms": at,
+                "exact": exact,
+            })
+        })
+        .collect()
+}
+
+/// Seconds as people say them: `30m`, `2h`, `8h`.
+fn span_text(s: u64) -> String {
+    match s {
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
 }
 
 /// A start estimate as `explain` and a dry run answer it: `start_at_ms` when it starts then if

@@ -1788,7 +1788,9 @@ async fn a_dry_run_says_what_the_submission_then_meets() {
             "name": format!("try-{i}"),
         });
         if rng.random_bool(0.2) {
-            body["min_runtime_s"] = serde_json::json!(rng.random_range(0..40_000));
+            // Protected long enough that nothing becomes preemptible while the test runs (the
+            // scheduler would act on its own), or past the cap: refused.
+            body["min_runtime_s"] = serde_json::json!([3_600, 40_000][rng.random_range(0..2)]);
         }
         if rng.random_bool(0.2) {
             body["model"] = serde_json::json!(["H100", "A100"][rng.random_range(0..2)]);
@@ -1796,14 +1798,14 @@ async fn a_dry_run_says_what_the_submission_then_meets() {
         let body = body.to_string();
         let (dry_status, _, said) =
             call(&f, "POST", "/v1/workloads?dry_run=true", Some(&body), &[]).await;
-        let (status, _, met) = call(
-            &f,
-            "POST",
-            "/v1/workloads?wait=placed&timeout_s=1",
-            Some(&body),
-            &[],
-        )
-        .await;
+        // Waiting for the placement only where one was said to come (a loaded machine may
+        // take its time).
+        let uri = if said["would"] == "start" {
+            "/v1/workloads?wait=placed&timeout_s=30"
+        } else {
+            "/v1/workloads"
+        };
+        let (status, _, met) = call(&f, "POST", uri, Some(&body), &[]).await;
         if dry_status != StatusCode::OK {
             assert_eq!((dry_status, &said), (status, &met), "{body}");
             refused += 1;
@@ -1824,7 +1826,6 @@ async fn a_dry_run_says_what_the_submission_then_meets() {
                 started += 1;
             }
             Some("wait") => {
-                // Not placed within the wait: still pending.
                 assert_eq!(
                     status,
                     StatusCode::ACCEPTED,
@@ -1872,4 +1873,47 @@ async fn a_dry_run_says_what_the_submission_then_meets() {
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
     assert_eq!(problem["field"], "wait");
+}
+
+/// What would start sooner: a 2-node gang waits for a node held under contract while one node
+/// is free; `explain` and a dry run both offer one node, which would start at once, best
+/// first, and only changes that start sooner. Taken, it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_and_the_dry_run_offer_what_would_start_sooner() {
+    let f = fixture(true).await;
+    place(
+        &f,
+        r#"{"allocation":"a/x","gpus_per_node":8,"min_runtime_s":3600}"#,
+    )
+    .await;
+    let gang = r#"{"allocation":"b","gpus_per_node":8,"nodes":2}"#;
+    let (status, _, tried) = call(&f, "POST", "/v1/workloads?dry_run=true", Some(gang), &[]).await;
+    assert_eq!(status, StatusCode::OK, "{tried}");
+    assert_eq!(tried["would"], "wait", "{tried}");
+    let waiting = submit(&f, gang).await;
+    let id = waiting["id"].as_str().unwrap();
+    let (_, _, why) = call(&f, "GET", &format!("/v1/workloads/{id}/explain"), None, &[]).await;
+    for offered in [&why["alternatives"], &tried["alternatives"]] {
+        let offered = offered.as_array().unwrap_or_else(|| panic!("{why}"));
+        assert!(!offered.is_empty(), "{why}");
+        assert_eq!(
+            offered[0]["change"],
+            serde_json::json!({"nodes": 1}),
+            "{why}"
+        );
+        assert_eq!(offered[0]["would"], "start", "{why}");
+        let own = why["estimate"]["start_at_ms"]
+            .as_u64()
+            .or(why["estimate"]["not_before_ms"].as_u64());
+        for alternative in offered {
+            let at = alternative["estimated_start_ms"].as_u64().unwrap();
+            assert!(own.is_none_or(|own| at < own), "{alternative} vs {why}");
+        }
+    }
+    // Taken: cancelled and sent again on one node, it starts at once.
+    let (status, _, cancelled) =
+        call(&f, "DELETE", &format!("/v1/workloads/{id}"), None, &[]).await;
+    assert!(status.is_success(), "{cancelled}");
+    let placed = place(&f, r#"{"allocation":"b","gpus_per_node":8,"nodes":1}"#).await;
+    assert_eq!(placed["workload"]["phase"], "running", "{placed}");
 }

@@ -462,6 +462,8 @@ fn dry_run_text(v: &Value) -> String {
             _ => out += "no start in sight: no running work it waits for has an estimate or a contract ending; a duration estimate lets work borrow idle GPUs\n",
         }
     }
+    out += &alternatives_text(&v["alternatives"])
+        .replace(" (submitted again so, in place of this one)", "");
     let preempts = v["preempts"].as_array().cloned().unwrap_or_default();
     if !preempts.is_empty() {
         out += &format!(
@@ -773,9 +775,35 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
                 text(&a["gpus"])
             );
         }
-        out
+        out + &alternatives_text(&v["alternatives"])
     });
     Ok(())
+}
+
+/// The changes that would start a workload sooner, as a table, best first; nothing when none
+/// would.
+fn alternatives_text(alternatives: &Value) -> String {
+    let rows: Vec<Vec<String>> = alternatives
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            let at = &a["estimated_start_ms"];
+            vec![
+                format!("  {}", text(&a["what"])),
+                match (a["would"].as_str(), a["exact"].as_bool()) {
+                    (Some("start"), _) => "now".to_owned(),
+                    (_, Some(false)) => format!("not before {}", when(at)),
+                    _ => when(at),
+                },
+            ]
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    "it would start sooner with (submitted again so, in place of this one):\n".to_owned()
+        + &columns(&["  CHANGE", "ESTIMATED START"], rows)
 }
 
 /// `fairledger settings`: show them, or change some.
