@@ -271,6 +271,11 @@ async function refreshWaiting() {
       ];
     }),
   );
+  const chosen = document.getElementById("waiting-detail").dataset.id;
+  document.querySelectorAll("#waiting tbody tr").forEach((tr, i) => {
+    tr.dataset.id = page.pending[i].id;
+    if (tr.dataset.id === chosen) tr.classList.add("chosen");
+  });
 }
 
 async function refreshRunning() {
@@ -499,6 +504,43 @@ document.getElementById("nodes-prev").addEventListener("click", () => {
   view.nodePage = Math.max(0, view.nodePage - 1);
   showNodePage();
 });
+/// Why waiting workload `id` waits, and what would start it sooner, under the waiting table.
+async function showWhy(id) {
+  const box = document.getElementById("waiting-detail");
+  const v = await api(`/v1/workloads/${encodeURIComponent(id)}/explain`);
+  const lines = [];
+  if (v.phase !== "pending") {
+    lines.push(`${shortId(id)} is ${v.phase}: ${v.detail || ""}`);
+  } else {
+    lines.push(`${shortId(id)} is ${v.position} of ${v.of} in the queue: ${v.reason.detail}`);
+    const e = v.estimate || {};
+    if (e.start_at_ms) lines.push(`Estimated start ${when(e.start_at_ms)}: ${e.how}`);
+    else if (e.not_before_ms) lines.push(`Not before ${when(e.not_before_ms)}: ${e.how}`);
+    else lines.push("No start in sight: no running work it waits for has an estimate or a contract ending.");
+    const alternatives = v.alternatives || [];
+    if (alternatives.length) {
+      lines.push("It would start sooner, submitted again with:");
+      for (const a of alternatives) {
+        const at = a.would === "start" ? "at once" : a.exact ? when(a.estimated_start_ms) : `not before ${when(a.estimated_start_ms)}`;
+        lines.push(`  • ${a.what}: ${at}`);
+      }
+    } else {
+      lines.push("No change within its submitter's rights would start it sooner.");
+    }
+  }
+  box.textContent = lines.join("\n");
+  box.dataset.id = id;
+  box.hidden = false;
+}
+
+document.querySelector("#waiting tbody").addEventListener("click", (e) => {
+  const tr = e.target.closest("tr");
+  if (!tr || !tr.dataset.id) return;
+  document.querySelectorAll("#waiting tbody tr.chosen").forEach((r) => r.classList.remove("chosen"));
+  tr.classList.add("chosen");
+  showWhy(tr.dataset.id).catch(report);
+});
+
 document.querySelector("#waiting-summary tbody").addEventListener("click", (e) => {
   const tr = e.target.closest("tr");
   if (!tr) return;

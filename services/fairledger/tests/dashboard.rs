@@ -306,6 +306,39 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         browser.eval("document.getElementById('gpu-tip').textContent")
     );
 
+    // A gang of the whole cluster waits; opened, its row says why and that two nodes would
+    // start at once.
+    let (status, gang) = server.call(
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"uw/nlp","gpus_per_node":8,"nodes":4,"name":"whole-cluster"}"#),
+    );
+    assert_eq!(status, 202, "{gang}");
+    let listed = browser.wait_for(
+        &format!(
+            "[...document.querySelectorAll('#waiting tbody tr')].some(r => r.dataset.id === '{}')",
+            gang["id"].as_str().unwrap()
+        ),
+        Duration::from_secs(5),
+    );
+    assert!(
+        listed,
+        "the gang is not listed as waiting:\n{}",
+        browser.text()
+    );
+    browser.eval(&format!(
+        "[...document.querySelectorAll('#waiting tbody tr')].find(r => r.dataset.id === '{}').click()",
+        gang["id"].as_str().unwrap()
+    ));
+    let why = browser.wait_for(
+        "document.getElementById('waiting-detail').textContent.includes('2 nodes: at once')",
+        Duration::from_secs(5),
+    );
+    assert!(
+        why,
+        "opening the row says nothing of what would start it sooner: {}",
+        browser.eval("document.getElementById('waiting-detail').textContent")
+    );
     let shot = browser.page("Page.captureScreenshot", json!({"format": "png"}));
     let png = base64::engine::general_purpose::STANDARD
         .decode(shot["data"].as_str().unwrap())

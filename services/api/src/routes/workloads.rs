@@ -683,10 +683,11 @@ fn alternatives_json(found: &[ledger::dryrun::Alternative]) -> serde_json::Value
         .iter()
         .map(|a| {
             let (change, what) = match &a.change {
-                Change::GpusPerNode(g) => {
-                    (json!({"gpus_per_node": g}), format!("{g} GPUs per node"))
-                }
-                Change::Nodes(n) => (json!({"nodes": n}), format!("{n} node(s)")),
+                Change::GpusPerNode(g) => (
+                    json!({"gpus_per_node": g}),
+                    format!("{g} GPU{} per node", plural(*g)),
+                ),
+                Change::Nodes(n) => (json!({"nodes": n}), format!("{n} node{}", plural(*n))),
                 Change::MinRuntimeS(s) => (
                     json!({"min_runtime_s": s}),
                     format!("protection from preemption of {}", span_text(*s)),
@@ -720,6 +721,15 @@ fn alternatives_json(found: &[ledger::dryrun::Alternative]) -> serde_json::Value
             })
         })
         .collect()
+}
+
+/// "s" but for one.
+fn plural(n: u32) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
 }
 
 /// Seconds as people say them: `30m`, `2h`, `8h`.
