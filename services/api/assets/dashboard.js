@@ -208,6 +208,19 @@ async function refreshAllocations() {
       ];
     }),
   );
+  // Running work by allocation: the leaves holding GPUs, the most first.
+  const holding = v.allocations.filter((a) => a.leaf && (a.held_gpus > 0 || a.demand_gpus > a.held_gpus)).sort((a, b) => b.held_gpus - a.held_gpus);
+  const heldAll = holding.reduce((s, a) => s + a.held_gpus, 0);
+  document.getElementById("running-total").textContent = `${heldAll} GPUs held by ${holding.filter((a) => a.held_gpus > 0).length} allocation(s)`;
+  fill(
+    "running-summary",
+    holding.map((a) => [
+      { text: a.path, colour: colour(a.path) },
+      { text: a.held_gpus, num: true },
+      { text: num(a.owed_gpus_now), num: true },
+      { text: Math.max(0, a.demand_gpus - a.held_gpus), num: true },
+    ]),
+  );
   const legend = document.getElementById("legend");
   legend.replaceChildren(
     ...[...leaves, UNALLOCATED].map((p) => {

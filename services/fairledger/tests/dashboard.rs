@@ -272,6 +272,12 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         Duration::from_secs(2),
     );
     assert!(shown, "not shown within 2 s:\n{}", browser.text());
+    // Summarized by allocation too: ai2/tulu holds its 2 GPUs.
+    let summarized = browser.wait_for(
+        "[...document.querySelectorAll('#running-summary tbody tr')].some(r => r.cells[0].textContent === 'ai2/tulu' && r.cells[1].textContent === '2')",
+        Duration::from_secs(2),
+    );
+    assert!(summarized, "not summarized:\n{}", browser.text());
     // Its two GPUs are drawn in its allocation's colour, and the node's tooltip names it.
     let id = answer["id"].as_str().unwrap();
     let coloured = browser.wait_for(

@@ -367,6 +367,24 @@ fn the_command_line_client_speaks_to_the_server() {
         page.contains("uw/nlp") && page.matches("<svg").count() == 3,
         "{page}"
     );
+    // A weight previewed before it is set: the same comparison, and nothing changed.
+    let preview = cli(
+        &server,
+        &["alloc", "set", "ai2/tulu", "--weight", "3", "--preview"],
+    )
+    .unwrap();
+    let tulu = preview
+        .lines()
+        .find(|l| l.starts_with("ai2/tulu "))
+        .unwrap_or_else(|| panic!("{preview}"));
+    assert!(
+        tulu.contains("1 -> 3") && preview.contains("nothing was changed (--preview)"),
+        "{preview}"
+    );
+    assert_eq!(
+        server.call("GET", "/v1/events?limit=1", None).1["last_seq"],
+        before
+    );
     let err = cli(&server, &["whatif", "--remove-allocation", "nope"]).unwrap_err();
     assert!(err.contains("(field changes[0])"), "{err}");
     let json = cli(&server, &["queue", "--json"]).unwrap();

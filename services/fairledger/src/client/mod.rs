@@ -250,6 +250,11 @@ pub enum AllocCommand {
         /// Cap on the GPUs its subtree may hold.
         #[arg(long)]
         max_gpus: Option<u32>,
+        /// Change nothing: show who would get what over the next 24 hours with the change,
+        /// side by side with what happens without it (a what-if, which admins, auditors and
+        /// submitters for their own allocations may ask).
+        #[arg(long)]
+        preview: bool,
     },
     /// Remove an allocation with no children and no live workloads.
     Rm {
@@ -919,6 +924,24 @@ pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
             path,
             weight,
             max_gpus,
+            preview: true,
+        } => {
+            let mut change = json!({"allocation": path, "weight": weight});
+            if let Some(cap) = max_gpus {
+                change["max_gpus"] = json!(cap);
+            }
+            whatif::preview(args, vec![change], 24 * 3_600)?;
+            if !args.json {
+                println!(
+                    "nothing was changed (--preview); run it again without --preview to apply"
+                );
+            }
+        }
+        AllocCommand::Set {
+            path,
+            weight,
+            max_gpus,
+            preview: false,
         } => {
             let v = api.call(
                 "PUT",

@@ -166,7 +166,26 @@ pub fn what_if(args: &ClientArgs, w: &WhatIfArgs) -> Result<(), String> {
         std::fs::write(path, page).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         eprintln!("comparison: {}", path.display());
     }
-    print(args, &v, |v| {
+    print_comparison(args, &v);
+    Ok(())
+}
+
+/// What `changes` would do over the next `horizon_s`, asked of the server and printed side by
+/// side with the baseline: the preview of a change before it is made.
+pub(super) fn preview(
+    args: &ClientArgs,
+    changes: Vec<Value>,
+    horizon_s: u64,
+) -> Result<(), String> {
+    let body = json!({"changes": changes, "horizon_s": horizon_s, "arrivals": "none"});
+    let v = Api::new(args)?.call("POST", "/v1/whatif", Some(&body))?;
+    print_comparison(args, &v);
+    Ok(())
+}
+
+/// A what-if's answer as a table: each allocation, baseline -> with the changes.
+fn print_comparison(args: &ClientArgs, v: &Value) {
+    print(args, v, |v| {
         let (b, c) = (&v["baseline"], &v["changed"]);
         let mut out = format!(
             "from event {} at {}, over {}; baseline -> with the changes\n",
@@ -254,5 +273,4 @@ pub fn what_if(args: &ClientArgs, w: &WhatIfArgs) -> Result<(), String> {
         );
         out
     });
-    Ok(())
 }
