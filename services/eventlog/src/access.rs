@@ -4,8 +4,13 @@
 //! | role | may |
 //! | --- | --- |
 //! | service (`serve`, `project`, `log`) | everything: it alone writes the ledger's subjects and creates the streams and buckets |
-//! | agent of node N | publish N's heartbeats and clock probes, send N's reports to the service (`fairledger.report.N`), hold N's key in the agents' lease bucket, read `LEDGER` through consumers |
-//! | reader (a downstream consumer) | read `LEDGER` through consumers; publish nothing else |
+//! | agent of node N | publish N's heartbeats and clock probes, send N's reports to the service (`fairledger.report.N`), hold N's key in the agents' lease bucket, read `LEDGER` by direct gets and follow its feed (`fairledger.feed.>`) |
+//! | reader (a downstream consumer) | read `LEDGER` by direct gets and follow its feed; publish nothing else |
+//!
+//! Only the service touches consumers: a user who could create them could use up the server's
+//! (its `max_consumers`), and one who could delete them could take the service's away. The
+//! ledger stream publishes every event again on its feed as it stores it, with its sequence,
+//! so a follower needs no consumer: it reads what it missed by direct gets.
 //!
 //! Users are identified by nkey: the server holds only public keys, each process its own seed.
 //! Every user but the service receives replies and deliveries only under an inbox prefix of its
@@ -55,27 +60,24 @@ pub fn inbox_prefix(name: &str) -> String {
     format!("_INBOX_{}", subject::token(name))
 }
 
-/// What reading `LEDGER` through consumers takes: stream info, consumers, their messages and
-/// acknowledgements, and direct gets.
+/// What reading `LEDGER` takes without a consumer: stream info and direct gets (a page, one
+/// event). Following it is subscribing to its feed ([`crate::subject::FEED_PREFIX`]). No user
+/// but the service may create, read, list or delete a consumer of any stream: none can use up
+/// the server's consumers or take the service's away.
 fn ledger_reads() -> Vec<String> {
     let s = LEDGER_STREAM;
     vec![
         "$JS.API.INFO".into(),
         format!("$JS.API.STREAM.INFO.{s}"),
-        format!("$JS.API.CONSUMER.CREATE.{s}"),
-        format!("$JS.API.CONSUMER.CREATE.{s}.>"),
-        format!("$JS.API.CONSUMER.DURABLE.CREATE.{s}.>"),
-        format!("$JS.API.CONSUMER.INFO.{s}.>"),
-        format!("$JS.API.CONSUMER.DELETE.{s}.>"),
-        format!("$JS.API.CONSUMER.MSG.NEXT.{s}.>"),
-        format!("$JS.API.CONSUMER.LIST.{s}"),
-        format!("$JS.API.CONSUMER.NAMES.{s}"),
         format!("$JS.API.DIRECT.GET.{s}"),
         format!("$JS.API.DIRECT.GET.{s}.>"),
         format!("$JS.API.STREAM.MSG.GET.{s}"),
-        format!("$JS.ACK.{s}.>"),
-        "$JS.FC.>".into(),
     ]
+}
+
+/// What following `LEDGER` takes: its feed.
+fn ledger_follows() -> String {
+    format!("{}.>", crate::subject::FEED_PREFIX)
 }
 
 /// The permissions of `role` for a user named `name`.
@@ -88,7 +90,7 @@ pub fn permissions(role: &NatsRole, name: &str) -> Permissions {
         },
         NatsRole::Reader => Permissions {
             publish: ledger_reads(),
-            subscribe: vec![inbox],
+            subscribe: vec![inbox, ledger_follows()],
         },
         NatsRole::Agent { node } => {
             let n = subject::token(node);
@@ -107,7 +109,7 @@ pub fn permissions(role: &NatsRole, name: &str) -> Permissions {
             publish.extend(ledger_reads());
             Permissions {
                 publish,
-                subscribe: vec![inbox],
+                subscribe: vec![inbox, ledger_follows()],
             }
         }
     }
@@ -180,7 +182,13 @@ mod tests {
             "{p:?}"
         );
         assert!(!p.publish.iter().any(|s| s.contains("gpu-2") || s == ">"));
-        assert_eq!(p.subscribe, ["_INBOX_gpu-1.>"]);
+        assert_eq!(p.subscribe, ["_INBOX_gpu-1.>", "fairledger.feed.>"]);
+        assert!(
+            !p.publish
+                .iter()
+                .any(|s| s.contains("CONSUMER") || s.starts_with("$JS.ACK")),
+            "no consumers: {p:?}"
+        );
     }
 
     #[test]

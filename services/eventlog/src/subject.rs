@@ -34,6 +34,10 @@ use ledger::{Envelope, Event, WorkloadId};
 
 /// Prefix of every ledger subject (the `LEDGER` stream).
 pub const LEDGER_PREFIX: &str = "fairledger.ledger";
+/// Where the `LEDGER` stream publishes every event again as it stores it
+/// (`fairledger.feed.<the rest of its subject>`), with its sequence in the `Nats-Sequence`
+/// header: what processes that may not make consumers (agents, readers) follow.
+pub const FEED_PREFIX: &str = "fairledger.feed";
 /// Prefix of every telemetry subject (the `TELEMETRY` stream).
 pub const TELEMETRY_PREFIX: &str = "fairledger.telemetry";
 /// Prefix of the subjects on which node agents send their reports to the service, one per

@@ -147,6 +147,50 @@ async fn a_subscription_ends_when_the_connection_is_made_again() {
     assert_eq!(again.next().await.unwrap().unwrap().seq, 2);
 }
 
+/// A follower of the feed (a process that may make no consumer: an agent, a reader) misses
+/// nothing across a nats-server restart: what was published while it was away is read from the
+/// stream when the next event shows the gap, or when the feed stays quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_of_the_feed_misses_nothing_across_a_restart() {
+    use futures::StreamExt;
+    let mut server = NatsServer::start();
+    let service = JetStreamLog::connect(&server.url(), JetStreamOptions::default())
+        .await
+        .unwrap();
+    service.append(key_append("before")).await.unwrap();
+    let follower = JetStreamLog::connect(
+        &server.url(),
+        JetStreamOptions {
+            manage_streams: false,
+            ..JetStreamOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut events = follower.subscribe(1).await.unwrap();
+    assert_eq!(events.next().await.unwrap().unwrap().seq, 1);
+    server.restart();
+    let mut acked = 0;
+    for i in 0..200 {
+        if acked == 5 {
+            break;
+        }
+        match service.append(key_append(&format!("after-{acked}"))).await {
+            Ok(_) => acked += 1,
+            Err(_) if i < 199 => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("appends never resumed: {e}"),
+        }
+    }
+    for seq in 2..=6 {
+        let e = tokio::time::timeout(Duration::from_secs(60), events.next())
+            .await
+            .expect("the follower never caught up")
+            .expect("the feed goes on")
+            .unwrap();
+        assert_eq!(e.seq, seq, "in order, without a gap");
+    }
+}
+
 async fn append_until_killed(dir: &str) {
     let log = EmbeddedLog::open(std::path::Path::new(dir)).unwrap();
     let writers: Vec<_> = (0..4)

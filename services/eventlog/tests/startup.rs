@@ -149,6 +149,24 @@ async fn start_up_is_idempotent_and_updates_what_may_change() {
         .await
         .unwrap();
     assert_eq!(telemetry.config.max_age, Duration::from_secs(24 * 3600));
+    // A ledger stream made before the feed existed gets it at the next start.
+    let mut before = info.config.clone();
+    before.republish = None;
+    again.context().update_stream(&before).await.unwrap();
+    let third = JetStreamLog::connect(&server.url(), quick()).await.unwrap();
+    let info = third
+        .context()
+        .get_stream("LEDGER")
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap();
+    let feed = info.config.republish.expect("the feed is back");
+    assert_eq!(
+        (feed.source.as_str(), feed.destination.as_str()),
+        ("fairledger.ledger.>", "fairledger.feed.>")
+    );
 }
 
 #[tokio::test]
@@ -427,7 +445,7 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
         "{said:?}"
     );
 
-    // A reader: reads through consumers, publishes nothing.
+    // A reader: reads by direct gets and follows the feed, publishes nothing.
     let reader = JetStreamLog::connect(&server.url(), as_user(d, "billing", false))
         .await
         .unwrap();
@@ -454,6 +472,121 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
 
     // Nothing but the service's one event reached the ledger.
     assert_eq!(service.last_seq().await.unwrap(), 1);
+}
+
+/// access: the attack that stopped the service from NATS, against the shipped configuration.
+/// Neither an agent nor a reader may create, list or delete a consumer of the ledger (they
+/// follow it on its feed, consumer-free), so none can use up the server's consumers or take
+/// the service's away: the service's subscription goes on and its appends are acknowledged,
+/// while both follow every event, old and new, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_agent_or_reader_can_touch_the_ledgers_consumers() {
+    use futures::StreamExt;
+    let dir = secure_conf(&[
+        (
+            "gpu-1",
+            NatsRole::Agent {
+                node: "gpu-1".into(),
+            },
+        ),
+        ("billing", NatsRole::Reader),
+    ]);
+    let d = dir.path();
+    let server = NatsServer::start_with(ServerOptions {
+        config: Some(d.join("secure.conf")),
+        ..Default::default()
+    });
+    let service = JetStreamLog::connect(&server.url(), as_user(d, "fairledger", true))
+        .await
+        .unwrap();
+    let set = |weight: u32| {
+        let env = ledger::Envelope::new(
+            uuid::Uuid::now_v7(),
+            1,
+            "user:admin",
+            ledger::Event::AllocationSet(ledger::event::AllocationSet {
+                path: "team".into(),
+                weight,
+                max_gpus: None,
+            }),
+        );
+        Append::event(&env, None, None)
+    };
+    for w in 1..=3 {
+        service.append(set(w)).await.unwrap();
+    }
+    let mut services = service.subscribe(1).await.unwrap();
+    assert_eq!(services.next().await.unwrap().unwrap().seq, 1);
+    let consumers = service.readers_open().await.unwrap();
+    assert!(consumers >= 1, "the service's subscription is a consumer");
+
+    // What filled the server's consumers and deleted the service's, as an agent and a reader.
+    let attack = [
+        "$JS.API.CONSUMER.CREATE.LEDGER",
+        "$JS.API.CONSUMER.CREATE.LEDGER.evil",
+        "$JS.API.CONSUMER.CREATE.LEDGER.evil.fairledger.ledger.>",
+        "$JS.API.CONSUMER.DURABLE.CREATE.LEDGER.evil",
+        "$JS.API.CONSUMER.DELETE.LEDGER.anything",
+        "$JS.API.CONSUMER.LIST.LEDGER",
+        "$JS.API.CONSUMER.NAMES.LEDGER",
+        "$JS.API.CONSUMER.MSG.NEXT.LEDGER.anything",
+    ];
+    for user in ["gpu-1", "billing"] {
+        let said = violations(&server, d, user, &attack).await;
+        assert_eq!(said.len(), attack.len(), "{user}: {said:?}");
+        assert!(
+            said.iter().all(|s| s.contains("Permissions Violation")),
+            "{user}: {said:?}"
+        );
+    }
+    assert_eq!(service.readers_open().await.unwrap(), consumers);
+
+    // Both follow the ledger without a consumer: what was, then what comes.
+    let agent = JetStreamLog::connect(&server.url(), as_user(d, "gpu-1", false))
+        .await
+        .unwrap();
+    let reader = JetStreamLog::connect(&server.url(), as_user(d, "billing", false))
+        .await
+        .unwrap();
+    let mut followers = [
+        agent.subscribe(2).await.unwrap(),
+        reader.subscribe(1).await.unwrap(),
+    ];
+    for w in 4..=6 {
+        service
+            .append(set(w))
+            .await
+            .expect("the service is acknowledged");
+    }
+    let wait = Duration::from_secs(30);
+    for (follower, from) in followers.iter_mut().zip([2u64, 1]) {
+        for seq in from..=6 {
+            let e = tokio::time::timeout(wait, follower.next())
+                .await
+                .expect("the follower keeps up")
+                .unwrap()
+                .unwrap();
+            assert_eq!(e.seq, seq);
+            assert!(
+                e.subject.starts_with("fairledger.ledger.allocation.set"),
+                "{}",
+                e.subject
+            );
+        }
+    }
+    for seq in 2..=6 {
+        let e = tokio::time::timeout(wait, services.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.seq, seq, "the service's own subscription goes on");
+    }
+    assert_eq!(
+        service.readers_open().await.unwrap(),
+        consumers,
+        "no consumer was made"
+    );
 }
 
 /// tls: a server that requires TLS is reached with --nats-tls-ca naming the CA of its
