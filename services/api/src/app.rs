@@ -47,6 +47,11 @@ pub(crate) struct Inner {
     /// Audits of periods, at most half the cores at a time: however many auditors query, the
     /// writers keep the other half.
     pub(crate) audits: Arc<tokio::sync::Semaphore>,
+    /// The projection's position when `/readyz` last saw it move, and when: a projection that
+    /// stops moving while the log holds more is stalled.
+    pub(crate) progress: std::sync::Mutex<(u64, std::time::Instant)>,
+    /// How long a write waits for the projection to fold it ([`FOLD_TIMEOUT`]).
+    pub(crate) fold_timeout: Duration,
     /// The queue's last explained plan and summary: the ledger position and time they were
     /// worked out at.
     #[allow(clippy::type_complexity)]
@@ -96,6 +101,8 @@ impl App {
                     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
                 )),
                 queue_plan: Default::default(),
+                progress: std::sync::Mutex::new((0, std::time::Instant::now())),
+                fold_timeout: FOLD_TIMEOUT,
             }),
         }
     }
@@ -183,7 +190,7 @@ impl App {
             }
             true
         };
-        tokio::time::timeout(FOLD_TIMEOUT, wait)
+        tokio::time::timeout(self.inner.fold_timeout, wait)
             .await
             .unwrap_or(false)
     }
@@ -214,6 +221,45 @@ impl App {
         actor: &str,
         fence: Option<eventlog::Expect>,
     ) -> Result<u64, Option<Problem>> {
+        match self
+            .append_checked(event, allocation, key, actor, fence)
+            .await?
+        {
+            Written::Folded(seq) => Ok(seq),
+            Written::Durable(seq) => Err(Some(Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "durable-not-folded",
+                format!(
+                    "the change is durable (event {seq}) but not yet folded: it takes effect when \
+                     the projection catches up (see /readyz); read it back shortly"
+                ),
+            ))),
+        }
+    }
+
+    /// [`App::write`], answering an event that is durable but not folded within the wait as
+    /// [`Written::Durable`] rather than as a failure: for a submission, which its client must
+    /// not take for lost (a retry with its idempotency key finds it).
+    pub(crate) async fn write_durable(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+    ) -> Result<Written, Problem> {
+        self.append_checked(event, allocation, key, actor, None)
+            .await
+            .map_err(|e| e.unwrap_or_else(|| unreachable!("no expectation, no conflict")))
+    }
+
+    async fn append_checked(
+        &self,
+        event: Event,
+        allocation: Option<&str>,
+        key: Option<&str>,
+        actor: &str,
+        fence: Option<eventlog::Expect>,
+    ) -> Result<Written, Option<Problem>> {
         let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
         // Refused means nothing written: what the fold would reject now is not appended.
         self.inner
@@ -234,10 +280,12 @@ impl App {
             Err(e) => return Err(Some(Problem::not_appended(&e))),
         };
         if !self.folded(ack.seq).await {
-            return Err(Some(Problem::unavailable(format!(
-                "event {} is durable but not yet folded; read it back shortly",
-                ack.seq
-            ))));
+            tracing::warn!(
+                seq = ack.seq,
+                "an event is durable but the projection has not folded it within {:?}",
+                self.inner.fold_timeout
+            );
+            return Ok(Written::Durable(ack.seq));
         }
         let rejection = self
             .inner
@@ -248,7 +296,59 @@ impl App {
             .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
         match rejection {
             Some(r) => Err(Some(Problem::new(StatusCode::CONFLICT, &r.code, r.message))),
-            None => Ok(ack.seq),
+            None => Ok(Written::Folded(ack.seq)),
         }
+    }
+}
+
+/// An event appended to the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Written {
+    /// Durable and folded at this sequence: what it does is in every read from now on.
+    Folded(u64),
+    /// Durable at this sequence, but the projection did not fold it in time: it takes effect
+    /// when the projection catches up.
+    Durable(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write the projection does not fold in time is durable, and said to be: a submission
+    /// answers it as accepted, not as a failure (its client must not submit it again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_the_projection_does_not_fold_in_time_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AnyLog::Embedded(eventlog::EmbeddedLog::open(&dir.path().join("log")).unwrap());
+        let projector = Projector::open(&dir.path().join("projection"), Default::default(), &log)
+            .await
+            .unwrap();
+        // No projector folds: the applied position never moves.
+        let (_applied_tx, applied) = watch::channel(0);
+        let mut app = App::new(
+            log.clone(),
+            Arc::new(RwLock::new(projector)),
+            applied,
+            PolicyConfig::default(),
+        );
+        Arc::get_mut(&mut app.inner).unwrap().fold_timeout = Duration::from_millis(50);
+        let set = Event::AllocationSet(ledger::event::AllocationSet {
+            path: "team".into(),
+            weight: 1,
+            max_gpus: None,
+        });
+        let written = app
+            .write_durable(set.clone(), None, None, "user:admin")
+            .await;
+        assert_eq!(written, Ok(Written::Durable(1)));
+        assert_eq!(log.last_seq().await.unwrap(), 1, "it is in the log");
+        // Any other write says so, as a 503 naming it durable.
+        let problem = app.write(set, None, None, "user:admin").await.unwrap_err();
+        assert_eq!(problem.status, 503);
+        assert!(
+            problem.kind.ends_with("durable-not-folded") && problem.detail.contains("event 2"),
+            "{problem:?}"
+        );
     }
 }

@@ -26,6 +26,9 @@ pub(crate) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
 
 /// How long `/readyz` waits for the log to answer.
 const READY_LOG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long the projection may trail the log without folding anything while ready.
+const READY_STALL: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How far the projection may trail the log while ready.
 const READY_LAG_MAX: u64 = 10_000;
 
@@ -63,7 +66,27 @@ pub(crate) async fn readyz(State(app): State<App>) -> Response {
                 last - folded
             ),
         )),
-        Ok(Ok(_)) => None,
+        Ok(Ok(last)) => {
+            // Behind and not moving: the projector stalled (its reader lost, its fold stuck).
+            let stalled_for = {
+                let mut seen = app.inner.progress.lock().expect("never poisoned");
+                if seen.0 != folded || last <= folded {
+                    *seen = (folded, std::time::Instant::now());
+                    None
+                } else {
+                    Some(seen.1.elapsed()).filter(|d| *d >= READY_STALL)
+                }
+            };
+            stalled_for.map(|d| {
+                let detail = format!(
+                    "the projection has folded nothing for {} s while the log holds {} events it has not (it stopped at event {folded}): reads are stale and writes wait for it",
+                    d.as_secs(),
+                    last - folded
+                );
+                tracing::warn!("not ready: {detail}");
+                ("stalled", detail)
+            })
+        }
     };
     if let Some((slug, detail)) = unready {
         return Problem::new(StatusCode::SERVICE_UNAVAILABLE, slug, detail).into_response();

@@ -163,14 +163,29 @@ pub(crate) async fn submit(
         return dry_run(&app, &caller, submitted).await;
     }
     let allocation = request.allocation.clone();
-    let seq = app
-        .write(
+    let written = app
+        .write_durable(
             Event::WorkloadSubmitted(submitted),
             allocation.as_deref(),
             key.as_deref(),
             &caller.actor(),
         )
         .await?;
+    let seq = match written {
+        crate::app::Written::Folded(seq) => seq,
+        // Written, but not folded in time: accepted all the same, and said so (a retry with the
+        // same Idempotency-Key finds it instead of submitting it twice).
+        crate::app::Written::Durable(seq) => {
+            return Ok((
+                StatusCode::ACCEPTED,
+                Json(json!({
+                    "id": id, "seq": seq, "phase": "pending", "folded": false,
+                    "detail": "durable, but the projection has not folded it yet: it is queued when it does (see /readyz); a retry with the same Idempotency-Key finds it",
+                })),
+            )
+                .into_response());
+        }
+    };
     // A retry whose first attempt landed between the check above and the append (the log or
     // the fold answered it with the original workload): the original, said to be one.
     let original = {

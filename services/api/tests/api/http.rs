@@ -1917,3 +1917,72 @@ async fn explain_and_the_dry_run_offer_what_would_start_sooner() {
     let placed = place(&f, r#"{"allocation":"b","gpus_per_node":8,"nodes":1}"#).await;
     assert_eq!(placed["workload"]["phase"], "running", "{placed}");
 }
+
+/// A projection that stops folding while the log moves on is not ready, and `/readyz` says
+/// why; once it folds again, it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_projection_is_not_ready() {
+    let f = fixture(false).await;
+    let ready = |f: &Fixture| {
+        let router = f.router.clone();
+        async move {
+            let res = router
+                .oneshot(Request::get("/readyz").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            let status = res.status();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            (
+                status,
+                serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
+            )
+        }
+    };
+    let mut waited = 0;
+    while ready(&f).await.0 != StatusCode::OK && waited < 100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += 1;
+    }
+    // The fold held (as if stuck) while another process writes the log.
+    let stuck = f.projection.write().await;
+    let env = ledger::Envelope::new(
+        uuid::Uuid::now_v7(),
+        scheduler::wall_clock_ms(),
+        "user:admin",
+        ledger::Event::AllocationSet(ledger::event::AllocationSet {
+            path: "b".into(),
+            weight: 2,
+            max_gpus: None,
+        }),
+    );
+    f.log
+        .append(eventlog::Append::event(&env, None, None))
+        .await
+        .unwrap();
+    assert_eq!(
+        ready(&f).await.0,
+        StatusCode::OK,
+        "a moment behind is ready"
+    );
+    tokio::time::sleep(Duration::from_millis(10_500)).await;
+    let (status, problem) = ready(&f).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
+    assert!(
+        problem["type"].as_str().unwrap().ends_with("/stalled")
+            && problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("folded nothing for"),
+        "{problem}"
+    );
+    drop(stuck);
+    let mut back = false;
+    for _ in 0..100 {
+        if ready(&f).await.0 == StatusCode::OK {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(back, "ready again once it folds");
+}
