@@ -650,22 +650,7 @@ pub fn what_if_at(
             ));
         }
         let scratch = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let mut p =
-            projector::Projector::open(&scratch.path().join("projection"), state_config, &log)
-                .await
-                .map_err(|e| e.to_string())?;
-        while p.last_seq() < seq {
-            let want = (seq - p.last_seq()).min(projector::BATCH as u64) as usize;
-            let events = log
-                .read(p.last_seq() + 1, want)
-                .await
-                .map_err(|e| e.to_string())?;
-            if events.is_empty() {
-                return Err(format!("the log has no event after {}", p.last_seq()));
-            }
-            let upto: Vec<_> = events.into_iter().take_while(|e| e.seq <= seq).collect();
-            p.apply(&upto).map_err(|e| e.to_string())?;
-        }
+        let p = folded_to(&log, &scratch.path().join("projection"), state_config, seq).await?;
         asked.fits(p.state()).map_err(problem)?;
         // The log's settings at that sequence, as the server folded them there.
         let policy = p.state().policy_config(&policy);
@@ -673,4 +658,30 @@ pub fn what_if_at(
             .map(|a| a.json())
             .map_err(problem)
     })
+}
+
+/// A projection in `dir` (a scratch one) of `log` folded from its first event to `seq`, with
+/// `config` until the log sets its own.
+pub async fn folded_to(
+    log: &AnyLog,
+    dir: &Path,
+    config: ledger::StateConfig,
+    seq: u64,
+) -> Result<projector::Projector, String> {
+    let mut p = projector::Projector::open(dir, config, log)
+        .await
+        .map_err(|e| e.to_string())?;
+    while p.last_seq() < seq {
+        let want = (seq - p.last_seq()).min(projector::BATCH as u64) as usize;
+        let events = log
+            .read(p.last_seq() + 1, want)
+            .await
+            .map_err(|e| e.to_string())?;
+        if events.is_empty() {
+            return Err(format!("the log has no event after {}", p.last_seq()));
+        }
+        let upto: Vec<_> = events.into_iter().take_while(|e| e.seq <= seq).collect();
+        p.apply(&upto).map_err(|e| e.to_string())?;
+    }
+    Ok(p)
 }

@@ -17,6 +17,7 @@ mod client;
 mod demo;
 mod logcmd;
 mod natsauth;
+mod recover;
 mod serve;
 
 use std::io::{BufWriter, Write};

@@ -1591,3 +1591,66 @@ fn a_certificate_marked_as_a_ca_is_refused_with_what_to_do() {
         "{err}"
     );
 }
+
+/// Admins that last: with every admin token lost, an admin is granted offline, straight into
+/// the stopped server's log, as an event whose actor says how it came; the server started again
+/// takes the token. While the server runs, the offline grant is refused with what to do.
+#[test]
+fn an_admin_is_granted_offline_when_none_can_sign_in() {
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().to_str().unwrap();
+    let offline = |name: &str| {
+        Command::new(BIN)
+            .args(["token", "create", "--offline", "--data", dir])
+            .args(["--name", name, "--role", "admin"])
+            .output()
+            .unwrap()
+    };
+    let server = Server::start(&["--data", dir]);
+    let refused = offline("rescue");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("stop `fairledger serve` first"),
+        "{said}"
+    );
+    assert!(server.stop().success());
+    // Every admin token lost.
+    std::fs::remove_file(data.path().join("admin.token")).unwrap();
+    let granted = offline("rescue");
+    assert!(
+        granted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&granted.stderr)
+    );
+    let token = String::from_utf8(granted.stdout).unwrap().trim().to_owned();
+    assert!(token.len() > 20 && !token.contains(' '), "{token}");
+    // The same name again is refused by the ledger's own rule, and nothing is written.
+    let again = offline("rescue");
+    assert!(
+        !again.status.success()
+            && String::from_utf8_lossy(&again.stderr).contains("the ledger refuses this grant"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let server = Server::start(&["--data", dir]);
+    let (status, me) = server.call_as(Some(&token), "GET", "/v1/whoami", None);
+    assert_eq!(status, 200, "{me}");
+    assert_eq!(me["role"], "admin", "{me}");
+    let (_, events) = server.call_as(
+        Some(&token),
+        "GET",
+        "/v1/events?kind=principal_granted&limit=1000",
+        None,
+    );
+    let recovered: Vec<&Value> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"]["actor"] == "recovery:offline")
+        .collect();
+    assert_eq!(recovered.len(), 1, "{events}");
+    assert_eq!(recovered[0]["event"]["payload"]["name"], "rescue");
+    // It acts as any admin: the lost admin is revoked.
+    let (status, revoked) = server.call_as(Some(&token), "DELETE", "/v1/tokens/admin", None);
+    assert_eq!(status, 200, "{revoked}");
+}

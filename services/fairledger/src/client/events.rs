@@ -179,6 +179,13 @@ pub enum TokenCommand {
         /// Write the token to this file (readable by you only) instead of printing it.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// With the server stopped, grant it straight into the log (`--data DIR`, or `--nats`
+        /// with the service's credentials): how to get an admin back when none can sign in.
+        /// The grant is an event like any other, its actor `recovery:offline`.
+        #[arg(long)]
+        offline: bool,
+        #[command(flatten)]
+        log: Box<crate::logcmd::LogArgs>,
     },
     /// The principals: name, role, scope, who granted them and when (admin).
     List,
@@ -190,6 +197,26 @@ pub enum TokenCommand {
 }
 
 pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), String> {
+    if let TokenCommand::Create {
+        name,
+        role,
+        allocations,
+        node,
+        expires,
+        out,
+        offline: true,
+        log,
+    } = command
+    {
+        let grant = crate::recover::Grant {
+            name,
+            role,
+            allocations,
+            node,
+            expires,
+        };
+        return crate::recover::grant_offline(&log, grant, out.as_deref(), args.json);
+    }
     let api = Api::new(args)?;
     match command {
         TokenCommand::Create {
@@ -199,6 +226,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             node,
             expires,
             out,
+            ..
         } => {
             let body = json!({
                 "name": name, "role": role, "allocations": allocations, "node": node,
