@@ -73,6 +73,8 @@ fn setup(nodes: usize) -> Vec<(u64, Envelope)> {
                 path: path.clone(),
                 weight: 1 + (i as u32 % 3),
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         ));
     }

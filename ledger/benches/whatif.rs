@@ -41,6 +41,8 @@ fn live(nodes: usize, workloads: u128) -> State {
             path: leaf.clone(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }));
     }
     for e in setup {

@@ -30,6 +30,12 @@ pub struct Allocation {
     pub weight: u32,
     /// Optional cap on GPUs held by the subtree.
     pub max_gpus: Option<u32>,
+    /// Most workloads the subtree may have waiting at once.
+    #[serde(default)]
+    pub max_pending_workloads: Option<u32>,
+    /// Most GPUs the subtree's waiting workloads may ask for at once.
+    #[serde(default)]
+    pub max_pending_gpus: Option<u64>,
     /// Removed allocations stay in the arena (their history is audited) but take no share.
     pub removed: bool,
     /// GPUs of pending, running and preempting workloads charged here (leaves only).
@@ -148,11 +154,13 @@ impl AllocationTree {
         path: &str,
         weight: u32,
         max_gpus: Option<u32>,
+        max_pending: (Option<u32>, Option<u64>),
     ) {
         let id = self.ensure(shape, seq, path);
         let a = self.node_mut(id);
         a.weight = weight;
         a.max_gpus = max_gpus;
+        (a.max_pending_workloads, a.max_pending_gpus) = max_pending;
         self.recompute_demands();
     }
 
@@ -268,6 +276,8 @@ impl AllocationTree {
             children: Vec::new(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
             removed: false,
             demand_gpus: 0,
             raw_demand_gpus: 0,
@@ -465,7 +475,7 @@ mod tests {
         for &(path, weight, demand) in specs {
             t.check_set(crate::event::SCHEMA_VERSION, path, weight)
                 .unwrap();
-            t.set(shape, 1, path, weight, None);
+            t.set(shape, 1, path, weight, None, (None, None));
             let id = t.get(path).unwrap();
             t.node_mut(id).demand_gpus = demand;
         }

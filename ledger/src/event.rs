@@ -26,7 +26,11 @@ pub use crate::identity::{PrincipalGranted, PrincipalRevoked, Role};
 ///   only admins whose tokens expire would be left (who would all be locked out in time). A
 ///   version-2 revocation is folded by the rule of its day. The ledger's settings are an event
 ///   (`settings_set`).
-pub const SCHEMA_VERSION: u16 = 3;
+/// - 4: quotas. A submission is refused past its allocation's (or an ancestor's)
+///   `max_pending_workloads` or `max_pending_gpus`, or past its submitter's cap on waiting
+///   workloads (the grant's `max_pending`, else [`crate::identity::DEFAULT_MAX_PENDING`] for
+///   anyone but an admin). Earlier submissions are folded without them.
+pub const SCHEMA_VERSION: u16 = 4;
 
 /// The oldest schema version this build folds.
 pub const OLDEST_SCHEMA_VERSION: u16 = 1;
@@ -336,6 +340,13 @@ pub struct AllocationSet {
     /// Optional hard cap on the GPUs its subtree may hold at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_gpus: Option<u32>,
+    /// Most workloads its subtree may have waiting at once: a submission past it is refused
+    /// (schema 4 on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_workloads: Option<u32>,
+    /// Most GPUs its subtree's waiting workloads may ask for at once (schema 4 on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_gpus: Option<u64>,
 }
 
 /// An allocation was removed; it must have no children and no live workloads.

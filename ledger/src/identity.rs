@@ -236,12 +236,31 @@ pub struct Principal {
     pub token_sha256: String,
     /// After this instant its token is refused.
     pub expires_at_ms: Option<u64>,
+    /// Its cap on waiting workloads, as granted.
+    #[serde(default)]
+    pub max_pending: Option<u32>,
     /// The actor that granted it.
     pub granted_by: String,
     /// When it was granted.
     pub granted_at_ms: u64,
     /// The sequence of the grant.
     pub granted_seq: u64,
+}
+
+/// How many workloads a principal other than an admin may have waiting at once when its grant
+/// names no cap: enough for any sane use, few enough that one submitter cannot bury the queue.
+pub const DEFAULT_MAX_PENDING: u32 = 10_000;
+
+impl Principal {
+    /// Its cap on waiting workloads: the grant's, else none for an admin and
+    /// [`DEFAULT_MAX_PENDING`] for anyone else.
+    pub fn pending_cap(&self) -> Option<u32> {
+        match (self.max_pending, self.role) {
+            (Some(cap), _) => Some(cap),
+            (None, Role::Admin) => None,
+            (None, _) => Some(DEFAULT_MAX_PENDING),
+        }
+    }
 }
 
 /// Whether `path` is `scope` or lies below it.
@@ -373,6 +392,10 @@ pub struct PrincipalGranted {
     /// After this instant (milliseconds since the epoch) the token is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at_ms: Option<u64>,
+    /// Most workloads it may have waiting at once (schema 4 on); without it
+    /// [`DEFAULT_MAX_PENDING`], and none for an admin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u32>,
 }
 
 /// A principal's token was revoked: it is refused from the moment this event is folded.
@@ -523,6 +546,7 @@ impl Principals {
                 node: e.node.clone(),
                 token_sha256: e.token_sha256.clone(),
                 expires_at_ms: e.expires_at_ms,
+                max_pending: e.max_pending,
                 granted_by: actor.to_owned(),
                 granted_at_ms: now_ms,
                 granted_seq: seq,

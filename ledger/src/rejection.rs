@@ -162,6 +162,21 @@ pub enum Rejection {
         /// The cap.
         cap_s: u64,
     },
+    /// A quota on waiting work is full: the submitter's, or an allocation's (or an ancestor's).
+    #[error("{holder} may have at most {limit} {what} waiting at once and has {waiting}: wait for some to start or end, or ask an admin to raise its {setting}")]
+    QuotaExceeded {
+        /// Whose quota: `user:alice`, or an allocation's path.
+        holder: String,
+        /// What it counts: `workloads` or `GPUs`.
+        what: &'static str,
+        /// The setting that sets it: `max_pending` (a grant's), `max_pending_workloads` or
+        /// `max_pending_gpus` (an allocation's).
+        setting: &'static str,
+        /// The limit.
+        limit: u64,
+        /// What waits now, with this submission.
+        waiting: u64,
+    },
     /// No such workload.
     #[error("workload {workload} is unknown")]
     UnknownWorkload {
@@ -324,6 +339,7 @@ impl Rejection {
             Rejection::GpusPerNodeExceedLargestNode { .. } => "gpus_per_node_exceed_largest_node",
             Rejection::GangLargerThanCluster { .. } => "gang_larger_than_cluster",
             Rejection::MinRuntimeAboveCap { .. } => "min_runtime_above_cap",
+            Rejection::QuotaExceeded { .. } => "quota_exceeded",
             Rejection::UnknownWorkload { .. } => "unknown_workload",
             Rejection::WrongPhase { .. } => "wrong_phase",
             Rejection::PlacementShapeMismatch { .. } => "placement_shape_mismatch",

@@ -281,6 +281,8 @@ pub fn what_if(
                     path: path.clone(),
                     weight: *weight,
                     max_gpus: *max_gpus,
+                    max_pending_workloads: None,
+                    max_pending_gpus: None,
                 }),
             )),
             Change::RemoveAllocation { path } => {

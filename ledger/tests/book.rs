@@ -59,6 +59,8 @@ fn ledger() -> Vec<Envelope> {
                 path: "a".into(),
                 weight: 1,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         ),
         at(
@@ -67,6 +69,8 @@ fn ledger() -> Vec<Envelope> {
                 path: "b".into(),
                 weight: 1,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         ),
         at(
@@ -255,6 +259,8 @@ fn cancelled_and_recreated() -> Vec<Envelope> {
             path: "b".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
     ));
     events

@@ -245,6 +245,8 @@ fn bad_input_is_rejected_with_a_reason_and_changes_nothing() {
             path: "c".into(),
             weight: 0,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         "must_be_positive",
     );
@@ -330,6 +332,8 @@ fn bad_input_is_rejected_with_a_reason_and_changes_nothing() {
             path: "a/child".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         "allocation_in_use",
     );
@@ -350,6 +354,8 @@ fn time_going_backwards_is_rejected_beyond_the_skew_tolerated() {
             path: "b".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
     ));
     assert_eq!(
@@ -436,6 +442,8 @@ fn a_log_written_before_the_names_rules_replays_as_it_was_folded() {
             path: "_legacy".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         Event::NodeRegistered(legacy_node),
         Event::WorkloadSubmitted(legacy_submission),
@@ -505,6 +513,8 @@ fn a_log_written_before_the_names_rules_replays_as_it_was_folded() {
             path: "_new".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         "invalid_allocation_path",
     );

@@ -21,6 +21,7 @@ fn grant(name: &str, role: Role, allocations: &[&str], node: Option<&str>, n: u8
         node: node.map(str::to_string),
         token_sha256: digest(n),
         expires_at_ms: None,
+        max_pending: None,
     })
 }
 
@@ -42,6 +43,8 @@ fn cluster() -> Ledger {
                 path: path.into(),
                 weight: 1,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         );
     }

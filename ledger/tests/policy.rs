@@ -740,6 +740,8 @@ fn allocation_caps_hold_work_back_with_a_reason() {
             path: "a".into(),
             weight: 1,
             max_gpus: Some(4),
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
     );
     l.submit(0, wid(1), Some("a"), 4, 1);

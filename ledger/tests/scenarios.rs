@@ -48,6 +48,8 @@ impl Run {
                 path: path.into(),
                 weight,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }));
         }
         run

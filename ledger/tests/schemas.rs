@@ -46,6 +46,8 @@ fn samples() -> Vec<Event> {
             path: "ai2/olmo".into(),
             weight: 3,
             max_gpus: Some(64),
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         Event::AllocationRemoved(AllocationRemoved {
             path: "ai2/olmo".into(),
@@ -138,6 +140,7 @@ fn samples() -> Vec<Event> {
             node: None,
             token_sha256: "0f".repeat(32),
             expires_at_ms: Some(1_800_000_000_000),
+            max_pending: None,
         }),
         Event::PrincipalRevoked(PrincipalRevoked {
             name: "nlp-bot".into(),

@@ -81,6 +81,8 @@ fn scenario(seed: u64) -> Scenario {
             path: path.clone(),
             weight: rng.random_range(1..5),
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }));
     }
     let horizon = rng.random_range(6..48) * HOUR;

@@ -25,13 +25,24 @@ fn workload() -> impl Strategy<Value = Uuid> {
 
 fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
-        (path(), 0u32..4, prop::option::of(0u32..16)).prop_map(|(path, weight, max_gpus)| {
-            Event::AllocationSet(AllocationSet {
-                path,
-                weight,
-                max_gpus,
-            })
-        }),
+        (
+            path(),
+            0u32..4,
+            prop::option::of(0u32..16),
+            prop::option::of(0u32..4),
+            prop::option::of(0u64..16)
+        )
+            .prop_map(
+                |(path, weight, max_gpus, max_pending_workloads, max_pending_gpus)| {
+                    Event::AllocationSet(AllocationSet {
+                        path,
+                        weight,
+                        max_gpus,
+                        max_pending_workloads,
+                        max_pending_gpus,
+                    })
+                }
+            ),
         path().prop_map(|path| Event::AllocationRemoved(AllocationRemoved { path })),
         (name(), 0u32..70, prop::sample::select(vec!["H100", "A100"])).prop_map(
             |(node, gpus, model)| Event::NodeRegistered(NodeRegistered {
@@ -180,6 +191,7 @@ fn event() -> impl Strategy<Value = Event> {
                     node,
                     token_sha256,
                     expires_at_ms: None,
+                    max_pending: None,
                 })
             }),
         prop::sample::select(vec!["alice", "bot", ""]).prop_map(|name| Event::PrincipalRevoked(

@@ -352,6 +352,13 @@ pub struct State {
         FxHashMap<AllocId, std::collections::BTreeMap<(u32, u32), BTreeSet<QueueKey>>>,
     /// Pending workloads with a duration estimate (the only ones that may backfill).
     pub(crate) pending_with_estimate: u64,
+    /// Pending workloads of each submitter (by [`Workload::submitted_by`]): what its cap on
+    /// waiting work counts.
+    #[serde(default)]
+    pub(crate) pending_by_actor: FxHashMap<u32, u32>,
+    /// GPUs the pending workloads of each leaf ask for: what its quotas count.
+    #[serde(default)]
+    pub(crate) pending_gpus: FxHashMap<AllocId, u64>,
     /// Running workloads with a duration estimate (whose GPUs have a known return even if no
     /// one may preempt them).
     pub(crate) running_with_estimate: u64,
@@ -418,6 +425,8 @@ impl State {
             pending_shapes: std::collections::BTreeMap::new(),
             queue_shapes: FxHashMap::default(),
             pending_with_estimate: 0,
+            pending_by_actor: FxHashMap::default(),
+            pending_gpus: FxHashMap::default(),
             running_with_estimate: 0,
             running: BTreeSet::new(),
             contracts: Contracts::default(),
@@ -708,7 +717,9 @@ impl State {
             Event::GpuHealthChanged(e) => self.gpu_of(&e.node, e.gpu).map(drop),
             Event::NodeDrained(e) => self.check_drained(env.schema_version, e).map(drop),
             Event::NodeResumed(e) => self.node_idx(&e.node).map(drop),
-            Event::WorkloadSubmitted(e) => self.check_submitted(env.schema_version, e).map(drop),
+            Event::WorkloadSubmitted(e) => self
+                .check_submitted(env.schema_version, e, &env.actor)
+                .map(drop),
             Event::WorkloadCancelled(e) => self.check_cancelled(e).map(drop),
             Event::WorkloadStarted(e) => self.check_started(e, now).map(drop),
             Event::PreemptionRequested(e) => self.check_preemption(e, now),
@@ -904,8 +915,14 @@ impl State {
         e: &AllocationSet,
     ) -> Result<Outcome, Rejection> {
         self.allocations.check_set(version, &e.path, e.weight)?;
+        // Quotas are set from schema 4 on (a field an earlier event could not have meant).
+        let quotas = if version >= 4 {
+            (e.max_pending_workloads, e.max_pending_gpus)
+        } else {
+            (None, None)
+        };
         self.allocations
-            .set(self.shape, seq, &e.path, e.weight, e.max_gpus);
+            .set(self.shape, seq, &e.path, e.weight, e.max_gpus, quotas);
         self.owed_stale = true;
         Ok(Outcome::Applied)
     }

@@ -42,6 +42,7 @@ impl State {
         &self,
         version: u16,
         e: &WorkloadSubmitted,
+        actor: &str,
     ) -> Result<Result<(Option<AllocId>, Option<u32>), WorkloadId>, Rejection> {
         if let Some(key) = &e.idempotency_key {
             if let Some(original) = self.idempotent(key) {
@@ -106,7 +107,87 @@ impl State {
         if version >= 2 {
             crate::names::workload(e.name.as_deref(), &e.command, &e.env)?;
         }
+        if version >= 4 {
+            self.check_quotas(allocation, e.gpus_per_node as u64 * e.nodes as u64, actor)?;
+        }
         Ok(Ok((allocation, model)))
+    }
+
+    /// Whether one more waiting workload of `gpus` GPUs, charged to `allocation` and submitted
+    /// by `actor`, stays within the submitter's cap on waiting work
+    /// ([`crate::identity::Principal::pending_cap`]) and within the `max_pending_workloads` and
+    /// `max_pending_gpus` of its allocation and each ancestor (a quota bounds a whole subtree).
+    fn check_quotas(
+        &self,
+        allocation: Option<AllocId>,
+        gpus: u64,
+        actor: &str,
+    ) -> Result<(), Rejection> {
+        let principal = actor
+            .split_once(':')
+            .and_then(|(_, name)| self.principals.get(name))
+            .filter(|p| p.actor() == actor);
+        if let Some(cap) = principal.and_then(|p| p.pending_cap()) {
+            let waiting = self
+                .actor_ids
+                .get(actor)
+                .and_then(|id| self.pending_by_actor.get(id))
+                .copied()
+                .unwrap_or(0);
+            if waiting >= cap {
+                return Err(Rejection::QuotaExceeded {
+                    holder: actor.to_owned(),
+                    what: "workloads",
+                    setting: "max_pending",
+                    limit: cap.into(),
+                    waiting: u64::from(waiting) + 1,
+                });
+            }
+        }
+        let mut at = allocation;
+        while let Some(id) = at {
+            let a = self.allocations.node(id);
+            if a.max_pending_workloads.is_some() || a.max_pending_gpus.is_some() {
+                let (workloads, waiting_gpus) = self.subtree_pending(id);
+                if let Some(limit) = a.max_pending_workloads {
+                    if workloads + 1 > u64::from(limit) {
+                        return Err(Rejection::QuotaExceeded {
+                            holder: a.path.clone(),
+                            what: "workloads",
+                            setting: "max_pending_workloads",
+                            limit: limit.into(),
+                            waiting: workloads + 1,
+                        });
+                    }
+                }
+                if let Some(limit) = a.max_pending_gpus {
+                    if waiting_gpus + gpus > limit {
+                        return Err(Rejection::QuotaExceeded {
+                            holder: a.path.clone(),
+                            what: "GPUs",
+                            setting: "max_pending_gpus",
+                            limit,
+                            waiting: waiting_gpus + gpus,
+                        });
+                    }
+                }
+            }
+            at = a.parent;
+        }
+        Ok(())
+    }
+
+    /// Workloads waiting in the subtree of `id`, and the GPUs they ask for.
+    pub fn subtree_pending(&self, id: AllocId) -> (u64, u64) {
+        let a = self.allocations.node(id);
+        if a.is_leaf() {
+            let n = self.queues.get(&id).map_or(0, |q| q.len() as u64);
+            return (n, self.pending_gpus.get(&id).copied().unwrap_or(0));
+        }
+        a.children.iter().fold((0, 0), |(n, g), &c| {
+            let (cn, cg) = self.subtree_pending(c);
+            (n + cn, g + cg)
+        })
     }
 
     pub(super) fn workload_submitted(
@@ -116,7 +197,7 @@ impl State {
         e: &WorkloadSubmitted,
         actor: &str,
     ) -> Result<Outcome, Rejection> {
-        let (allocation, model) = match self.check_submitted(version, e)? {
+        let (allocation, model) = match self.check_submitted(version, e, actor)? {
             Ok(checked) => checked,
             Err(original) => return Ok(Outcome::Duplicate { original }),
         };
@@ -191,9 +272,11 @@ impl State {
             .entry((w.gpus_per_node, w.nodes))
             .or_insert(0) += 1;
         self.pending_with_estimate += u64::from(w.duration_estimate_ms.is_some());
+        *self.pending_by_actor.entry(w.submitted_by).or_insert(0) += 1;
         let key = Self::queue_key(w);
         match w.allocation {
             Some(a) => {
+                *self.pending_gpus.entry(a).or_insert(0) += w.gpus();
                 self.queues.entry(a).or_default().insert(key);
                 self.queue_shapes
                     .entry(a)
@@ -211,6 +294,20 @@ impl State {
     pub(super) fn dequeue(&mut self, id: WorkloadId) {
         let w = &self.workloads[&id];
         self.pending_with_estimate -= u64::from(w.duration_estimate_ms.is_some());
+        if let Some(n) = self.pending_by_actor.get_mut(&w.submitted_by) {
+            *n -= 1;
+            if *n == 0 {
+                self.pending_by_actor.remove(&w.submitted_by);
+            }
+        }
+        if let Some(a) = w.allocation {
+            if let Some(g) = self.pending_gpus.get_mut(&a) {
+                *g -= w.gpus();
+                if *g == 0 {
+                    self.pending_gpus.remove(&a);
+                }
+            }
+        }
         let shape = (w.gpus_per_node, w.nodes);
         if let Some(n) = self.pending_shapes.get_mut(&shape) {
             *n -= 1;

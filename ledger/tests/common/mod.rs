@@ -90,6 +90,8 @@ impl Ledger {
                 path: path.into(),
                 weight,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         );
     }

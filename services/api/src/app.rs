@@ -337,6 +337,8 @@ mod tests {
             path: "team".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         });
         let written = app
             .write_durable(set.clone(), None, None, "user:admin")

@@ -318,6 +318,7 @@ impl Application {
             node: None,
             token_sha256,
             expires_at_ms: None,
+            max_pending: None,
         });
         match self.app.write(grant, None, None, "serve").await {
             Ok(_) => {}

@@ -376,6 +376,8 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
             path: "team".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }))
     };
     service.append(set()).await.unwrap();
@@ -508,6 +510,8 @@ async fn no_agent_or_reader_can_touch_the_ledgers_consumers() {
                 path: "team".into(),
                 weight,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         );
         Append::event(&env, None, None)

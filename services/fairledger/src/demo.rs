@@ -34,6 +34,8 @@ pub fn cluster() -> Vec<Event> {
             path: path.into(),
             weight,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }));
     }
     events

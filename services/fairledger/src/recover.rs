@@ -28,6 +28,8 @@ pub struct Grant {
     pub node: Option<String>,
     /// When the token stops being accepted, from now.
     pub expires: Option<std::time::Duration>,
+    /// Its cap on waiting workloads.
+    pub max_pending: Option<u32>,
 }
 
 /// Writes `grant` into the log `log_args` names and prints its token (or writes it to `out`).
@@ -59,6 +61,7 @@ pub fn grant_offline(
         expires_at_ms: grant
             .expires
             .map(|d| now.saturating_add(d.as_millis() as u64)),
+        max_pending: grant.max_pending,
     });
     let (state_config, _, _, _) = crate::serve::settings(None, None)?;
     let seq = crate::logcmd::runtime()?.block_on(async {

@@ -352,6 +352,7 @@ async fn local_agent_token(
         node: Some(node.to_owned()),
         token_sha256,
         expires_at_ms: None,
+        max_pending: None,
     });
     // This node's agent from before (its token file lost): revoked and granted anew. A
     // principal of that name that is not this node's agent is someone else's: refuse.

@@ -388,6 +388,8 @@ fn large_ledger(path: &std::path::Path, nodes: usize, waiting: usize) -> usize {
                 path: format!("team-{t}"),
                 weight: 1 + t % 3,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }),
         );
     }

@@ -46,6 +46,8 @@ fn lab_and_node() -> [ledger::Event; 2] {
             path: "lab".into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
         ledger::Event::NodeRegistered(NodeRegistered {
             node: "n".into(),

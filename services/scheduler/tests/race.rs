@@ -38,6 +38,8 @@ async fn cluster<L: EventLog>(log: &L, nodes: u32) {
         path: "team".into(),
         weight: 1,
         max_gpus: None,
+        max_pending_workloads: None,
+        max_pending_gpus: None,
     };
     events.push(append(1_000, Event::AllocationSet(team)));
     log.append_batch(events).await.unwrap();

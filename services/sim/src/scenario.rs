@@ -281,6 +281,8 @@ impl Scenario {
                 path: a.path.clone(),
                 weight: a.weight,
                 max_gpus: a.max_gpus,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             }));
         }
         let mut faults = Vec::new();

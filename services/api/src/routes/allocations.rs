@@ -96,6 +96,7 @@ pub(crate) async fn allocations(
         .map(|(id, a)| {
             let [held, owed_ms, delivered_ms, w_owed, w_delivered, preemptions, cancels, violations, p_owed, p_delivered] =
                 sums[id];
+            let pending = state.subtree_pending(id as u32);
             let mut row = json!({
                 "path": a.path,
                 "incarnation": a.created_seq,
@@ -114,6 +115,10 @@ pub(crate) async fn allocations(
                 "cancels": cancels as u64,
                 "contract_violations": violations as u64,
                 "live_workloads": a.live_workloads,
+                "max_pending_workloads": a.max_pending_workloads,
+                "max_pending_gpus": a.max_pending_gpus,
+                "pending_workloads": pending.0,
+                "pending_gpus": pending.1,
             });
             if period.is_some() {
                 row["period_owed_gpu_hours"] = json!(p_owed);
@@ -148,6 +153,13 @@ pub(crate) struct AllocationBody {
     weight: u32,
     #[serde(default)]
     max_gpus: Option<u32>,
+    /// Most workloads its subtree may have waiting at once (a submission past it is refused
+    /// with 429).
+    #[serde(default)]
+    max_pending_workloads: Option<u32>,
+    /// Most GPUs its subtree's waiting workloads may ask for at once.
+    #[serde(default)]
+    max_pending_gpus: Option<u64>,
 }
 
 /// The allocation path a route's `{*path}` names, as written: checked, and without
@@ -185,6 +197,8 @@ pub(crate) async fn set_allocation(
         path: path.clone(),
         weight: body.weight,
         max_gpus: body.max_gpus,
+        max_pending_workloads: body.max_pending_workloads,
+        max_pending_gpus: body.max_pending_gpus,
     });
     let seq = app.write(event, None, None, &caller.actor()).await?;
     Ok(Json(json!({"path": path, "seq": seq})).into_response())

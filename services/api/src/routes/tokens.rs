@@ -35,6 +35,9 @@ pub(crate) struct TokenBody {
     /// The token is refused this many seconds from now (default: never).
     #[serde(default)]
     expires_in_s: Option<u64>,
+    /// Most workloads it may have waiting at once (default 10,000; none for an admin).
+    #[serde(default)]
+    max_pending: Option<u32>,
 }
 
 /// What may be shown of a principal: everything but its token's digest.
@@ -51,6 +54,7 @@ fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
         "expires_at_ms": p.expires_at_ms,
         "expires_at": p.expires_at_ms.map(date),
         "expired": p.expired_at(now_ms),
+        "max_pending": p.pending_cap(),
     })
 }
 
@@ -112,6 +116,7 @@ pub(crate) async fn create(
         node,
         token_sha256,
         expires_at_ms,
+        max_pending: body.max_pending,
     };
     {
         let p = app.inner.projection.read().await;

@@ -49,6 +49,8 @@ pub async fn fixture(scheduler_on: bool) -> Fixture {
             path: path.into(),
             weight: 1,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }));
     }
     let now = scheduler::wall_clock_ms();

@@ -1420,6 +1420,8 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
                 path: format!("c/t{}", i % 10),
                 weight: 1 + (i % 3) as u32,
                 max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
             });
             let env =
                 ledger::Envelope::new(uuid::Uuid::now_v7(), scheduler::wall_clock_ms(), "test", e);
@@ -1953,6 +1955,8 @@ async fn a_stalled_projection_is_not_ready() {
             path: "b".into(),
             weight: 2,
             max_gpus: None,
+            max_pending_workloads: None,
+            max_pending_gpus: None,
         }),
     );
     f.log
@@ -1985,4 +1989,81 @@ async fn a_stalled_projection_is_not_ready() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(back, "ready again once it folds");
+}
+
+/// Quotas are ledger facts: an allocation's cap on waiting work, set with it, refuses the
+/// submission past it with 429 naming the limit (a dry run says the same), and writes nothing;
+/// a grant's cap holds for its principal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_quota_answers_429_naming_the_limit() {
+    let f = fixture(false).await;
+    let (status, _, set) = call(
+        &f,
+        "PUT",
+        "/v1/allocations/b",
+        Some(r#"{"weight":1,"max_pending_workloads":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{set}");
+    submit(&f, r#"{"allocation":"b","gpus_per_node":1}"#).await;
+    let before = f.log.last_seq().await.unwrap();
+    for uri in ["/v1/workloads", "/v1/workloads?dry_run=true"] {
+        let (status, _, problem) = call(
+            &f,
+            "POST",
+            uri,
+            Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+            &[],
+        )
+        .await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{uri}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("/quota_exceeded")
+                && detail.contains("b may have at most 1 workloads waiting")
+                && detail.contains("max_pending_workloads"),
+            "{problem}"
+        );
+    }
+    assert_eq!(f.log.last_seq().await.unwrap(), before, "nothing written");
+    let (_, _, tree) = call(&f, "GET", "/v1/allocations", None, &[]).await;
+    let b = tree["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "b")
+        .unwrap();
+    assert_eq!(
+        (&b["max_pending_workloads"], &b["pending_workloads"]),
+        (&serde_json::json!(1), &serde_json::json!(1)),
+        "{b}"
+    );
+    // A submitter granted room for one waiting workload.
+    let (status, _, granted) = call(
+        &f,
+        "POST",
+        "/v1/tokens",
+        Some(r#"{"name":"carol","role":"submitter","allocations":["a"],"max_pending":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{granted}");
+    assert_eq!(granted["max_pending"], 1);
+    let carol = granted["token"].as_str().unwrap();
+    let body = Some(r#"{"allocation":"a/x","gpus_per_node":1}"#);
+    let (status, _, _) = call_as(&f, Some(carol), "POST", "/v1/workloads", body, &[]).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let (status, _, problem) = call_as(&f, Some(carol), "POST", "/v1/workloads", body, &[]).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("user:carol may have at most 1"),
+        "{problem}"
+    );
 }

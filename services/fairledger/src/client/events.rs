@@ -176,6 +176,9 @@ pub enum TokenCommand {
         /// Refuse the token after this long, e.g. 12h, 30d.
         #[arg(long, value_parser = humantime::parse_duration)]
         expires: Option<std::time::Duration>,
+        /// Most workloads it may have waiting at once (default 10,000; none for an admin).
+        #[arg(long)]
+        max_pending: Option<u32>,
         /// Write the token to this file (readable by you only) instead of printing it.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -203,6 +206,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
         allocations,
         node,
         expires,
+        max_pending,
         out,
         offline: true,
         log,
@@ -214,6 +218,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             allocations,
             node,
             expires,
+            max_pending,
         };
         return crate::recover::grant_offline(&log, grant, out.as_deref(), args.json);
     }
@@ -225,12 +230,13 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             allocations,
             node,
             expires,
+            max_pending,
             out,
             ..
         } => {
             let body = json!({
                 "name": name, "role": role, "allocations": allocations, "node": node,
-                "expires_in_s": expires.map(|d| d.as_secs().max(1)),
+                "expires_in_s": expires.map(|d| d.as_secs().max(1)), "max_pending": max_pending,
             });
             let mut v = api.call("POST", "/v1/tokens", Some(&body))?;
             let token = v["token"].as_str().unwrap_or_default().to_owned();

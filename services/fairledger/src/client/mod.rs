@@ -250,6 +250,12 @@ pub enum AllocCommand {
         /// Cap on the GPUs its subtree may hold.
         #[arg(long)]
         max_gpus: Option<u32>,
+        /// Most workloads its subtree may have waiting at once (more are refused, 429).
+        #[arg(long)]
+        max_pending: Option<u32>,
+        /// Most GPUs its subtree's waiting workloads may ask for at once.
+        #[arg(long)]
+        max_pending_gpus: Option<u64>,
         /// Change nothing: show who would get what over the next 24 hours with the change,
         /// side by side with what happens without it (a what-if, which admins, auditors and
         /// submitters for their own allocations may ask).
@@ -925,6 +931,7 @@ pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
             weight,
             max_gpus,
             preview: true,
+            ..
         } => {
             let mut change = json!({"allocation": path, "weight": weight});
             if let Some(cap) = max_gpus {
@@ -941,12 +948,17 @@ pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
             path,
             weight,
             max_gpus,
+            max_pending,
+            max_pending_gpus,
             preview: false,
         } => {
             let v = api.call(
                 "PUT",
                 &format!("/v1/allocations/{path}"),
-                Some(&json!({"weight": weight, "max_gpus": max_gpus})),
+                Some(&json!({
+                    "weight": weight, "max_gpus": max_gpus,
+                    "max_pending_workloads": max_pending, "max_pending_gpus": max_pending_gpus,
+                })),
             )?;
             print(args, &v, |v| {
                 format!("set {} (sequence {})\n", text(&v["path"]), text(&v["seq"]))
