@@ -239,6 +239,9 @@ pub struct Principal {
     /// Its cap on waiting workloads, as granted.
     #[serde(default)]
     pub max_pending: Option<u32>,
+    /// Its rates, as granted.
+    #[serde(default)]
+    pub rates: Option<Rates>,
     /// The actor that granted it.
     pub granted_by: String,
     /// When it was granted.
@@ -259,6 +262,16 @@ impl Principal {
             (Some(cap), _) => Some(cap),
             (None, Role::Admin) => None,
             (None, _) => Some(DEFAULT_MAX_PENDING),
+        }
+    }
+
+    /// How many times a minute it may do `kind`: the grant's rate, else none for an admin or an
+    /// agent (the service's own) and [`Rates::DEFAULT`]'s for anyone else.
+    pub fn rate(&self, kind: RateKind) -> Option<u32> {
+        match (self.rates.and_then(|r| r.of(kind)), self.role) {
+            (Some(rate), _) => Some(rate),
+            (None, Role::Admin | Role::Agent) => None,
+            (None, _) => Rates::DEFAULT.of(kind),
         }
     }
 }
@@ -396,6 +409,66 @@ pub struct PrincipalGranted {
     /// [`DEFAULT_MAX_PENDING`], and none for an admin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending: Option<u32>,
+    /// How often it may submit, ask what-ifs and replay history; without them
+    /// [`Rates::DEFAULT`], and none for an admin or an agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rates: Option<Rates>,
+}
+
+/// How often a principal may do what costs the service most, per minute; `None`: the default
+/// of its role.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Rates {
+    /// Submissions (dry runs included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submissions_per_minute: Option<u32>,
+    /// What-ifs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whatifs_per_minute: Option<u32>,
+    /// Event streams that replay history (more than a little of it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replays_per_minute: Option<u32>,
+}
+
+/// What a rate limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RateKind {
+    /// Submissions.
+    Submission,
+    /// What-ifs.
+    WhatIf,
+    /// History replays.
+    Replay,
+}
+
+impl RateKind {
+    /// Its name, as problems say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RateKind::Submission => "submissions",
+            RateKind::WhatIf => "what-ifs",
+            RateKind::Replay => "history replays",
+        }
+    }
+}
+
+impl Rates {
+    /// The rates of a principal whose grant names none (and is neither an admin nor an agent):
+    /// ten submissions a second, a what-if or a replay every three seconds, on average.
+    pub const DEFAULT: Rates = Rates {
+        submissions_per_minute: Some(600),
+        whatifs_per_minute: Some(20),
+        replays_per_minute: Some(20),
+    };
+
+    fn of(&self, kind: RateKind) -> Option<u32> {
+        match kind {
+            RateKind::Submission => self.submissions_per_minute,
+            RateKind::WhatIf => self.whatifs_per_minute,
+            RateKind::Replay => self.replays_per_minute,
+        }
+    }
 }
 
 /// A principal's token was revoked: it is refused from the moment this event is folded.
@@ -547,6 +620,7 @@ impl Principals {
                 token_sha256: e.token_sha256.clone(),
                 expires_at_ms: e.expires_at_ms,
                 max_pending: e.max_pending,
+                rates: e.rates,
                 granted_by: actor.to_owned(),
                 granted_at_ms: now_ms,
                 granted_seq: seq,

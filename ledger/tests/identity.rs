@@ -22,6 +22,7 @@ fn grant(name: &str, role: Role, allocations: &[&str], node: Option<&str>, n: u8
         token_sha256: digest(n),
         expires_at_ms: None,
         max_pending: None,
+        rates: None,
     })
 }
 

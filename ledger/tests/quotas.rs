@@ -75,6 +75,7 @@ impl Ledger {
             token_sha256: format!("{:064x}", self.seq + 1),
             expires_at_ms: None,
             max_pending,
+            rates: None,
         }));
     }
 

@@ -141,6 +141,7 @@ fn samples() -> Vec<Event> {
             token_sha256: "0f".repeat(32),
             expires_at_ms: Some(1_800_000_000_000),
             max_pending: None,
+            rates: None,
         }),
         Event::PrincipalRevoked(PrincipalRevoked {
             name: "nlp-bot".into(),

@@ -192,6 +192,7 @@ fn event() -> impl Strategy<Value = Event> {
                     token_sha256,
                     expires_at_ms: None,
                     max_pending: None,
+                    rates: None,
                 })
             }),
         prop::sample::select(vec!["alice", "bot", ""]).prop_map(|name| Event::PrincipalRevoked(

@@ -52,6 +52,8 @@ pub(crate) struct Inner {
     pub(crate) progress: std::sync::Mutex<(u64, std::time::Instant)>,
     /// How long a write waits for the projection to fold it ([`FOLD_TIMEOUT`]).
     pub(crate) fold_timeout: Duration,
+    /// Each principal's turns at costly requests.
+    pub(crate) limits: crate::limits::Limiter,
     /// The queue's last explained plan and summary: the ledger position and time they were
     /// worked out at.
     #[allow(clippy::type_complexity)]
@@ -103,6 +105,7 @@ impl App {
                 queue_plan: Default::default(),
                 progress: std::sync::Mutex::new((0, std::time::Instant::now())),
                 fold_timeout: FOLD_TIMEOUT,
+                limits: Default::default(),
             }),
         }
     }

@@ -319,6 +319,7 @@ impl Application {
             token_sha256,
             expires_at_ms: None,
             max_pending: None,
+            rates: None,
         });
         match self.app.write(grant, None, None, "serve").await {
             Ok(_) => {}

@@ -47,6 +47,7 @@ pub mod app;
 pub mod application;
 pub mod auth;
 pub mod conn;
+mod limits;
 pub mod metrics;
 pub mod period;
 pub mod problem;

@@ -20,6 +20,10 @@ pub struct Problem {
     /// The request field at fault (a JSON pointer-like path), when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// Seconds after which the same request may succeed (the `Retry-After` header).
+    #[serde(skip)]
+    #[schema(ignore)]
+    pub retry_after_s: Option<u64>,
 }
 
 impl Problem {
@@ -31,6 +35,7 @@ impl Problem {
             status: status.as_u16(),
             detail: detail.into(),
             field: None,
+            retry_after_s: None,
         }
     }
 
@@ -39,6 +44,14 @@ impl Problem {
         Problem {
             field: Some(field.to_owned()),
             ..Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-field", detail)
+        }
+    }
+
+    /// Too many of a kind of request (429), and when to try again.
+    pub fn rate_limited(detail: impl Into<String>, retry_after_s: u64) -> Self {
+        Problem {
+            retry_after_s: Some(retry_after_s),
+            ..Problem::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", detail)
         }
     }
 
@@ -93,12 +106,18 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = serde_json::to_vec(&self).expect("a problem serializes");
+        let retry_after_s = self.retry_after_s;
         let mut response = (
             status,
             [(header::CONTENT_TYPE, "application/problem+json")],
             body,
         )
             .into_response();
+        if let Some(s) = retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(s));
+        }
         if status == StatusCode::UNAUTHORIZED {
             // RFC 6750: a 401 names the scheme it wants.
             response.headers_mut().insert(

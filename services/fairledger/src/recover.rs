@@ -62,6 +62,7 @@ pub fn grant_offline(
             .expires
             .map(|d| now.saturating_add(d.as_millis() as u64)),
         max_pending: grant.max_pending,
+        rates: None,
     });
     let (state_config, _, _, _) = crate::serve::settings(None, None)?;
     let seq = crate::logcmd::runtime()?.block_on(async {

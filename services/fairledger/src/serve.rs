@@ -353,6 +353,7 @@ async fn local_agent_token(
         token_sha256,
         expires_at_ms: None,
         max_pending: None,
+        rates: None,
     });
     // This node's agent from before (its token file lost): revoked and granted anew. A
     // principal of that name that is not this node's agent is someone else's: refuse.

@@ -188,6 +188,9 @@ pub(crate) async fn event_stream(
         .await
         .map_err(|e| Problem::unavailable(e.to_string()))?;
     let mut turn = if last.saturating_sub(after) > crate::app::REPLAY_FREE {
+        app.inner
+            .limits
+            .take(&caller.0, ledger::identity::RateKind::Replay)?;
         Some(
             app.inner
                 .replays

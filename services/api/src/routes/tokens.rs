@@ -38,6 +38,11 @@ pub(crate) struct TokenBody {
     /// Most workloads it may have waiting at once (default 10,000; none for an admin).
     #[serde(default)]
     max_pending: Option<u32>,
+    /// How often it may submit, ask what-ifs and replay history, per minute (defaults: 600, 20
+    /// and 20; none for an admin or an agent).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    rates: Option<ledger::identity::Rates>,
 }
 
 /// What may be shown of a principal: everything but its token's digest.
@@ -55,6 +60,11 @@ fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
         "expires_at": p.expires_at_ms.map(date),
         "expired": p.expired_at(now_ms),
         "max_pending": p.pending_cap(),
+        "rates": {
+            "submissions_per_minute": p.rate(ledger::identity::RateKind::Submission),
+            "whatifs_per_minute": p.rate(ledger::identity::RateKind::WhatIf),
+            "replays_per_minute": p.rate(ledger::identity::RateKind::Replay),
+        },
     })
 }
 
@@ -117,6 +127,7 @@ pub(crate) async fn create(
         token_sha256,
         expires_at_ms,
         max_pending: body.max_pending,
+        rates: body.rates,
     };
     {
         let p = app.inner.projection.read().await;

@@ -236,6 +236,9 @@ pub(crate) async fn what_if(
         }
     };
     let Json(request) = body.map_err(bad_body)?;
+    app.inner
+        .limits
+        .take(&caller.0, ledger::identity::RateKind::WhatIf)?;
     let title = describe(&request.changes);
     let asked = Asked::read(
         &request.changes,

@@ -98,6 +98,9 @@ pub(crate) async fn submit(
 ) -> Result<Response, Problem> {
     let Query(query) = query.map_err(bad_query)?;
     let Json(request) = body.map_err(bad_body)?;
+    app.inner
+        .limits
+        .take(&caller.0, ledger::identity::RateKind::Submission)?;
     let wait_placed = match query.wait.as_deref() {
         None => false,
         Some("placed") => true,

@@ -635,6 +635,7 @@ async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
         token_sha256: digest,
         expires_at_ms: Some(scheduler::wall_clock_ms() - 1),
         max_pending: None,
+        rates: None,
     });
     let env = Envelope::new(
         uuid::Uuid::now_v7(),

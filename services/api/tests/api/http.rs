@@ -2067,3 +2067,73 @@ async fn a_full_quota_answers_429_naming_the_limit() {
         "{problem}"
     );
 }
+
+/// Rates from the grant: a submitter allowed six submissions a minute has one at once (ten
+/// seconds' worth) and is then told to wait, with `Retry-After`; its what-ifs are limited the
+/// same way; an admin is not limited unless its grant says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_is_held_to_the_rates_of_its_grant() {
+    let f = fixture(false).await;
+    let (status, _, granted) = call(
+        &f,
+        "POST",
+        "/v1/tokens",
+        Some(r#"{"name":"bot","role":"submitter","allocations":["a","b"],"rates":{"submissions_per_minute":6,"whatifs_per_minute":6}}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{granted}");
+    assert_eq!(granted["rates"]["submissions_per_minute"], 6);
+    assert_eq!(granted["rates"]["replays_per_minute"], 20, "the default");
+    let bot = granted["token"].as_str().unwrap();
+    let body = Some(r#"{"allocation":"b","gpus_per_node":1}"#);
+    let post = |uri: &'static str, body: Option<&'static str>| {
+        let router = f.router.clone();
+        let token = bot.to_owned();
+        async move {
+            let req = Request::post(uri)
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {token}"));
+            let res = router
+                .oneshot(req.body(Body::from(body.unwrap().to_owned())).unwrap())
+                .await
+                .unwrap();
+            let retry = res
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let status = res.status();
+            let bytes = res.into_body().collect().await.unwrap().to_bytes();
+            (
+                status,
+                retry,
+                serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null),
+            )
+        }
+    };
+    let (status, _, _) = post("/v1/workloads", body).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let (status, retry, problem) = post("/v1/workloads", body).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{problem}");
+    let retry: u64 = retry.expect("Retry-After").parse().unwrap();
+    assert!((1..=10).contains(&retry), "{retry}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("user:bot may make 6 submissions a minute"),
+        "{problem}"
+    );
+    let whatif = Some(r#"{"changes":[{"allocation":"b","weight":2}],"horizon_s":3600}"#);
+    let (first, _, answer) = post("/v1/whatif", whatif).await;
+    assert_eq!(first, StatusCode::OK, "{answer}");
+    let (second, retry, _) = post("/v1/whatif", whatif).await;
+    assert_eq!(
+        (second, retry.is_some()),
+        (StatusCode::TOO_MANY_REQUESTS, true)
+    );
+    // The admin: no rate unless granted one.
+    for _ in 0..20 {
+        submit(&f, r#"{"allocation":"b","gpus_per_node":1}"#).await;
+    }
+}
