@@ -20,6 +20,8 @@ pub struct HttpLog {
     agent: ureq::Agent,
     /// `Bearer <token>`: the node's agent token.
     authorization: std::sync::Arc<str>,
+    /// How this agent names itself to the API (host:pid:id): the node is its while it reports.
+    holder: std::sync::Arc<str>,
 }
 
 /// An HTTP client that answers every status as it is (problems are read, not raised), with
@@ -73,7 +75,21 @@ impl HttpLog {
             node: node.to_owned(),
             agent,
             authorization: format!("Bearer {}", token.trim()).into(),
+            holder: format!("{}:{}:{}", host(), std::process::id(), uuid::Uuid::now_v7()).into(),
         })
+    }
+
+    /// Claims the node for this agent: refused, with the holder named, while another agent
+    /// drives it (an external one, or one inside the server).
+    pub async fn claim(&self) -> Result<(), String> {
+        let path = format!("/v1/nodes/{}/lease", self.node);
+        let (status, answer) = self
+            .call(path, Some(json!({"holder": &*self.holder})))
+            .await?;
+        if status >= 400 {
+            return Err(problem(&answer));
+        }
+        Ok(())
     }
 
     /// GET `path`, or POST `body` to it, off the async threads.
@@ -82,12 +98,14 @@ impl HttpLog {
         tokio::task::spawn_blocking(move || {
             let url = format!("{}{path}", this.base);
             let auth = &*this.authorization;
+            let holder = &*this.holder;
             let sent = match body {
                 None => this.agent.get(&url).header("authorization", auth).call(),
                 Some(b) => this
                     .agent
                     .post(&url)
                     .header("authorization", auth)
+                    .header("fairledger-agent", holder)
                     .header("content-type", "application/json")
                     .send(b.to_string()),
             };
@@ -276,4 +294,14 @@ impl EventLog for HttpLog {
         });
         Ok(pages.flatten().boxed())
     }
+}
+
+/// This machine's name, for naming the agent to the API.
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty() && h.is_ascii())
+        .unwrap_or_else(|| "host".into())
 }

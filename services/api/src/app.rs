@@ -54,6 +54,8 @@ pub(crate) struct Inner {
     pub(crate) fold_timeout: Duration,
     /// Each principal's turns at costly requests.
     pub(crate) limits: crate::limits::Limiter,
+    /// Which agent drives each node.
+    pub(crate) leases: crate::leases::NodeLeases,
     /// The queue's last explained plan and summary: the ledger position and time they were
     /// worked out at.
     #[allow(clippy::type_complexity)]
@@ -106,8 +108,18 @@ impl App {
                 progress: std::sync::Mutex::new((0, std::time::Instant::now())),
                 fold_timeout: FOLD_TIMEOUT,
                 limits: Default::default(),
+                leases: Default::default(),
             }),
         }
+    }
+
+    /// Holds `node` for an agent inside this process (`holder` names it) for as long as the
+    /// process runs: an agent from outside is refused it.
+    pub fn drive_node_here(&self, node: &str, holder: &str) -> Result<(), String> {
+        self.inner
+            .leases
+            .claim(node, holder, true)
+            .map_err(|p| p.detail)
     }
 
     /// Sets how long a node may stay silent before its GPUs go unhealthy.

@@ -47,6 +47,7 @@ pub mod app;
 pub mod application;
 pub mod auth;
 pub mod conn;
+pub mod leases;
 mod limits;
 pub mod metrics;
 pub mod period;
@@ -86,6 +87,7 @@ pub use routes::{health_router, router};
         routes::nodes::resume,
         routes::nodes::heartbeat,
         routes::nodes::node_events,
+        routes::nodes::lease,
         routes::nodes::nodes,
         routes::audit::audit_ledger,
         routes::audit::audit_workload,

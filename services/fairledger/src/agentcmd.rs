@@ -209,6 +209,9 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
         return runtime()?.block_on(async move {
             let log = agent::http::HttpLog::new(&api, &node, &token, args.ca_file.as_deref())?;
             config.actor = log.whoami().await.map_err(|e| format!("{e} (API {api})"))?;
+            // One agent per node: another driving it (from outside, or inside the server) is
+            // named, and this one does not start.
+            log.claim().await.map_err(|e| format!("{e} (API {api})"))?;
             let telemetry = Telemetry::Http(log.clone());
             let agent = agent::Agent::new(log, telemetry, source, config);
             agent

@@ -288,6 +288,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             }));
             let shim = crate::agentcmd::shim()?;
             for node in &fake_nodes {
+                // This server drives the node: an agent from outside is refused it.
+                app.drive_node_here(
+                    &node.node,
+                    &format!("the server's own agent (pid {})", std::process::id()),
+                )?;
                 let dir = args.log.data.join("agents").join(&node.node);
                 let token = local_agent_token(&app, &node.node, &dir).await?;
                 let log = api::reports::LocalAgentLog::new(app.clone(), &token, &node.node);

@@ -474,6 +474,27 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         &[("FAIRLEDGER_TOKEN", &token)],
     );
     wait_for_node(&server, "gpu-h");
+    // One agent per node: a second for gpu-h is refused, naming the first, and does not start.
+    let second = Command::new(BIN)
+        .env("FAIRLEDGER_TOKEN", &token)
+        .args([
+            "agent",
+            "--api",
+            &api,
+            "--node",
+            "gpu-h",
+            "--fake-gpus",
+            "2",
+        ])
+        .arg("--work-dir")
+        .arg(tmp.path().join("second"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success() && said.contains("is driven by another agent"),
+        "{said}"
+    );
     let jobs = tmp.path().join("jobs.log");
     let job = script(tmp.path(), &jobs);
     let id = submit(
@@ -962,4 +983,29 @@ fn a_killed_servers_runs_go_on_and_its_restart_re_adopts_them() {
     });
     let starts = lines(&jobs).iter().filter(|l| l[0] == "start").count();
     assert_eq!(starts, 1, "launched once: {:?}", lines(&jobs));
+}
+
+/// A node the server drives with its own agent is not driven from outside as well: an agent
+/// started for it over HTTP (with that node's token) is refused, told why, and does not start.
+#[test]
+fn an_agent_for_a_node_the_server_drives_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let server = Server::start(&["--data", data.to_str().unwrap()]);
+    let token = data.join("agents/demo-1/agent.token");
+    let refused = Command::new(BIN)
+        .args(["agent", "--api", &format!("http://{}", server.addr)])
+        .args(["--node", "demo-1", "--fake-gpus", "8", "--token-file"])
+        .arg(&token)
+        .arg("--work-dir")
+        .arg(tmp.path().join("outside"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success()
+            && said.contains("the server's own agent")
+            && said.contains("--no-agents"),
+        "{said}"
+    );
 }

@@ -16,7 +16,7 @@
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
 //! | `POST /v1/nodes` | admin, operator; agent for its own node |
 //! | `POST`/`DELETE /v1/nodes/{node}/drain` | admin, operator |
-//! | `POST /v1/nodes/{node}/heartbeat`, `…/events` | the agent of that node |
+//! | `POST /v1/nodes/{node}/heartbeat`, `…/events`, `…/lease` | the agent of that node |
 //! | `/v1/tokens…` | admin |
 //! | `POST /v1/whatif` | admin, auditor; submitter for changes to its own allocations |
 
@@ -133,6 +133,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("POST", "/v1/nodes/{node}/events", Needs(ReportForNode)),
             routing::post(nodes::node_events),
+        ),
+        (
+            r("POST", "/v1/nodes/{node}/lease", Needs(ReportForNode)),
+            routing::post(nodes::lease),
         ),
         (
             r("GET", "/v1/events", Needs(ReadEvents)),

@@ -342,11 +342,13 @@ pub(crate) async fn heartbeat(
     State(app): State<App>,
     caller: Caller,
     Path(node): Path<String>,
+    headers: axum::http::HeaderMap,
     body: Result<Json<HeartbeatBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
     node_name("node", &node)?;
     let projection = app.inner.projection.read().await;
     caller.allow(&Action::ReportForNode { node: &node }, projection.state())?;
+    app.inner.leases.check(&node, holder(&headers)?)?;
     let Json(body) = body.map_err(bad_body)?;
     let gpus = {
         let cluster = &projection.state().cluster();
@@ -424,6 +426,7 @@ pub(crate) async fn node_events(
     State(app): State<App>,
     caller: Caller,
     Path(node): Path<String>,
+    headers: axum::http::HeaderMap,
     body: Result<Json<NodeEventsBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
     node_name("node", &node)?;
@@ -436,7 +439,70 @@ pub(crate) async fn node_events(
         let p = app.inner.projection.read().await;
         reports::check(p.state(), &node, &caller.actor(), &body.events)?
     };
+    // Reports that hold up, from an agent that does not drive the node: not taken.
+    app.inner.leases.check(&node, holder(&headers)?)?;
     reports::append(&app, appends)
         .await
         .map(|v| Json(v).into_response())
+}
+
+/// The agent a report names itself as ([`crate::leases::HOLDER_HEADER`]): printable ASCII,
+/// at most 200 characters.
+fn holder(headers: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
+    let Some(v) = headers.get(crate::leases::HOLDER_HEADER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .filter(|h| !h.is_empty() && h.len() <= 200)
+        .map(Some)
+        .ok_or_else(|| {
+            Problem::invalid(
+                crate::leases::HOLDER_HEADER,
+                "1 to 200 printable ASCII characters naming the agent (host:pid:id)",
+            )
+        })
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LeaseBody {
+    /// The agent, as it names itself (host:pid:id).
+    holder: String,
+}
+
+#[utoipa::path(post, path = "/v1/nodes/{node}/lease", tag = "nodes", request_body = LeaseBody,
+    params(("node" = String, Path, description = "the node")),
+    responses(
+        (status = 200, description = "this agent drives the node (claimed, or renewed); its reports and heartbeats keep it so", body = serde_json::Value),
+        (status = 409, description = "another agent drives it; the answer names it", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn lease(
+    State(app): State<App>,
+    caller: Caller,
+    Path(node): Path<String>,
+    body: Result<Json<LeaseBody>, JsonRejection>,
+) -> Result<Response, Problem> {
+    node_name("node", &node)?;
+    caller.allow(
+        &Action::ReportForNode { node: &node },
+        app.inner.projection.read().await.state(),
+    )?;
+    let Json(body) = body.map_err(bad_body)?;
+    if body.holder.is_empty()
+        || body.holder.len() > 200
+        || !body.holder.bytes().all(|b| (0x20..0x7f).contains(&b))
+    {
+        return Err(Problem::invalid(
+            "holder",
+            "1 to 200 printable ASCII characters naming the agent (host:pid:id)",
+        ));
+    }
+    app.inner.leases.claim(&node, &body.holder, false)?;
+    Ok(Json(json!({
+        "node": node,
+        "holder": body.holder,
+        "ttl_s": crate::leases::NODE_LEASE_TTL.as_secs(),
+    }))
+    .into_response())
 }

@@ -60,6 +60,7 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         ),
         (("POST", "/v1/nodes/{node}/heartbeat"), Some(&["agent"][..])),
         (("POST", "/v1/nodes/{node}/events"), Some(&["agent"][..])),
+        (("POST", "/v1/nodes/{node}/lease"), Some(&["agent"][..])),
         (("GET", "/v1/events"), Some(&ROLES[..])),
         (("GET", "/v1/events/stream"), Some(&ROLES[..])),
         (("GET", "/v1/audit/ledger"), Some(&["admin", "auditor"][..])),

@@ -2137,3 +2137,74 @@ async fn a_principal_is_held_to_the_rates_of_its_grant() {
         submit(&f, r#"{"allocation":"b","gpus_per_node":1}"#).await;
     }
 }
+
+/// One agent per node: the first to claim a node drives it; another is refused with the holder
+/// named, and so are its reports, and a report that does not name its agent while one drives
+/// the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_driven_by_one_agent_at_a_time() {
+    let f = fixture(false).await;
+    let agent = token(&f, "n0", "agent", &[], Some("n0")).await;
+    let claim = |holder: &str| {
+        let body = format!(r#"{{"holder":"{holder}"}}"#);
+        let agent = agent.clone();
+        let f = &f;
+        async move {
+            call_as(
+                f,
+                Some(&agent),
+                "POST",
+                "/v1/nodes/n0/lease",
+                Some(&body),
+                &[],
+            )
+            .await
+        }
+    };
+    let (status, _, first) = claim("host-a:1:x").await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let (status, _, again) = claim("host-a:1:x").await;
+    assert_eq!(status, StatusCode::OK, "its own holder renews: {again}");
+    let (status, _, problem) = claim("host-b:2:y").await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("driven by another agent, host-a:1:x"),
+        "{problem}"
+    );
+    let beat = r#"{"readings":[]}"#;
+    for (holder, want) in [
+        (Some("host-b:2:y"), StatusCode::CONFLICT),
+        (None, StatusCode::CONFLICT),
+        (Some("host-a:1:x"), StatusCode::ACCEPTED),
+    ] {
+        let headers: Vec<(&str, &str)> = holder
+            .map(|h| ("fairledger-agent", h))
+            .into_iter()
+            .collect();
+        let (status, _, answer) = call_as(
+            &f,
+            Some(&agent),
+            "POST",
+            "/v1/nodes/n0/heartbeat",
+            Some(beat),
+            &headers,
+        )
+        .await;
+        assert_eq!(status, want, "{holder:?}: {answer}");
+    }
+    // Another node is another lease.
+    let other = token(&f, "n1", "agent", &[], Some("n1")).await;
+    let (status, _, _) = call_as(
+        &f,
+        Some(&other),
+        "POST",
+        "/v1/nodes/n1/lease",
+        Some(r#"{"holder":"host-b:2:y"}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
