@@ -163,7 +163,7 @@ pub enum Rejection {
         cap_s: u64,
     },
     /// A quota on waiting work is full: the submitter's, or an allocation's (or an ancestor's).
-    #[error("{holder} may have at most {limit} {what} waiting at once and has {waiting}: wait for some to start or end, or ask an admin to raise its {setting}")]
+    #[error("{holder} may have at most {limit} {} waiting at once and has {waiting}: wait for some to start or end, or ask an admin to raise its {setting}", counted(*.limit, .what))]
     QuotaExceeded {
         /// Whose quota: `user:alice`, or an allocation's path.
         holder: String,
@@ -314,6 +314,15 @@ pub enum Rejection {
         /// The name.
         name: String,
     },
+}
+
+/// `what` (a plural: `workloads`, `GPUs`) as it reads after `n`.
+fn counted(n: u64, what: &str) -> &str {
+    if n == 1 {
+        what.strip_suffix('s').unwrap_or(what)
+    } else {
+        what
+    }
 }
 
 impl Rejection {

@@ -2024,7 +2024,7 @@ async fn a_full_quota_answers_429_naming_the_limit() {
                 .as_str()
                 .unwrap()
                 .ends_with("/quota_exceeded")
-                && detail.contains("b may have at most 1 workloads waiting")
+                && detail.contains("b may have at most 1 workload waiting")
                 && detail.contains("max_pending_workloads"),
             "{problem}"
         );
