@@ -367,6 +367,17 @@ fn the_command_line_client_speaks_to_the_server() {
         page.contains("uw/nlp") && page.matches("<svg").count() == 3,
         "{page}"
     );
+    // The budget of one allocation: its share, now, over the window, day by day.
+    let budget = cli(&server, &["alloc", "show", "uw/nlp"]).unwrap();
+    assert!(
+        budget.starts_with("uw/nlp: weight 2 (50.0% of the cluster by weight); no caps or quotas")
+            && budget.contains("now: owed 24.0 GPUs, holds 32")
+            && budget.contains("over the usage window: owed ")
+            && budget.contains("DAY (UTC)"),
+        "{budget}"
+    );
+    let err = cli(&server, &["alloc", "show", "nope"]).unwrap_err();
+    assert!(err.contains("no allocation \"nope\""), "{err}");
     // A weight previewed before it is set: the same comparison, and nothing changed.
     let preview = cli(
         &server,

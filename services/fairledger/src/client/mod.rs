@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 mod audit;
+mod budget;
 mod events;
 mod listings;
 mod whatif;
@@ -240,6 +241,12 @@ pub struct SubmitArgs {
 pub enum AllocCommand {
     /// The tree with shares, owed and delivered (like sshare).
     List,
+    /// One allocation's budget: share, caps and quotas, owed and held now, owed against
+    /// delivered over the usage window and since the start, and the last week day by day.
+    Show {
+        /// Path, e.g. ai2/olmo/pretrain.
+        path: String,
+    },
     /// Create or change an allocation.
     Set {
         /// Path, e.g. ai2/olmo/pretrain.
@@ -874,6 +881,7 @@ pub fn settings(args: &ClientArgs, command: SettingsCommand) -> Result<(), Strin
 pub fn alloc(args: &ClientArgs, command: AllocCommand) -> Result<(), String> {
     let api = Api::new(args)?;
     match command {
+        AllocCommand::Show { path } => return budget::show(args, &path),
         AllocCommand::List => {
             let v = api.call("GET", "/v1/allocations", None)?;
             print(args, &v, |v| {
