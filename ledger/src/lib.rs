@@ -36,7 +36,8 @@
 //! }));
 //! fold(&mut state, 0, Event::AllocationSet(AllocationSet {
 //!     path: "ai2/olmo".into(), weight: 1, max_gpus: None,
-//!, max_pending_workloads: None, max_pending_gpus: None, }));
+//!     max_pending_workloads: None, max_pending_gpus: None,
+//! }));
 //! let job = Uuid::from_u128(42);
 //! let outcome = fold(&mut state, 1_000, Event::WorkloadSubmitted(WorkloadSubmitted {
 //!     workload: job, allocation: Some("ai2/olmo".into()), gpus_per_node: 4, nodes: 1,
