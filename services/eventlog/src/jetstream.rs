@@ -34,6 +34,11 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::{Append, AppendError, Appended, EventLog, Expect, LogError, Stored, MAX_BATCH};
 
+mod feed;
+mod streams;
+
+use streams::{ensure_stream, ledger_config, telemetry_config};
+
 /// The oldest nats-server this log works with: 2.9 silently ignores atomic batches, per-message
 /// TTLs and several consumer options.
 pub const MIN_SERVER: (u64, u64, u64) = (2, 12, 0);
@@ -800,101 +805,6 @@ impl JetStreamLog {
     }
 }
 
-/// How long a follower of the feed waits for its next event before asking the stream whether
-/// it missed some (a dropped message shows only when the next one comes, or at this check).
-const FEED_QUIET: Duration = Duration::from_secs(2);
-
-/// Events a follower of the feed reads from the stream at once to catch up.
-const FEED_CATCH_UP: usize = 500;
-
-impl JetStreamLog {
-    /// A subscription from `from` that makes no consumer: the events up to now read by direct
-    /// gets, then the stream's feed (its events published again as stored, each with its
-    /// sequence), any gap in it (a message dropped, a reconnection) filled by direct gets, and
-    /// the stream asked after [`FEED_QUIET`] without news. What agents and readers, who may not
-    /// touch the ledger's consumers, follow.
-    async fn follow_feed(
-        &self,
-        from: u64,
-    ) -> Result<BoxStream<'static, Result<Stored, LogError>>, LogError> {
-        // Subscribed before reading, so that nothing stored meanwhile is missed.
-        let feed = self
-            .client
-            .subscribe(format!("{}.>", crate::subject::FEED_PREFIX))
-            .await
-            .map_err(|e| LogError::Unavailable(format!("following the ledger: {e}")))?;
-        struct Follower {
-            log: JetStreamLog,
-            feed: async_nats::Subscriber,
-            next: u64,
-            backlog: std::collections::VecDeque<Stored>,
-            behind: bool,
-            failed: bool,
-        }
-        let follower = Follower {
-            log: self.clone(),
-            feed,
-            next: from.max(1),
-            backlog: Default::default(),
-            behind: true,
-            failed: false,
-        };
-        Ok(futures::stream::unfold(follower, |mut f| async move {
-            if f.failed {
-                return None;
-            }
-            loop {
-                while let Some(e) = f.backlog.pop_front() {
-                    if e.seq == f.next {
-                        f.next += 1;
-                        return Some((Ok(e), f));
-                    }
-                }
-                if f.behind {
-                    match f.log.read(f.next, FEED_CATCH_UP).await {
-                        Ok(page) if page.is_empty() => f.behind = false,
-                        Ok(page) => f.backlog.extend(page),
-                        Err(e) => {
-                            f.failed = true;
-                            return Some((Err(e), f));
-                        }
-                    }
-                    continue;
-                }
-                match tokio::time::timeout(FEED_QUIET, f.feed.next()).await {
-                    Ok(Some(message)) => match fed(&message) {
-                        Some(e) if e.seq == f.next => f.backlog.push_back(e),
-                        Some(e) if e.seq < f.next => {}
-                        // A gap (or a message without its sequence): read from the stream.
-                        _ => f.behind = true,
-                    },
-                    Ok(None) => {
-                        f.failed = true;
-                        let ended = LogError::Unavailable("the ledger's feed ended".into());
-                        return Some((Err(ended), f));
-                    }
-                    Err(_) => f.behind = true,
-                }
-            }
-        })
-        .boxed())
-    }
-}
-
-/// An event as the ledger's feed carries it: its sequence and original subject in the headers
-/// the stream adds when it publishes it again.
-fn fed(message: &async_nats::Message) -> Option<Stored> {
-    let headers = message.headers.as_ref()?;
-    let seq = headers.get("Nats-Sequence")?.as_str().parse().ok()?;
-    let subject = headers.get("Nats-Subject")?.as_str().to_owned();
-    Some(Stored {
-        seq,
-        subject,
-        msg_id: msg_id_in(message.headers.as_ref()),
-        payload: message.payload.clone(),
-    })
-}
-
 /// Awaits an acknowledgement unless an upheaval (a new connection, a new leader of the ledger)
 /// comes first, after which it may never come: then the append is unacknowledged at once, and
 /// its writer retries it (with its idempotency key) on the new leader.
@@ -1180,130 +1090,6 @@ fn logged_sequence(text: &str) -> Option<u64> {
     let after = &text[text.find("sequence: ")? + "sequence: ".len()..];
     let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()
-}
-
-fn ledger_config(options: &JetStreamOptions) -> stream::Config {
-    stream::Config {
-        name: LEDGER_STREAM.into(),
-        subjects: vec![format!("{}.>", crate::subject::LEDGER_PREFIX)],
-        storage: stream::StorageType::File,
-        retention: stream::RetentionPolicy::Limits,
-        num_replicas: options.replicas,
-        duplicate_window: options.duplicate_window,
-        allow_atomic_publish: true,
-        allow_direct: true,
-        deny_delete: true,
-        deny_purge: true,
-        republish: Some(stream::Republish {
-            source: format!("{}.>", crate::subject::LEDGER_PREFIX),
-            destination: format!("{}.>", crate::subject::FEED_PREFIX),
-            headers_only: false,
-        }),
-        description: Some("fairledger: every fact that changes the ledger, kept forever".into()),
-        ..Default::default()
-    }
-}
-
-fn telemetry_config(options: &JetStreamOptions) -> stream::Config {
-    stream::Config {
-        name: TELEMETRY_STREAM.into(),
-        subjects: vec![format!("{}.>", crate::subject::TELEMETRY_PREFIX)],
-        storage: stream::StorageType::File,
-        retention: stream::RetentionPolicy::Limits,
-        discard: stream::DiscardPolicy::Old,
-        max_age: options.telemetry_max_age,
-        num_replicas: options.replicas,
-        allow_direct: true,
-        description: Some("fairledger: raw GPU heartbeats, bounded by age".into()),
-        ..Default::default()
-    }
-}
-
-/// Creates `want`, or updates the stream of that name where it may be changed safely.
-async fn ensure_stream(
-    js: &jetstream::Context,
-    want: stream::Config,
-) -> Result<stream::Stream, ConnectError> {
-    let name = want.name.clone();
-    let failed = |reason: String| ConnectError::Stream {
-        stream: name.clone(),
-        reason,
-    };
-    match js.get_stream(&name).await {
-        Ok(mut existing) => {
-            let have = existing
-                .info()
-                .await
-                .map_err(|e| failed(e.to_string()))?
-                .config
-                .clone();
-            let incompatible = |reason: String| ConnectError::IncompatibleStream {
-                stream: name.clone(),
-                reason,
-            };
-            if have.subjects != want.subjects {
-                return Err(incompatible(format!(
-                    "subjects are {:?}, fairledger needs {:?}",
-                    have.subjects, want.subjects
-                )));
-            }
-            if have.storage != want.storage {
-                return Err(incompatible("storage is not file".into()));
-            }
-            if have.retention != want.retention {
-                return Err(incompatible(format!(
-                    "retention is {:?}, fairledger needs limits",
-                    have.retention
-                )));
-            }
-            if name == LEDGER_STREAM
-                && (have.max_age != Duration::ZERO
-                    || have.max_messages > 0
-                    || have.max_bytes > 0
-                    || have.max_messages_per_subject > 0)
-            {
-                return Err(incompatible(
-                    "it has an age, size or count limit, but the ledger must be kept forever"
-                        .into(),
-                ));
-            }
-            let differs = have.num_replicas != want.num_replicas
-                || have.republish != want.republish
-                || have.duplicate_window != want.duplicate_window
-                || have.allow_atomic_publish != want.allow_atomic_publish
-                || have.allow_direct != want.allow_direct
-                || have.max_age != want.max_age;
-            if differs {
-                let mut updated = have.clone();
-                updated.num_replicas = want.num_replicas;
-                updated.republish = want.republish.clone();
-                updated.duplicate_window = want.duplicate_window;
-                updated.allow_atomic_publish = want.allow_atomic_publish;
-                updated.allow_direct = want.allow_direct;
-                updated.max_age = want.max_age;
-                js.update_stream(&updated)
-                    .await
-                    .map_err(|e| failed(e.to_string()))?;
-            }
-            js.get_stream(&name)
-                .await
-                .map_err(|e| failed(e.to_string()))
-        }
-        Err(e) => {
-            use async_nats::jetstream::context::GetStreamErrorKind;
-            use async_nats::jetstream::ErrorCode;
-            match e.kind() {
-                GetStreamErrorKind::JetStream(j)
-                    if j.error_code() == ErrorCode::STREAM_NOT_FOUND =>
-                {
-                    js.create_stream(want)
-                        .await
-                        .map_err(|e| failed(e.to_string()))
-                }
-                _ => Err(failed(e.to_string())),
-            }
-        }
-    }
 }
 
 #[cfg(test)]
