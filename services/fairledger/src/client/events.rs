@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 
-use super::listings::{written, Listing};
+use super::listings::{print_pages, written, Listing};
 use super::*;
 
 /// Which events `fairledger events` prints.
@@ -275,22 +275,16 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
         TokenCommand::List => {
             let header = ["NAME", "ROLE", "SCOPE", "GRANTED_BY", "GRANTED", "EXPIRES"];
             let mut listing = Listing::new(args, "tokens", &header);
-            let mut after: Option<String> = None;
-            loop {
-                let path = match &after {
-                    Some(a) => with_query("/v1/tokens", &[("after", a.clone())]),
-                    None => "/v1/tokens".to_owned(),
-                };
-                let page = api.call("GET", &path, None)?;
-                let printed = listing.page(&page, usize::MAX, &["next_after"], token_row);
-                if printed.is_err() {
-                    return written(printed);
-                }
-                after = page["next_after"].as_str().map(str::to_owned);
-                if after.is_none() {
-                    break;
-                }
-            }
+            print_pages(
+                &api,
+                &mut listing,
+                "/v1/tokens",
+                &[],
+                ("after", "next_after"),
+                usize::MAX,
+                &["next_after"],
+                token_row,
+            )?;
             return written(listing.finish(None));
         }
         TokenCommand::Revoke { name } => {

@@ -138,6 +138,65 @@ pub(super) fn written(result: io::Result<()>) -> Result<(), String> {
 /// Rows asked of the API per page.
 const PAGE: usize = 1_000;
 
+/// A cursor as a query parameter takes it: the answer's `next_after` or `next_before`, a
+/// number or a name; `None` on the last page.
+fn cursor(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Prints the pages of `path` (with `query`) into `listing`, at most `limit` rows, each page
+/// asking for what is left (at most [`PAGE`]) after the cursor: the answer's `field`, sent back
+/// as `param`. Answers whether rows were left.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn print_pages(
+    api: &Api,
+    listing: &mut Listing,
+    path: &str,
+    query: &[(&str, String)],
+    (param, field): (&'static str, &str),
+    limit: usize,
+    skip: &[&str],
+    cells: impl Fn(&Value) -> Vec<String>,
+) -> Result<bool, String> {
+    let mut at: Option<String> = None;
+    while listing.printed() < limit {
+        let mut q = query.to_vec();
+        q.push(("limit", (limit - listing.printed()).min(PAGE).to_string()));
+        if let Some(a) = &at {
+            q.push((param, a.clone()));
+        }
+        let page = api.call("GET", &with_query(path, &q), None)?;
+        let room = limit - listing.printed();
+        written(listing.page(&page, room, skip, &cells))?;
+        at = cursor(&page[field]);
+        if at.is_none() {
+            return Ok(false);
+        }
+    }
+    Ok(at.is_some())
+}
+
+/// The summary `path` answers first, asked for alone (`limit=0`) with `query`, printed by
+/// `table` (or as JSON).
+fn print_summary(
+    args: &ClientArgs,
+    api: &Api,
+    path: &str,
+    query: &[(&str, String)],
+    table: impl FnOnce(&Value) -> String,
+) -> Result<(), String> {
+    let mut q = query.to_vec();
+    q.push(("limit", "0".into()));
+    let v = api.call("GET", &with_query(path, &q), None)?;
+    let summary = json!({"as_of_seq": v["as_of_seq"], "summary": v["summary"]});
+    print(args, &summary, |v| table(&v["summary"]));
+    Ok(())
+}
+
 /// What `fairledger queue` lists.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct QueueArgs {
@@ -180,12 +239,7 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
         filters.push(("reason", r.clone()));
     }
     if which.summary {
-        let mut q = filters.clone();
-        q.push(("limit", "0".into()));
-        let v = api.call("GET", &with_query("/v1/queue", &q), None)?;
-        let summary = json!({"as_of_seq": v["as_of_seq"], "summary": v["summary"]});
-        print(args, &summary, |v| queue_summary(&v["summary"]));
-        return Ok(());
+        return print_summary(args, &api, "/v1/queue", &filters, queue_summary);
     }
     let limit = which.limit.unwrap_or(usize::MAX);
     let header = [
@@ -198,17 +252,16 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
         "REASON",
     ];
     let mut listing = Listing::new(args, "pending", &header);
-    let mut after: Option<u64> = None;
     let now = scheduler::wall_clock_ms();
-    while listing.printed() < limit {
-        let mut q = filters.clone();
-        q.push(("limit", (limit - listing.printed()).min(PAGE).to_string()));
-        if let Some(a) = after {
-            q.push(("after", a.to_string()));
-        }
-        let page = api.call("GET", &with_query("/v1/queue", &q), None)?;
-        let room = limit - listing.printed();
-        let printed = listing.page(&page, room, &["next_after"], |p| {
+    let more = print_pages(
+        &api,
+        &mut listing,
+        "/v1/queue",
+        &filters,
+        ("after", "next_after"),
+        limit,
+        &["next_after"],
+        |p| {
             vec![
                 text(&p["position"]),
                 text(&p["id"]),
@@ -220,16 +273,9 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
                     .map_or("-".into(), |t| span(now.saturating_sub(t) / 1000)),
                 text(&p["reason"]["code"]),
             ]
-        });
-        if printed.is_err() {
-            return written(printed);
-        }
-        after = page["next_after"].as_u64();
-        if after.is_none() {
-            break;
-        }
-    }
-    let more = after.is_some().then_some(
+        },
+    )?;
+    let more = more.then_some(
         "(more: raise --limit, narrow with --allocation, --user or --reason, or see --summary)",
     );
     written(listing.finish(more))
@@ -358,16 +404,15 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
         "OUTPUT",
     ];
     let mut listing = Listing::new(args, "workloads", &header);
-    let mut before: Option<String> = None;
-    while listing.printed() < limit {
-        let mut q = query.clone();
-        q.push(("limit", (limit - listing.printed()).min(PAGE).to_string()));
-        if let Some(b) = &before {
-            q.push(("before", b.clone()));
-        }
-        let page = api.call("GET", &with_query("/v1/workloads", &q), None)?;
-        let room = limit - listing.printed();
-        let printed = listing.page(&page, room, &["next_before", "scanned"], |w| {
+    let more = print_pages(
+        &api,
+        &mut listing,
+        "/v1/workloads",
+        &query,
+        ("before", "next_before"),
+        limit,
+        &["next_before", "scanned"],
+        |w| {
             vec![
                 text(&w["id"]),
                 text(&w["name"]),
@@ -383,16 +428,9 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
                 exit(w),
                 output(w),
             ]
-        });
-        if printed.is_err() {
-            return written(printed);
-        }
-        before = page["next_before"].as_str().map(str::to_owned);
-        if before.is_none() {
-            break;
-        }
-    }
-    let more = before.is_some().then_some(
+        },
+    )?;
+    let more = more.then_some(
         "(more: raise --limit (0 for all), or narrow with --since, --state, --allocation)",
     );
     written(listing.finish(more))
@@ -443,12 +481,7 @@ pub fn nodes(
         filters.push(("state", s.clone()));
     }
     if which.summary {
-        let mut q = filters.clone();
-        q.push(("limit", "0".into()));
-        let v = api.call("GET", &with_query("/v1/nodes", &q), None)?;
-        let summary = json!({"as_of_seq": v["as_of_seq"], "summary": v["summary"]});
-        print(args, &summary, |v| nodes_summary(&v["summary"]));
-        return Ok(());
+        return print_summary(args, &api, "/v1/nodes", &filters, nodes_summary);
     }
     let header = [
         "NODE",
@@ -461,23 +494,16 @@ pub fn nodes(
         "LABELS",
     ];
     let mut listing = Listing::new(args, "nodes", &header);
-    let mut after: Option<String> = None;
-    loop {
-        let mut q = filters.clone();
-        q.push(("limit", PAGE.to_string()));
-        if let Some(a) = &after {
-            q.push(("after", a.clone()));
-        }
-        let page = api.call("GET", &with_query("/v1/nodes", &q), None)?;
-        let printed = listing.page(&page, usize::MAX, &["next_after"], node_row);
-        if printed.is_err() {
-            return written(printed);
-        }
-        after = page["next_after"].as_str().map(str::to_owned);
-        if after.is_none() {
-            break;
-        }
-    }
+    print_pages(
+        &api,
+        &mut listing,
+        "/v1/nodes",
+        &filters,
+        ("after", "next_after"),
+        usize::MAX,
+        &["next_after"],
+        node_row,
+    )?;
     written(listing.finish(None))
 }
 
