@@ -74,6 +74,19 @@ async function api(path) {
   return res.json();
 }
 
+/// Sends `body` with `method` to `path`; answers the JSON, or throws the problem's detail.
+async function send(method, path, body) {
+  const res = await fetch(path, {
+    method,
+    headers: { ...headers(), "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  const answer = await res.json().catch(() => ({}));
+  if (res.status === 401) throw new SignInNeeded(answer.detail || "sign in again");
+  if (!res.ok) throw new Error(answer.detail || `${path}: HTTP ${res.status}`);
+  return answer;
+}
+
 function showSignIn(message) {
   document.getElementById("login").hidden = false;
   document.getElementById("logout").hidden = true;
@@ -221,6 +234,21 @@ async function refreshAllocations() {
       { text: Math.max(0, a.demand_gpus - a.held_gpus), num: true },
     ]),
   );
+  // The change form offers every allocation, keeping the one chosen.
+  const select = document.getElementById("change-path");
+  const chosen = select.value;
+  select.replaceChildren(
+    ...v.allocations.map((a) => {
+      const o = document.createElement("option");
+      o.value = a.path;
+      o.textContent = a.path;
+      o.dataset.weight = a.weight;
+      o.dataset.cap = a.max_gpus === null || a.max_gpus === undefined ? "" : a.max_gpus;
+      return o;
+    }),
+  );
+  if (chosen) select.value = chosen;
+  else pickAllocation();
   const legend = document.getElementById("legend");
   legend.replaceChildren(
     ...[...leaves, UNALLOCATED].map((p) => {
@@ -552,6 +580,83 @@ document.querySelector("#waiting tbody").addEventListener("click", (e) => {
   document.querySelectorAll("#waiting tbody tr.chosen").forEach((r) => r.classList.remove("chosen"));
   tr.classList.add("chosen");
   showWhy(tr.dataset.id).catch(report);
+});
+
+// ---- a change with its preview ----------------------------------------------------------------
+
+/// The change the form asks for, as the what-if and the allocation route take it.
+function asked() {
+  const path = document.getElementById("change-path").value;
+  const weight = Number(document.getElementById("change-weight").value);
+  const cap = document.getElementById("change-cap").value;
+  const change = { allocation: path, weight };
+  if (cap !== "") change.max_gpus = Number(cap);
+  return change;
+}
+
+function pickAllocation() {
+  const o = document.getElementById("change-path").selectedOptions[0];
+  if (!o) return;
+  document.getElementById("change-weight").value = o.dataset.weight;
+  document.getElementById("change-cap").value = o.dataset.cap;
+  document.getElementById("change-apply").disabled = true;
+}
+
+document.getElementById("change-path").addEventListener("change", pickAllocation);
+for (const id of ["change-weight", "change-cap"]) {
+  // A changed form must be previewed again before it is applied.
+  document.getElementById(id).addEventListener("input", () => (document.getElementById("change-apply").disabled = true));
+}
+
+document.getElementById("change").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const said = document.getElementById("change-said");
+  const change = asked();
+  said.textContent = "working out the next 24 hours with and without it…";
+  try {
+    const v = await send("POST", "/v1/whatif", { changes: [change], horizon_s: 86400 });
+    const find = (side, path) => (side.allocations || []).find((a) => a.path === path) || {};
+    const paths = [...new Set([...v.baseline.allocations, ...v.changed.allocations].map((a) => a.path))];
+    const both = (x, y, f) => `${f(x)} → ${f(y)}`;
+    const wait = (s) => (typeof s === "number" ? span(s) : "-");
+    fill(
+      "preview",
+      paths.map((p) => {
+        const [x, y] = [find(v.baseline, p), find(v.changed, p)];
+        return [
+          { text: p, colour: colour(p) },
+          both(x.weight, y.weight, (n) => (n === undefined ? "-" : n)),
+          both(x.owed_gpu_hours, y.owed_gpu_hours, (n) => num(n, 2)),
+          both(x.delivered_gpu_hours, y.delivered_gpu_hours, (n) => num(n, 2)),
+          both(x.delivered_over_owed, y.delivered_over_owed, (n) => num(n, 2)),
+          both(x.wait_p50_s, y.wait_p50_s, wait),
+          both(x.preemptions, y.preemptions, (n) => (n === undefined ? "-" : n)),
+        ];
+      }),
+    );
+    document.getElementById("preview").hidden = false;
+    said.textContent = "the next 24 hours without → with the change; nothing is changed until you apply it";
+    document.getElementById("change-apply").disabled = false;
+  } catch (err) {
+    if (err instanceof SignInNeeded) return showSignIn(err.message);
+    said.textContent = err.message;
+  }
+});
+
+document.getElementById("change-apply").addEventListener("click", async () => {
+  const said = document.getElementById("change-said");
+  const change = asked();
+  const body = { weight: change.weight };
+  if (change.max_gpus !== undefined) body.max_gpus = change.max_gpus;
+  try {
+    const v = await send("PUT", `/v1/allocations/${change.allocation.split("/").map(encodeURIComponent).join("/")}`, body);
+    said.textContent = `applied: ${v.path} (event ${v.seq})`;
+    document.getElementById("change-apply").disabled = true;
+    await refreshAllocations();
+  } catch (err) {
+    if (err instanceof SignInNeeded) return showSignIn(err.message);
+    said.textContent = err.message;
+  }
 });
 
 document.querySelector("#waiting-summary tbody").addEventListener("click", (e) => {

@@ -345,6 +345,32 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         "opening the row says nothing of what would start it sooner: {}",
         browser.eval("document.getElementById('waiting-detail').textContent")
     );
+    // A weight changed with its preview: the next 24 hours side by side, then applied.
+    browser.eval(
+        "(() => { const s = document.getElementById('change-path'); s.value = 'ai2/tulu'; \
+           s.dispatchEvent(new Event('change')); const w = document.getElementById('change-weight'); \
+           w.value = '3'; w.dispatchEvent(new Event('input')); \
+           document.getElementById('change-preview').click(); })()",
+    );
+    let previewed = browser.wait_for(
+        "!document.getElementById('change-apply').disabled && [...document.querySelectorAll('#preview tbody tr')].some(r => r.cells[0].textContent === 'ai2/tulu' && r.cells[1].textContent === '1 → 3')",
+        Duration::from_secs(20),
+    );
+    assert!(
+        previewed,
+        "no preview: {}",
+        browser.eval("document.getElementById('change-said').textContent")
+    );
+    browser.eval("document.getElementById('change-apply').click()");
+    let applied = browser.wait_for(
+        "[...document.querySelectorAll('#allocations tbody tr')].some(r => r.cells[0].textContent === 'ai2/tulu' && r.cells[1].textContent === '3')",
+        Duration::from_secs(5),
+    );
+    assert!(
+        applied,
+        "not applied: {}",
+        browser.eval("document.getElementById('change-said').textContent")
+    );
     let shot = browser.page("Page.captureScreenshot", json!({"format": "png"}));
     let png = base64::engine::general_purpose::STANDARD
         .decode(shot["data"].as_str().unwrap())
