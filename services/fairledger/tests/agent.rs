@@ -993,6 +993,11 @@ fn an_agent_for_a_node_the_server_drives_is_refused() {
     let data = tmp.path().join("data");
     let server = Server::start(&["--data", data.to_str().unwrap()]);
     let token = data.join("agents/demo-1/agent.token");
+    // The server's agents start after it listens: its token is there once demo-1's is driven.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !token.is_file() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let refused = Command::new(BIN)
         .args(["agent", "--api", &format!("http://{}", server.addr)])
         .args(["--node", "demo-1", "--fake-gpus", "8", "--token-file"])
