@@ -28,6 +28,12 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{subject_matches, Append, AppendError, Appended, EventLog, Expect, LogError, Stored};
 
+mod convert;
+mod dedupe;
+
+use convert::*;
+use dedupe::*;
+
 /// Most appends gathered into one group commit.
 const GROUP_MAX: usize = 4096;
 /// Groups written and waiting for a flush before the writer waits too.
@@ -665,107 +671,6 @@ fn records(first: u64, mut v: &[u8]) -> Result<Vec<(u64, &[u8])>, LogError> {
     Ok(out)
 }
 
-/// Idempotency keys by numbered duplicate window: `k<window number><key>` holds the key's
-/// sequence. A key is looked up in the current window and the one before; older windows are
-/// expired.
-struct Dedupe {
-    window_s: u64,
-    /// The windows that hold keys.
-    windows: std::collections::BTreeSet<u32>,
-}
-
-impl Dedupe {
-    fn open(tree: &sled::Tree, window: std::time::Duration) -> sled::Result<Self> {
-        let mut windows = std::collections::BTreeSet::new();
-        let mut from = 0u32;
-        loop {
-            let Some(entry) = tree.range(dedupe_key(from, "")..).next() else {
-                break;
-            };
-            let (k, _) = entry?;
-            let Some(n) = (k.first() == Some(&b'k'))
-                .then(|| k.get(1..5))
-                .flatten()
-                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-            else {
-                break;
-            };
-            windows.insert(n);
-            match n.checked_add(1) {
-                Some(after) => from = after,
-                None => break,
-            }
-        }
-        Ok(Dedupe {
-            window_s: window.as_secs().max(1),
-            windows,
-        })
-    }
-
-    /// The number of the window under way: never lower than one already used, so a clock
-    /// stepped back does not file keys where lookups would no longer look.
-    fn now(&self) -> u32 {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let now = (secs / self.window_s).min(u64::from(u32::MAX)) as u32;
-        now.max(self.windows.last().copied().unwrap_or(0))
-    }
-
-    fn note(&mut self, window: u32) {
-        self.windows.insert(window);
-    }
-
-    /// The sequence of the append that used `id`, if it is remembered in window `now`.
-    fn find(&self, tree: &sled::Tree, now: u32, id: &str) -> sled::Result<Option<u64>> {
-        for &w in self.windows.iter().rev() {
-            if w.saturating_add(1) < now {
-                break;
-            }
-            if let Some(v) = tree.get(dedupe_key(w, id))? {
-                return Ok(u64_of(&v));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Adds to `batch` the deletion of some keys of the oldest window if it has expired.
-    fn expire(&mut self, tree: &sled::Tree, now: u32, batch: &mut sled::Batch) {
-        let Some(&oldest) = self.windows.first() else {
-            return;
-        };
-        if oldest.saturating_add(1) >= now {
-            return;
-        }
-        let prefix = dedupe_key(oldest, "");
-        let mut n = 0;
-        for k in tree.scan_prefix(&prefix).keys().take(EXPIRE_PER_GROUP) {
-            match k {
-                Ok(k) => {
-                    batch.remove(k);
-                    n += 1;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading expired idempotency keys");
-                    return;
-                }
-            }
-        }
-        if n < EXPIRE_PER_GROUP {
-            // Its last keys go with this batch.
-            self.windows.remove(&oldest);
-        }
-    }
-}
-
-fn dedupe_key(window: u32, id: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(5 + id.len());
-    k.push(b'k');
-    k.extend_from_slice(&window.to_be_bytes());
-    k.extend_from_slice(id.as_bytes());
-    k
-}
-
 /// Opens the log's tree in `dir`, putting a conversion a crash interrupted in place first and
 /// clearing what conversions left behind once the directory's lock is held (so no conversion
 /// is under way elsewhere).
@@ -779,125 +684,6 @@ fn open_tree(dir: &Path) -> Result<(sled::Db, sled::Tree), OpenError> {
     clear_conversion_leftovers(dir).map_err(storage)?;
     let tree = db.open_tree("log").map_err(|e| open_error(dir, e))?;
     Ok((db, tree))
-}
-
-/// Where a log being converted is written, beside its directory.
-fn converting(dir: &Path) -> PathBuf {
-    dir.with_extension("converting")
-}
-
-/// Where a converted log's old directory waits to be deleted.
-fn converted(dir: &Path) -> PathBuf {
-    dir.with_extension("converted")
-}
-
-/// Writes the log in `dir`, kept with one key per event (`e<seq>`) and idempotency keys kept
-/// for ever (`d<key>`), as blocks into a directory beside it, which [`put_converted_in_place`]
-/// puts in its place: sled does not give back the memory of pages emptied in place, so the
-/// converted log starts afresh. The idempotency keys are not carried over (a window's worth
-/// of retries after an upgrade is all they would catch).
-fn convert_per_event_keys(dir: &Path, tree: &sled::Tree) -> Result<(), LogError> {
-    let unavailable = |e: sled::Error| LogError::Unavailable(e.to_string());
-    let io = |e: std::io::Error| LogError::Unavailable(e.to_string());
-    let to = converting(dir);
-    if to.exists() {
-        std::fs::remove_dir_all(&to).map_err(io)?;
-    }
-    tracing::info!(dir = %dir.display(), "converting the event log to blocks of events (once)");
-    let db = open_sled(sled::Config::new().path(&to)).map_err(unavailable)?;
-    let out = db.open_tree("log").map_err(unavailable)?;
-    let mut batch = sled::Batch::default();
-    let mut block = Block::starting(1);
-    let mut written = 0;
-    for entry in tree.scan_prefix(b"e") {
-        let (k, v) = entry.map_err(unavailable)?;
-        let seq = seq_of_key(&k).ok_or_else(|| LogError::Corrupt {
-            seq: 0,
-            reason: "bad event key".into(),
-        })?;
-        decode(seq, &v)?;
-        if block.add(seq, &v, &mut batch) {
-            written += 1;
-            if written % (CONVERT_CHUNK / BLOCK_EVENTS) == 0 {
-                out.apply_batch(std::mem::take(&mut batch))
-                    .map_err(unavailable)?;
-            }
-        }
-    }
-    block.write_to(&mut batch);
-    for entry in tree.scan_prefix(b"s") {
-        let (k, v) = entry.map_err(unavailable)?;
-        batch.insert(k, v);
-    }
-    out.apply_batch(batch).map_err(unavailable)?;
-    db.flush().map_err(unavailable)?;
-    let mark = dir.join(HIGH_WATER);
-    if mark.exists() {
-        std::fs::copy(&mark, to.join(HIGH_WATER)).map_err(io)?;
-        std::fs::File::open(to.join(HIGH_WATER))
-            .and_then(|f| f.sync_all())
-            .map_err(io)?;
-    }
-    std::fs::write(to.join(CONVERTED), b"blocks\n")
-        .and_then(|()| std::fs::File::open(to.join(CONVERTED))?.sync_all())
-        .and_then(|()| sync_dir(&to))
-        .map_err(io)?;
-    // Complete: the old directory steps aside, and the new one takes its place.
-    std::fs::rename(dir, converted(dir))
-        .and_then(|()| sync_dir(dir))
-        .map_err(io)
-}
-
-/// The file a converted log's directory holds, once the conversion is complete.
-const CONVERTED: &str = "converted";
-
-/// Makes the entries of `path`'s parent directory (a rename) durable.
-fn sync_dir(path: &Path) -> std::io::Result<()> {
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::File::open(parent)?.sync_all()
-}
-
-/// Puts a complete conversion in place of the old directory that stepped aside for it (a
-/// crash between the two renames). Runs before the directory's lock can be taken: it touches
-/// nothing while the directory exists.
-fn put_converted_in_place(dir: &Path) -> std::io::Result<()> {
-    let (to, old) = (converting(dir), converted(dir));
-    if dir.exists() || !old.exists() {
-        return Ok(());
-    }
-    if !to.join(CONVERTED).exists() {
-        return Err(std::io::Error::other(format!(
-            "the log was being converted and its new copy {} is not complete; move {} back to {}",
-            to.display(),
-            old.display(),
-            dir.display()
-        )));
-    }
-    std::fs::rename(&to, dir)?;
-    sync_dir(dir)
-}
-
-/// Deletes what a conversion left behind: a new copy never completed, or the old directory once
-/// the converted one is in place. Only with the directory's lock held.
-fn clear_conversion_leftovers(dir: &Path) -> std::io::Result<()> {
-    let (to, old) = (converting(dir), converted(dir));
-    if to.exists() {
-        std::fs::remove_dir_all(&to)?;
-    }
-    if old.exists() {
-        if !dir.join(CONVERTED).exists() {
-            return Err(std::io::Error::other(format!(
-                "{} is a log set aside by a conversion, but {} is not the converted one; keep the one that holds the ledger and move the other away",
-                old.display(),
-                dir.display()
-            )));
-        }
-        std::fs::remove_dir_all(&old)?;
-    }
-    Ok(())
 }
 
 /// The page cache each sled database of this process gets by default (the log's and the
