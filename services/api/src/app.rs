@@ -221,9 +221,10 @@ impl App {
         key: Option<&str>,
         actor: &str,
     ) -> Result<u64, Problem> {
-        self.write_expecting(event, allocation, key, actor, None)
-            .await
-            .map_err(|e| e.unwrap_or_else(|| unreachable!("no expectation, no conflict")))
+        match self.write_durable(event, allocation, key, actor).await? {
+            Written::Folded(seq) => Ok(seq),
+            Written::Durable(seq) => Err(not_folded(seq)),
+        }
     }
 
     /// [`App::write`], fenced by `fence` when given: `Err(None)` means the log moved on and
@@ -241,14 +242,7 @@ impl App {
             .await?
         {
             Written::Folded(seq) => Ok(seq),
-            Written::Durable(seq) => Err(Some(Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "durable-not-folded",
-                format!(
-                    "the change is durable (event {seq}) but not yet folded: it takes effect when \
-                     the projection catches up (see /readyz); read it back shortly"
-                ),
-            ))),
+            Written::Durable(seq) => Err(Some(not_folded(seq))),
         }
     }
 
@@ -314,6 +308,18 @@ impl App {
             None => Ok(Written::Folded(ack.seq)),
         }
     }
+}
+
+/// A write durable at `seq` that the projection has not folded in time, as the 503 that says so.
+fn not_folded(seq: u64) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "durable-not-folded",
+        format!(
+            "the change is durable (event {seq}) but not yet folded: it takes effect when the \
+             projection catches up (see /readyz); read it back shortly"
+        ),
+    )
 }
 
 /// An event appended to the log.

@@ -18,6 +18,18 @@ pub const NODE_LEASE_TTL: Duration = Duration::from_secs(30);
 /// The header in which an HTTP agent names itself on every report.
 pub const HOLDER_HEADER: &str = "fairledger-agent";
 
+/// An agent's name for itself (`field` of a request), checked: 1 to 200 printable ASCII
+/// characters.
+pub(crate) fn holder_name<'a>(field: &str, name: &'a str) -> Result<&'a str, Problem> {
+    if name.is_empty() || name.len() > 200 || !name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(Problem::invalid(
+            field,
+            "1 to 200 printable ASCII characters naming the agent (host:pid:id)",
+        ));
+    }
+    Ok(name)
+}
+
 struct Held {
     holder: String,
     since: Instant,

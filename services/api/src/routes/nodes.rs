@@ -446,22 +446,13 @@ pub(crate) async fn node_events(
         .map(|v| Json(v).into_response())
 }
 
-/// The agent a report names itself as ([`crate::leases::HOLDER_HEADER`]): printable ASCII,
-/// at most 200 characters.
+/// The agent a report names itself as ([`crate::leases::HOLDER_HEADER`]), if it does.
 fn holder(headers: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
     let Some(v) = headers.get(crate::leases::HOLDER_HEADER) else {
         return Ok(None);
     };
-    v.to_str()
-        .ok()
-        .filter(|h| !h.is_empty() && h.len() <= 200)
-        .map(Some)
-        .ok_or_else(|| {
-            Problem::invalid(
-                crate::leases::HOLDER_HEADER,
-                "1 to 200 printable ASCII characters naming the agent (host:pid:id)",
-            )
-        })
+    let named = v.to_str().unwrap_or_default();
+    crate::leases::holder_name(crate::leases::HOLDER_HEADER, named).map(Some)
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -489,15 +480,7 @@ pub(crate) async fn lease(
         app.inner.projection.read().await.state(),
     )?;
     let Json(body) = body.map_err(bad_body)?;
-    if body.holder.is_empty()
-        || body.holder.len() > 200
-        || !body.holder.bytes().all(|b| (0x20..0x7f).contains(&b))
-    {
-        return Err(Problem::invalid(
-            "holder",
-            "1 to 200 printable ASCII characters naming the agent (host:pid:id)",
-        ));
-    }
+    crate::leases::holder_name("holder", &body.holder)?;
     app.inner.leases.claim(&node, &body.holder, false)?;
     Ok(Json(json!({
         "node": node,

@@ -85,7 +85,11 @@ impl<'h> Listing<'h> {
             widths
         });
         for row in &table {
-            writeln!(self.out, "{}", terminal_line(&line(row, widths)))?;
+            writeln!(
+                self.out,
+                "{}",
+                ledger::names::terminal_safe(&line(row, widths))
+            )?;
             self.rows += 1;
         }
         self.out.flush()
@@ -125,14 +129,19 @@ fn line(cells: &[String], widths: &[usize]) -> String {
     out.trim_end().to_owned()
 }
 
-fn terminal_line(text: &str) -> std::borrow::Cow<'_, str> {
-    ledger::names::terminal_safe(text)
-}
-
 /// A listing's write error as the command reports it. (A reader that went away, `| head`,
 /// ends the process by SIGPIPE before this, as for other command-line tools.)
 pub(super) fn written(result: io::Result<()>) -> Result<(), String> {
     result.map_err(|e| format!("writing the listing: {e}"))
+}
+
+/// The submitter a listing is narrowed to: `--user`, or with `--me` the caller's own actor.
+fn submitter(api: &Api, user: Option<&str>, me: bool) -> Result<Option<String>, String> {
+    if me {
+        let who = api.call("GET", "/v1/whoami", None)?;
+        return Ok(Some(text(&who["actor"])));
+    }
+    Ok(user.map(str::to_owned))
 }
 
 /// Rows asked of the API per page.
@@ -228,12 +237,8 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
     if let Some(a) = &which.allocation {
         filters.push(("allocation", a.clone()));
     }
-    if let Some(u) = &which.user {
-        filters.push(("user", u.clone()));
-    }
-    if which.me {
-        let who = api.call("GET", "/v1/whoami", None)?;
-        filters.push(("user", text(&who["actor"])));
+    if let Some(u) = submitter(&api, which.user.as_deref(), which.me)? {
+        filters.push(("user", u));
     }
     if let Some(r) = &which.reason {
         filters.push(("reason", r.clone()));
@@ -370,12 +375,8 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
     if let Some(a) = &filter.allocation {
         query.push(("allocation", a.clone()));
     }
-    if let Some(u) = &filter.user {
-        query.push(("user", u.clone()));
-    }
-    if filter.me {
-        let who = api.call("GET", "/v1/whoami", None)?;
-        query.push(("user", text(&who["actor"])));
+    if let Some(u) = submitter(&api, filter.user.as_deref(), filter.me)? {
+        query.push(("user", u));
     }
     if let Some(t) = &filter.since {
         query.push(("since", time_flag(t)));
