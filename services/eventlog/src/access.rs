@@ -4,7 +4,7 @@
 //! | role | may |
 //! | --- | --- |
 //! | service (`serve`, `project`, `log`) | everything: it alone writes the ledger's subjects and creates the streams and buckets |
-//! | agent of node N | publish N's heartbeats and clock probes, send N's reports to the service (`fairledger.report.N`), hold N's key in the agents' lease bucket, read `LEDGER` by direct gets and follow its feed (`fairledger.feed.>`) |
+//! | agent of node N | publish N's heartbeats and clock probes and its runs' output (`fairledger.output.N.>`, and read where its own stands), send N's reports to the service (`fairledger.report.N`), hold N's key in the agents' lease bucket, read `LEDGER` by direct gets and follow its feed (`fairledger.feed.>`) |
 //! | reader (a downstream consumer) | read `LEDGER` by direct gets and follow its feed; publish nothing else |
 //!
 //! Only the service touches consumers: a user who could create them could use up the server's
@@ -18,6 +18,7 @@
 
 use crate::jetstream::{LEDGER_STREAM, TELEMETRY_STREAM};
 use crate::lease::AGENTS_BUCKET;
+use crate::output::{OUTPUT_PREFIX, OUTPUT_STREAM};
 use crate::subject::{self, REPORTS_PREFIX, TELEMETRY_PREFIX};
 
 /// What a NATS user is for.
@@ -99,6 +100,8 @@ pub fn permissions(role: &NatsRole, name: &str) -> Permissions {
                 format!("{TELEMETRY_PREFIX}.gpu.heartbeat.{n}"),
                 format!("{TELEMETRY_PREFIX}.agent.clock.{n}"),
                 format!("{REPORTS_PREFIX}.{n}"),
+                format!("{OUTPUT_PREFIX}.{n}.>"),
+                format!("$JS.API.DIRECT.GET.{OUTPUT_STREAM}.{OUTPUT_PREFIX}.{n}.>"),
                 format!("$JS.API.DIRECT.GET.{TELEMETRY_STREAM}"),
                 format!("$JS.API.DIRECT.GET.{TELEMETRY_STREAM}.>"),
                 format!("$KV.{AGENTS_BUCKET}.{n}"),

@@ -210,6 +210,18 @@ impl EmbeddedLog {
         })
     }
 
+    /// The store of runs' output in this log's database, keeping what `limits` allow.
+    pub fn output(
+        &self,
+        limits: crate::output::OutputLimits,
+    ) -> Result<crate::output::EmbeddedOutput, LogError> {
+        let tree = self
+            ._db
+            .open_tree("output")
+            .map_err(|e| LogError::Unavailable(e.to_string()))?;
+        Ok(crate::output::EmbeddedOutput::new(tree, limits))
+    }
+
     fn read_range(&self, from: u64, max: usize) -> Result<Vec<Stored>, LogError> {
         let last = *self.durable.borrow();
         let from = from.max(1);

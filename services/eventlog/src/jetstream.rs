@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use crate::{Append, AppendError, Appended, EventLog, Expect, LogError, Stored, MAX_BATCH};
 
 mod feed;
-mod streams;
+pub(crate) mod streams;
 
 use streams::{ensure_stream, ledger_config, telemetry_config};
 
@@ -259,6 +259,8 @@ pub struct JetStreamLog {
     /// Subscriptions follow the stream's feed (core NATS, gaps filled by direct gets) instead
     /// of a consumer: for users that may not make consumers (agents, readers).
     follows_feed: bool,
+    /// Replicas of the streams it makes.
+    replicas: usize,
 }
 
 /// Parses `major.minor.patch` (with any `-suffix`) into numbers.
@@ -427,6 +429,7 @@ impl JetStreamLog {
             upheavals,
             read_timeout: options.ack_timeout,
             follows_feed: !options.manage_streams,
+            replicas: options.replicas,
         };
         if options.group_commit {
             let (tx, rx) = mpsc::channel(options.max_inflight.max(1));
@@ -434,6 +437,21 @@ impl JetStreamLog {
             log.gather = Some(tx);
         }
         Ok(log)
+    }
+
+    /// The store of runs' output on this NATS (the `OUTPUT` stream): the service makes or
+    /// updates the stream with `limits`; an agent or reader finds it made.
+    pub async fn output(
+        &self,
+        limits: &crate::output::OutputLimits,
+    ) -> Result<crate::output::JetStreamOutput, ConnectError> {
+        crate::output::JetStreamOutput::open(
+            self.js.clone(),
+            limits,
+            self.replicas,
+            !self.follows_feed,
+        )
+        .await
     }
 
     /// Publishes one telemetry message (a `gpu_heartbeat`) on the `TELEMETRY` stream and

@@ -20,6 +20,7 @@ pub mod access;
 pub mod embedded;
 pub mod jetstream;
 pub mod lease;
+pub mod output;
 pub mod subject;
 #[cfg(feature = "testing")]
 pub mod testing;

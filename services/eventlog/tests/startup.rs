@@ -425,6 +425,35 @@ async fn the_shipped_permissions_keep_each_role_to_its_subjects() {
     };
     assert!(lease("gpu-1").await, "its own node's lease");
     assert!(!lease("gpu-2").await, "another node's lease");
+    // Its runs' output: its own node's only, and where its own stands.
+    {
+        use eventlog::output::{Chunk, OutputLimits, OutputStore, RunKey};
+        service.output(&OutputLimits::default()).await.unwrap();
+        let output = agent.output(&OutputLimits::default()).await.unwrap();
+        let run = |node: &str| RunKey {
+            workload: uuid::Uuid::from_u128(1),
+            run: 1,
+            node: node.into(),
+        };
+        let chunk = Chunk {
+            offset: 0,
+            data: "hello\n".into(),
+            end: false,
+            at_ms: 1,
+        };
+        output.append(&run("gpu-1"), chunk.clone()).await.unwrap();
+        assert_eq!(
+            output
+                .shipped(&run("gpu-1"))
+                .await
+                .unwrap()
+                .unwrap()
+                .next_offset,
+            6
+        );
+        assert!(output.append(&run("gpu-2"), chunk).await.is_err());
+        assert!(output.shipped(&run("gpu-2")).await.is_err());
+    }
     // It may not write the ledger, nor speak for another node.
     assert!(agent.append(started()).await.is_err());
     assert!(agent.append(set()).await.is_err());

@@ -46,7 +46,7 @@ pub(super) fn telemetry_config(options: &JetStreamOptions) -> stream::Config {
 }
 
 /// Creates `want`, or updates the stream of that name where it may be changed safely.
-pub(super) async fn ensure_stream(
+pub(crate) async fn ensure_stream(
     js: &jetstream::Context,
     want: stream::Config,
 ) -> Result<stream::Stream, ConnectError> {
@@ -98,7 +98,10 @@ pub(super) async fn ensure_stream(
                 || have.duplicate_window != want.duplicate_window
                 || have.allow_atomic_publish != want.allow_atomic_publish
                 || have.allow_direct != want.allow_direct
-                || have.max_age != want.max_age;
+                || have.max_age != want.max_age
+                || have.max_messages_per_subject != want.max_messages_per_subject
+                || have.max_bytes != want.max_bytes
+                || have.max_message_size != want.max_message_size;
             if differs {
                 let mut updated = have.clone();
                 updated.num_replicas = want.num_replicas;
@@ -107,6 +110,9 @@ pub(super) async fn ensure_stream(
                 updated.allow_atomic_publish = want.allow_atomic_publish;
                 updated.allow_direct = want.allow_direct;
                 updated.max_age = want.max_age;
+                updated.max_messages_per_subject = want.max_messages_per_subject;
+                updated.max_bytes = want.max_bytes;
+                updated.max_message_size = want.max_message_size;
                 js.update_stream(&updated)
                     .await
                     .map_err(|e| failed(e.to_string()))?;
