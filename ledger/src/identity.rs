@@ -38,9 +38,11 @@ pub const ANY_ALLOCATION: &str = "*";
 pub enum Role {
     /// The allocation tree, tokens, any workload, every read.
     Admin,
-    /// Nodes (registration, drain and resume), cancelling any workload, reads.
+    /// Nodes (registration, drain and resume), cancelling any workload, reads, workloads'
+    /// output.
     Operator,
-    /// Submitting into, cancelling and stopping in its allocation subtrees; reads.
+    /// Submitting into, cancelling and stopping in its allocation subtrees; reads; its own
+    /// workloads' output.
     Submitter,
     /// One node: its registration, heartbeats and the ends of the runs placed on it.
     Agent,
@@ -94,6 +96,7 @@ impl Role {
             DrainNode => matches!(self, Admin | Operator),
             ReportForNode => self == Agent,
             WhatIf => matches!(self, Admin | Auditor | Submitter),
+            ReadOutput => matches!(self, Admin | Operator | Submitter | Auditor),
         }
     }
 
@@ -155,6 +158,12 @@ pub enum Action<'a> {
         /// The allocation the change touches.
         allocation: Option<&'a str>,
     },
+    /// Read what a workload's runs wrote (their output may hold secrets: its submitter's, and
+    /// the operators', admins' and auditors').
+    ReadOutput {
+        /// The actor who submitted the workload.
+        submitter: &'a str,
+    },
 }
 
 /// The kind of an [`Action`], without its scope: what a route needs before its body is read.
@@ -186,6 +195,8 @@ pub enum ActionKind {
     ReportForNode,
     /// [`Action::WhatIf`].
     WhatIf,
+    /// [`Action::ReadOutput`].
+    ReadOutput,
 }
 
 impl ActionKind {
@@ -212,6 +223,7 @@ impl Action<'_> {
             Action::DrainNode => ActionKind::DrainNode,
             Action::ReportForNode { .. } => ActionKind::ReportForNode,
             Action::WhatIf { .. } => ActionKind::WhatIf,
+            Action::ReadOutput { .. } => ActionKind::ReadOutput,
         }
     }
 }
@@ -315,6 +327,16 @@ impl Principal {
                     self.name
                 ))),
             },
+            Action::ReadOutput { submitter } if self.role == Role::Submitter => {
+                if submitter == self.actor() {
+                    Ok(())
+                } else {
+                    Err(Denied(format!(
+                        "a workload's output is its submitter's ({submitter}) to read, or an operator's, admin's or auditor's; {:?} did not submit it",
+                        self.name
+                    )))
+                }
+            }
             Action::RegisterNode { node } | Action::ReportForNode { node }
                 if self.role == Role::Agent =>
             {

@@ -79,6 +79,13 @@ impl HttpLog {
         })
     }
 
+    /// Names this agent `holder` to the API (by default host, process and a random id): an
+    /// agent that keeps its name across restarts gets its node back at once.
+    pub fn with_holder(mut self, holder: &str) -> Self {
+        self.holder = format!("{}:{holder}", host()).into();
+        self
+    }
+
     /// Claims the node for this agent: refused, with the holder named, while another agent
     /// drives it (an external one, or one inside the server).
     pub async fn claim(&self) -> Result<(), String> {
@@ -173,6 +180,73 @@ impl HttpLog {
             .as_u64()
             .ok_or_else(|| format!("the heartbeat's answer has no at_ms: {answer}"))
     }
+}
+
+impl HttpLog {
+    /// Where the output of `key` (a run on this node) stands on the server.
+    pub async fn output_shipped(
+        &self,
+        key: &eventlog::output::RunKey,
+    ) -> Result<Option<eventlog::output::Shipped>, String> {
+        let (status, answer) = self.call(output_path(key), None).await?;
+        match status {
+            404 => Ok(None),
+            200 => Ok(Some(shipped(&answer)?)),
+            _ => Err(problem(&answer)),
+        }
+    }
+
+    /// Ships `chunk` of the output of `key` (a run on this node).
+    pub async fn ship_output(
+        &self,
+        key: &eventlog::output::RunKey,
+        chunk: eventlog::output::Chunk,
+    ) -> Result<(), String> {
+        let this = self.clone();
+        let path = format!(
+            "{}?offset={}&at_ms={}{}",
+            output_path(key),
+            chunk.offset,
+            chunk.at_ms,
+            if chunk.end { "&end=true" } else { "" }
+        );
+        let (status, answer) = tokio::task::spawn_blocking(move || {
+            let url = format!("{}{path}", this.base);
+            let mut response = this
+                .agent
+                .post(&url)
+                .header("authorization", &*this.authorization)
+                .header("fairledger-agent", &*this.holder)
+                .header("content-type", "application/octet-stream")
+                .send(&chunk.data[..])
+                .map_err(|e| format!("cannot reach the API at {} ({e})", this.base))?;
+            let status = response.status().as_u16();
+            let text = response.body_mut().read_to_string().unwrap_or_default();
+            Ok::<_, String>((
+                status,
+                serde_json::from_str(&text).unwrap_or(Value::String(text)),
+            ))
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        if status >= 400 {
+            return Err(problem(&answer));
+        }
+        Ok(())
+    }
+}
+
+fn output_path(key: &eventlog::output::RunKey) -> String {
+    format!("/v1/nodes/{}/output/{}/{}", key.node, key.workload, key.run)
+}
+
+fn shipped(answer: &Value) -> Result<eventlog::output::Shipped, String> {
+    Ok(eventlog::output::Shipped {
+        next_offset: answer["next_offset"]
+            .as_u64()
+            .ok_or_else(|| format!("the answer has no next_offset: {answer}"))?,
+        ended: answer["ended"] == true,
+    })
 }
 
 /// The body of a node's reports, as `POST /v1/nodes/{node}/events` and the NATS relay take it.

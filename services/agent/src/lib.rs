@@ -40,6 +40,7 @@ pub mod gpu;
 pub mod http;
 pub mod nats;
 pub mod run;
+pub mod ship;
 
 pub use gpu::{FakeGpus, Fault, GpuSource, Nvml};
 
@@ -278,6 +279,8 @@ pub struct Agent<L> {
     /// Runs found in the run directory that the ledger does not place here.
     orphans: BTreeMap<PathBuf, Run>,
     runs_dir: PathBuf,
+    /// Where runs' output is shipped.
+    shipping: ship::Shipping,
 }
 
 impl<L: EventLog> Agent<L> {
@@ -305,7 +308,15 @@ impl<L: EventLog> Agent<L> {
             sent: BTreeMap::new(),
             orphans: BTreeMap::new(),
             runs_dir,
+            shipping: ship::Shipping::Off,
         }
+    }
+
+    /// Ships the runs' output to `shipping` (see [`ship`]); without it, output stays in the run
+    /// directories.
+    pub fn with_output(mut self, shipping: ship::Shipping) -> Self {
+        self.shipping = shipping;
+        self
     }
 
     /// Registers the node and runs until `stop` resolves. Stopping leaves the workloads
@@ -358,7 +369,18 @@ impl<L: EventLog> Agent<L> {
             self.clock.clone(),
             busy_rx,
         ));
-        let _stop_beats = AbortOnDrop(beats);
+        let _stop_beats = AbortOnDrop(beats.abort_handle());
+        // Output is shipped by a task of its own too; told to stop, it ships what is left.
+        let (stop_shipping, shipping_stopped) = tokio::sync::oneshot::channel::<()>();
+        let shipper = ship::Shipper::new(
+            self.shipping.clone(),
+            self.runs_dir.clone(),
+            self.config.node.clone(),
+        );
+        let mut shipping = tokio::spawn(shipper.run(async move {
+            let _ = shipping_stopped.await;
+        }));
+        let _stop_shipping = AbortOnDrop(shipping.abort_handle());
         let mut stop = std::pin::pin!(stop);
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -369,6 +391,8 @@ impl<L: EventLog> Agent<L> {
                     if self.config.stop_runs_on_exit {
                         self.stop_all().await;
                     }
+                    let _ = stop_shipping.send(());
+                    let _ = tokio::time::timeout(Duration::from_secs(3), &mut shipping).await;
                     return Ok(());
                 }
                 item = events.next() => match item {
@@ -1026,7 +1050,7 @@ impl<L: EventLog> Agent<L> {
 }
 
 /// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+struct AbortOnDrop(tokio::task::AbortHandle);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

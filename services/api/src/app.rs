@@ -56,6 +56,8 @@ pub(crate) struct Inner {
     pub(crate) limits: crate::limits::Limiter,
     /// Which agent drives each node.
     pub(crate) leases: crate::leases::NodeLeases,
+    /// Where runs' output is kept, once the application opened it.
+    pub(crate) output: std::sync::OnceLock<eventlog::output::AnyOutput>,
     /// The queue's last explained plan and summary: the ledger position and time they were
     /// worked out at.
     #[allow(clippy::type_complexity)]
@@ -109,6 +111,7 @@ impl App {
                 fold_timeout: FOLD_TIMEOUT,
                 limits: Default::default(),
                 leases: Default::default(),
+                output: Default::default(),
             }),
         }
     }
@@ -120,6 +123,16 @@ impl App {
             .leases
             .claim(node, holder, true)
             .map_err(|p| p.detail)
+    }
+
+    /// Keeps runs' output in `store` (set once).
+    pub fn set_output(&self, store: eventlog::output::AnyOutput) {
+        let _ = self.inner.output.set(store);
+    }
+
+    /// Where runs' output is kept: for agents inside this process.
+    pub fn output(&self) -> Option<&eventlog::output::AnyOutput> {
+        self.inner.output.get()
     }
 
     /// Sets how long a node may stay silent before its GPUs go unhealthy.

@@ -67,6 +67,8 @@ pub struct Settings {
     /// The ledger's settings this process was started with, to agree with the log's before
     /// the scheduler starts; `None` leaves the log's as they are.
     pub ledger_settings: Option<LedgerSettings>,
+    /// How much of runs' output is kept.
+    pub output: eventlog::output::OutputLimits,
 }
 
 /// The ledger's settings a process was started with (see [`Settings::ledger_settings`]).
@@ -140,6 +142,7 @@ impl Settings {
             tls: None,
             limits: Default::default(),
             ledger_settings: None,
+            output: Default::default(),
         }
     }
 }
@@ -186,6 +189,16 @@ impl Application {
             settings.policy.clone(),
         );
         app.set_heartbeat_timeout(settings.heartbeat_timeout_ms);
+        app.set_output(match &log {
+            AnyLog::Embedded(l) => eventlog::output::AnyOutput::Embedded(
+                l.output(settings.output).map_err(|e| e.to_string())?,
+            ),
+            AnyLog::JetStream(js) => eventlog::output::AnyOutput::JetStream(
+                js.output(&settings.output)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            ),
+        });
         app.set_ready();
 
         let listener = tokio::net::TcpListener::bind(&settings.listen)

@@ -206,14 +206,19 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                 })?,
         };
         crate::client::warn_if_clear(&api, true);
+        // The work directory is this agent's alone, and names it: restarted on it (after a
+        // crash, say), the agent is the same holder and drives its node again at once.
+        let (_lock, holder) = work_dir_identity(&args.work_dir)?;
         return runtime()?.block_on(async move {
-            let log = agent::http::HttpLog::new(&api, &node, &token, args.ca_file.as_deref())?;
+            let log = agent::http::HttpLog::new(&api, &node, &token, args.ca_file.as_deref())?
+                .with_holder(&holder);
             config.actor = log.whoami().await.map_err(|e| format!("{e} (API {api})"))?;
             // One agent per node: another driving it (from outside, or inside the server) is
             // named, and this one does not start.
             log.claim().await.map_err(|e| format!("{e} (API {api})"))?;
             let telemetry = Telemetry::Http(log.clone());
-            let agent = agent::Agent::new(log, telemetry, source, config);
+            let shipping = agent::ship::Shipping::Http(log.clone());
+            let agent = agent::Agent::new(log, telemetry, source, config).with_output(shipping);
             agent
                 .run(shutdown_signal())
                 .await
@@ -296,7 +301,15 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             }
         });
         let telemetry = Telemetry::JetStream(Box::new(js.clone()));
-        let agent = agent::Agent::new(log, telemetry, source, config);
+        // Output goes to the OUTPUT stream the service made; without it, it stays on the node.
+        let shipping = match js.output(&Default::default()).await {
+            Ok(store) => agent::ship::Shipping::Store(eventlog::output::AnyOutput::JetStream(store)),
+            Err(e) => {
+                tracing::warn!(error = %e, "runs' output is not shipped");
+                agent::ship::Shipping::Off
+            }
+        };
+        let agent = agent::Agent::new(log, telemetry, source, config).with_output(shipping);
         let (tx, rx) = tokio::sync::oneshot::channel::<String>();
         let stop = async move {
             tokio::select! {
@@ -317,4 +330,41 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             }
         }
     })
+}
+
+/// Locks `dir` for this agent (another agent on it is refused, as two would launch the same
+/// runs) and reads the id it keeps there (`agent.id`), made on its first use.
+fn work_dir_identity(dir: &std::path::Path) -> Result<(std::fs::File, String), String> {
+    use std::os::fd::AsRawFd;
+    std::fs::create_dir_all(dir).map_err(|e| {
+        format!(
+            "cannot create the work directory {}: {e}; pass another --work-dir",
+            dir.display()
+        )
+    })?;
+    let path = dir.join("agent.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns, for as long as `lock` lives.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!(
+            "another agent uses the work directory {}: stop it, or pass another --work-dir",
+            dir.display()
+        ));
+    }
+    let id_path = dir.join("agent.id");
+    let id = match std::fs::read_to_string(&id_path) {
+        Ok(id) if !id.trim().is_empty() => id.trim().to_owned(),
+        _ => {
+            let id = uuid::Uuid::now_v7().to_string();
+            std::fs::write(&id_path, &id)
+                .map_err(|e| format!("cannot write {}: {e}", id_path.display()))?;
+            id
+        }
+    };
+    Ok((lock, id))
 }

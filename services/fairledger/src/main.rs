@@ -243,6 +243,14 @@ enum Command {
         #[arg(long, default_value = "day")]
         granularity: String,
     },
+    /// What a workload's run wrote (stdout and stderr), from anywhere; --follow prints it as
+    /// it comes.
+    Logs {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        which: client::LogsArgs,
+    },
     /// The ledger's events; --follow tails the live stream.
     Events {
         #[command(flatten)]
@@ -536,6 +544,7 @@ fn run(cli: Cli) -> Result<(), String> {
             &granularity,
         ),
         Command::Events { client, which } => client::events(&client, &which),
+        Command::Logs { client, which } => client::logs(&client, &which),
         Command::Replay {
             events: None,
             log,

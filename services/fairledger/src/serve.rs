@@ -306,7 +306,13 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 let telemetry = agent::Telemetry::Local(std::sync::Arc::new(move |e: &Envelope| {
                     let _ = tx.send(e.clone());
                 }));
-                let agent = agent::Agent::new(log, telemetry, Box::new(gpus), config);
+                let shipping = app
+                    .output()
+                    .map_or(agent::ship::Shipping::Off, |o| {
+                        agent::ship::Shipping::Store(o.clone())
+                    });
+                let agent = agent::Agent::new(log, telemetry, Box::new(gpus), config)
+                    .with_output(shipping);
                 let stop = application.stopping();
                 agent_tasks.push(tokio::spawn(async move {
                     agent.run(stop).await.map_err(|e| e.to_string())

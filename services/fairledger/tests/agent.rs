@@ -7,10 +7,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{wait_for, Server, BIN};
+use common::{wait_for, Agent, Server, BIN};
 use eventlog::testing::NatsServer;
 use serde_json::{json, Value};
 
@@ -72,75 +72,6 @@ fn serve_on(nats: &NatsServer, dir: &Path, min_runtime_s: u64, extra: &[&str]) -
     ];
     args.extend_from_slice(extra);
     Server::start(&args)
-}
-
-struct Agent {
-    child: Child,
-    stderr: PathBuf,
-    /// Its work directory, whose runs die with the test (none after [`Agent::kill9`], whose
-    /// runs must outlive it for the next agent).
-    work: Option<PathBuf>,
-}
-
-impl Agent {
-    fn start(nats: &str, node: &str, work: &Path, extra: &[&str]) -> Agent {
-        Agent::start_with(&["--nats", nats], node, work, extra)
-    }
-
-    fn start_with(link: &[&str], node: &str, work: &Path, extra: &[&str]) -> Agent {
-        Agent::start_with_env(link, node, work, extra, &[])
-    }
-
-    fn start_with_env(
-        link: &[&str],
-        node: &str,
-        work: &Path,
-        extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> Agent {
-        let stderr = work.with_extension(format!("{}.log", std::process::id()));
-        let child = Command::new(BIN)
-            .envs(env.iter().copied())
-            .arg("agent")
-            .args(link)
-            .args(["--node", node, "--heartbeat-s", "0.5"])
-            .arg("--work-dir")
-            .arg(work)
-            .args(extra)
-            .env("FAIRLEDGER_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
-        Agent {
-            child,
-            stderr,
-            work: Some(work.to_owned()),
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn kill9(mut self) {
-        self.work = None;
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- agent log ---\n{}", self.log());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(work) = &self.work {
-            common::kill_runs(work);
-        }
-    }
 }
 
 fn submit(server: &Server, body: Value) -> String {

@@ -16,7 +16,8 @@
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
 //! | `POST /v1/nodes` | admin, operator; agent for its own node |
 //! | `POST`/`DELETE /v1/nodes/{node}/drain` | admin, operator |
-//! | `POST /v1/nodes/{node}/heartbeat`, `…/events`, `…/lease` | the agent of that node |
+//! | `POST /v1/nodes/{node}/heartbeat`, `…/events`, `…/lease`, `GET`/`POST …/output/{workload}/{run}` | the agent of that node |
+//! | `GET /v1/workloads/{id}/logs` | `read_output`: the workload's submitter, operator, admin, auditor (output may hold secrets: not viewers) |
 //! | `/v1/tokens…` | admin |
 //! | `POST /v1/whatif` | admin, auditor; submitter for changes to its own allocations |
 
@@ -36,6 +37,7 @@ pub mod dashboard;
 pub mod events;
 pub mod nodes;
 pub mod ops;
+pub mod output;
 pub mod settings;
 pub mod tokens;
 pub mod whatif;
@@ -77,6 +79,10 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("GET", "/v1/workloads/{id}/explain", Needs(Read)),
             routing::get(workloads::explain),
+        ),
+        (
+            r("GET", "/v1/workloads/{id}/logs", Needs(ReadOutput)),
+            routing::get(output::logs),
         ),
         (
             r("GET", "/v1/queue", Needs(Read)),
@@ -137,6 +143,22 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("POST", "/v1/nodes/{node}/lease", Needs(ReportForNode)),
             routing::post(nodes::lease),
+        ),
+        (
+            r(
+                "POST",
+                "/v1/nodes/{node}/output/{workload}/{run}",
+                Needs(ReportForNode),
+            ),
+            routing::post(output::ship),
+        ),
+        (
+            r(
+                "GET",
+                "/v1/nodes/{node}/output/{workload}/{run}",
+                Needs(ReportForNode),
+            ),
+            routing::get(output::shipped),
         ),
         (
             r("GET", "/v1/events", Needs(ReadEvents)),

@@ -447,7 +447,7 @@ pub(crate) async fn node_events(
 }
 
 /// The agent a report names itself as ([`crate::leases::HOLDER_HEADER`]), if it does.
-fn holder(headers: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
+pub(crate) fn holder(headers: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
     let Some(v) = headers.get(crate::leases::HOLDER_HEADER) else {
         return Ok(None);
     };

@@ -34,6 +34,10 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
             Some(&["admin", "operator", "submitter"][..]),
         ),
         (("GET", "/v1/workloads/{id}/explain"), Some(READERS)),
+        (
+            ("GET", "/v1/workloads/{id}/logs"),
+            Some(&["admin", "operator", "submitter", "auditor"][..]),
+        ),
         (("GET", "/v1/queue"), Some(READERS)),
         (("GET", "/v1/allocations"), Some(READERS)),
         (("GET", "/v1/usage"), Some(READERS)),
@@ -61,6 +65,14 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("POST", "/v1/nodes/{node}/heartbeat"), Some(&["agent"][..])),
         (("POST", "/v1/nodes/{node}/events"), Some(&["agent"][..])),
         (("POST", "/v1/nodes/{node}/lease"), Some(&["agent"][..])),
+        (
+            ("POST", "/v1/nodes/{node}/output/{workload}/{run}"),
+            Some(&["agent"][..]),
+        ),
+        (
+            ("GET", "/v1/nodes/{node}/output/{workload}/{run}"),
+            Some(&["agent"][..]),
+        ),
         (("GET", "/v1/events"), Some(&ROLES[..])),
         (("GET", "/v1/events/stream"), Some(&ROLES[..])),
         (("GET", "/v1/audit/ledger"), Some(&["admin", "auditor"][..])),
@@ -137,6 +149,8 @@ async fn the_authorization_matrix_covers_every_route_and_role() {
             .replace("{id}", "0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11")
             .replace("{*path}", "zz/new")
             .replace("{node}", node)
+            .replace("{workload}", "0190c4c2-7b7e-7d4e-9e4b-4a6f0d7c2a11")
+            .replace("{run}", "1")
             .replace("{name}", "nobody");
         let body = matches!(route.method, "POST" | "PUT").then_some("{}");
         let allowed = expected[&(route.method, route.path)];

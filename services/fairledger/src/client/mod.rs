@@ -10,11 +10,13 @@ mod audit;
 mod budget;
 mod events;
 mod listings;
+mod logs;
 mod whatif;
 
 pub use audit::{audit, audit_head};
 pub use events::{events, token_command, whoami, EventsArgs, TokenCommand};
 pub use listings::{jobs, nodes, queue, JobsArgs, NodesArgs, QueueArgs};
+pub use logs::{logs, LogsArgs};
 pub use whatif::{what_if, WhatIfArgs};
 
 /// The API every client command talks to when none is named.
@@ -568,7 +570,10 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
                 "output",
                 match output(w).as_str() {
                     "-" => "-".to_owned(),
-                    o => format!("{o} (under its agent's work directory)"),
+                    o => format!(
+                        "fairledger logs {} (on the node: {o}, under its agent's work directory)",
+                        text(&w["id"])
+                    ),
                 },
             ),
         ];

@@ -3,6 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -237,4 +238,74 @@ pub fn call_at(
     let status: u16 = response[9..12].parse().unwrap();
     let body = response.split("\r\n\r\n").nth(1).unwrap_or("");
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// `fairledger agent` as a process, killed with the test, its runs too.
+pub struct Agent {
+    pub child: Child,
+    pub stderr: PathBuf,
+    /// Its work directory, whose runs die with the test (none after [`Agent::kill9`], whose
+    /// runs must outlive it for the next agent).
+    pub work: Option<PathBuf>,
+}
+
+impl Agent {
+    pub fn start(nats: &str, node: &str, work: &Path, extra: &[&str]) -> Agent {
+        Agent::start_with(&["--nats", nats], node, work, extra)
+    }
+
+    pub fn start_with(link: &[&str], node: &str, work: &Path, extra: &[&str]) -> Agent {
+        Agent::start_with_env(link, node, work, extra, &[])
+    }
+
+    pub fn start_with_env(
+        link: &[&str],
+        node: &str,
+        work: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
+        let stderr = work.with_extension(format!("{}.log", std::process::id()));
+        let child = Command::new(BIN)
+            .envs(env.iter().copied())
+            .arg("agent")
+            .args(link)
+            .args(["--node", node, "--heartbeat-s", "0.5"])
+            .arg("--work-dir")
+            .arg(work)
+            .args(extra)
+            .env("FAIRLEDGER_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        Agent {
+            child,
+            stderr,
+            work: Some(work.to_owned()),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    pub fn kill9(mut self) {
+        self.work = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent log ---\n{}", self.log());
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(work) = &self.work {
+            kill_runs(work);
+        }
+    }
 }
