@@ -244,7 +244,9 @@ impl<'de> Deserialize<'de> for Envelope {
 
 struct EnvelopeVisitor;
 
-/// An envelope's payload as read: into its struct, or held until its `type` comes.
+/// An envelope's payload as read: into its struct, or held until its `type` comes. A local of
+/// one read, so its size costs nothing; boxing the event would cost an allocation per event.
+#[allow(clippy::large_enum_variant)]
 enum Payload {
     Read(Event),
     Held(serde_json::Value),
@@ -492,6 +494,11 @@ pub struct WorkloadSubmitted {
     /// Client key: a second submission with the same key is answered with this workload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Where its events are posted (started, preemption requested, stopped, requeued,
+    /// finished, cancelled); under a prefix the settings' `notify_urls` allow. Without it, its
+    /// submitter's default, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify: Option<String>,
 }
 
 fn one() -> u32 {
@@ -521,6 +528,7 @@ impl WorkloadSubmitted {
             command: Vec::new(),
             env: BTreeMap::new(),
             idempotency_key: None,
+            notify: None,
         }
     }
 }

@@ -254,6 +254,9 @@ pub struct Principal {
     /// Its rates, as granted.
     #[serde(default)]
     pub rates: Option<Rates>,
+    /// Where its workloads' events go by default.
+    #[serde(default)]
+    pub notify: Option<String>,
     /// The actor that granted it.
     pub granted_by: String,
     /// When it was granted.
@@ -435,6 +438,10 @@ pub struct PrincipalGranted {
     /// [`Rates::DEFAULT`], and none for an admin or an agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rates: Option<Rates>,
+    /// Where the events of its workloads that name no URL of their own are posted; under a
+    /// prefix the settings' `notify_urls` allow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify: Option<String>,
 }
 
 /// How often a principal may do what costs the service most, per minute; `None`: the default
@@ -643,6 +650,7 @@ impl Principals {
                 expires_at_ms: e.expires_at_ms,
                 max_pending: e.max_pending,
                 rates: e.rates,
+                notify: e.notify.clone(),
                 granted_by: actor.to_owned(),
                 granted_at_ms: now_ms,
                 granted_seq: seq,

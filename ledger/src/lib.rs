@@ -64,6 +64,7 @@ pub mod identity;
 mod indexes;
 pub mod metrics;
 pub mod names;
+pub mod notify;
 pub mod policy;
 pub mod rejection;
 pub mod reports;

@@ -50,6 +50,9 @@ pub struct Settings {
     pub heartbeat_timeout_s: u64,
     /// How far behind the ledger's clock an event may be and still be folded, milliseconds.
     pub clock_skew_tolerance_ms: u64,
+    /// The URL prefixes workloads' notifications may be posted to (see [`crate::notify`]);
+    /// none by default.
+    pub notify_urls: Vec<String>,
 }
 
 impl Default for Settings {
@@ -84,6 +87,7 @@ impl Settings {
             topology_label: policy.topology_label.clone(),
             heartbeat_timeout_s: heartbeat_ms.div_ceil(1000),
             clock_skew_tolerance_ms: state.clock_skew_tolerance_ms,
+            notify_urls: Vec::new(),
         }
     }
 
@@ -91,6 +95,7 @@ impl Settings {
     pub fn check(&self) -> Result<(), Rejection> {
         let bad =
             |field: &'static str, reason: String| Err(Rejection::InvalidField { field, reason });
+        crate::notify::check_prefixes(&self.notify_urls)?;
         if !POLICY_NAMES.contains(&self.policy.as_str()) {
             return bad(
                 "policy",

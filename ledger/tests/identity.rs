@@ -23,6 +23,7 @@ fn grant(name: &str, role: Role, allocations: &[&str], node: Option<&str>, n: u8
         expires_at_ms: None,
         max_pending: None,
         rates: None,
+        notify: None,
     })
 }
 

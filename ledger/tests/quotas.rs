@@ -76,6 +76,7 @@ impl Ledger {
             expires_at_ms: None,
             max_pending,
             rates: None,
+            notify: None,
         }));
     }
 

@@ -99,6 +99,7 @@ fn samples() -> Vec<Event> {
             command: vec!["torchrun".into(), "train.py".into()],
             env: BTreeMap::from([("WANDB_MODE".into(), "offline".into())]),
             idempotency_key: Some("client-key-1".into()),
+            notify: Some("https://hooks.example.org/nlp/run-42".into()),
         }),
         Event::WorkloadCancelled(WorkloadCancelled {
             workload: w,
@@ -142,6 +143,7 @@ fn samples() -> Vec<Event> {
             expires_at_ms: Some(1_800_000_000_000),
             max_pending: None,
             rates: None,
+            notify: Some("https://hooks.example.org/nlp".into()),
         }),
         Event::PrincipalRevoked(PrincipalRevoked {
             name: "nlp-bot".into(),

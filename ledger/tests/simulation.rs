@@ -140,6 +140,7 @@ fn scenario(seed: u64) -> Scenario {
                 command: vec![],
                 env: BTreeMap::new(),
                 idempotency_key: None,
+                notify: None,
             },
             submit_ms,
             work_ms,

@@ -111,6 +111,7 @@ fn event() -> impl Strategy<Value = Event> {
                     command: vec![],
                     env: BTreeMap::new(),
                     idempotency_key,
+                    notify: None,
                 })
             ),
         workload().prop_map(|workload| Event::WorkloadCancelled(WorkloadCancelled {
@@ -193,6 +194,7 @@ fn event() -> impl Strategy<Value = Event> {
                     expires_at_ms: None,
                     max_pending: None,
                     rates: None,
+                    notify: None,
                 })
             }),
         prop::sample::select(vec!["alice", "bot", ""]).prop_map(|name| Event::PrincipalRevoked(

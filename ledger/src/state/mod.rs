@@ -726,7 +726,7 @@ impl State {
             Event::WorkloadStopped(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
             Event::WorkloadFinished(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
             Event::WorkloadRequeued(e) => self.expect_phase(e.workload, Phase::Stopped).map(drop),
-            Event::PrincipalGranted(e) => self.principals.check_grant(e, &self.allocations),
+            Event::PrincipalGranted(e) => self.check_granted(e),
             Event::SettingsSet(e) => self.check_settings(e),
             Event::PrincipalRevoked(e) => self.principals.check_revoke(env.schema_version, &e.name),
         }

@@ -107,6 +107,9 @@ impl State {
         if version >= 2 {
             crate::names::workload(e.name.as_deref(), &e.command, &e.env)?;
         }
+        if let Some(url) = &e.notify {
+            crate::notify::check_url(&self.settings.notify_urls, "notify", url)?;
+        }
         if version >= 4 {
             self.check_quotas(allocation, e.gpus_per_node as u64 * e.nodes as u64, actor)?;
         }
@@ -256,9 +259,19 @@ impl State {
         e: &PrincipalGranted,
         actor: &str,
     ) -> Result<Outcome, Rejection> {
-        self.principals.check_grant(e, &self.allocations)?;
+        self.check_granted(e)?;
         self.principals.grant(e, actor, self.now_ms, seq);
         Ok(Outcome::Applied)
+    }
+
+    /// Whether grant `e` may be folded: the principals' rules, and a default URL for
+    /// notifications the settings allow.
+    pub fn check_granted(&self, e: &PrincipalGranted) -> Result<(), Rejection> {
+        self.principals.check_grant(e, &self.allocations)?;
+        if let Some(url) = &e.notify {
+            crate::notify::check_url(&self.settings.notify_urls, "notify", url)?;
+        }
+        Ok(())
     }
 
     /// The key of `w` in its queue.

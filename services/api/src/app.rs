@@ -58,6 +58,10 @@ pub(crate) struct Inner {
     pub(crate) leases: crate::leases::NodeLeases,
     /// Where runs' output is kept, once the application opened it.
     pub(crate) output: std::sync::OnceLock<eventlog::output::AnyOutput>,
+    /// The key principals' notification secrets derive from.
+    pub(crate) notify_key: std::sync::OnceLock<[u8; 32]>,
+    /// The notifier, in the process that runs it.
+    pub(crate) notifier: std::sync::OnceLock<Arc<crate::notify::Notifier>>,
     /// The queue's last explained plan and summary: the ledger position and time they were
     /// worked out at.
     #[allow(clippy::type_complexity)]
@@ -112,6 +116,8 @@ impl App {
                 limits: Default::default(),
                 leases: Default::default(),
                 output: Default::default(),
+                notify_key: Default::default(),
+                notifier: Default::default(),
             }),
         }
     }
@@ -133,6 +139,11 @@ impl App {
     /// Where runs' output is kept: for agents inside this process.
     pub fn output(&self) -> Option<&eventlog::output::AnyOutput> {
         self.inner.output.get()
+    }
+
+    /// The notifier, where this process runs it.
+    pub fn notifier(&self) -> Option<&Arc<crate::notify::Notifier>> {
+        self.inner.notifier.get()
     }
 
     /// Sets how long a node may stay silent before its GPUs go unhealthy.

@@ -69,6 +69,9 @@ pub struct Settings {
     pub ledger_settings: Option<LedgerSettings>,
     /// How much of runs' output is kept.
     pub output: eventlog::output::OutputLimits,
+    /// The key principals' notification secrets derive from (`DATA/notify.key` by default;
+    /// every process of one ledger needs the same).
+    pub notify_key_file: Option<PathBuf>,
 }
 
 /// The ledger's settings a process was started with (see [`Settings::ledger_settings`]).
@@ -143,6 +146,7 @@ impl Settings {
             limits: Default::default(),
             ledger_settings: None,
             output: Default::default(),
+            notify_key_file: None,
         }
     }
 }
@@ -267,6 +271,29 @@ impl Application {
                 }));
             }
         }
+        // Notifications: every process signs with the same key; the scheduler's posts them.
+        let key_file = settings
+            .notify_key_file
+            .clone()
+            .unwrap_or_else(|| settings.data.join("notify.key"));
+        let key = crate::notify::load_or_make_key(&key_file)?;
+        let _ = app.inner.notify_key.set(key);
+        if settings.serving.scheduler() {
+            let notifier = crate::notify::Notifier::open(&settings.data.join("notify"), key)?;
+            let _ = app.inner.notifier.set(notifier.clone());
+            for deliver in [false, true] {
+                let (notifier, app) = (notifier.clone(), app.clone());
+                let stop_signal = stopped(stop_rx.clone());
+                tasks.push(tokio::spawn(async move {
+                    if deliver {
+                        notifier.deliver(app, stop_signal).await;
+                    } else {
+                        notifier.follow(app, stop_signal).await;
+                    }
+                    Ok(())
+                }));
+            }
+        }
         // Node agents on NATS send their reports to a process serving the API.
         if let (AnyLog::JetStream(js), true) = (&log, settings.serving.api()) {
             let (app, js) = (app.clone(), (**js).clone());
@@ -333,6 +360,7 @@ impl Application {
             expires_at_ms: None,
             max_pending: None,
             rates: None,
+            notify: None,
         });
         match self.app.write(grant, None, None, "serve").await {
             Ok(_) => {}

@@ -50,6 +50,7 @@ pub mod conn;
 pub mod leases;
 mod limits;
 pub mod metrics;
+pub mod notify;
 pub mod period;
 pub mod problem;
 pub mod reports;

@@ -197,15 +197,10 @@ enum Command {
         /// Workload id.
         id: String,
     },
-    /// Make a self-signed certificate and key for `serve --tls-cert/--tls-key` that the
-    /// command-line client and agents accept with `--ca-file` (an end entity, not a CA).
-    TlsCert {
-        /// Names and addresses the server is reached by.
-        #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
-        hosts: Vec<String>,
-        /// Directory to write cert.pem and key.pem (readable by you only) into.
-        #[arg(long, default_value = ".")]
-        out: PathBuf,
+    /// Certificates for `serve --tls-cert/--tls-key`.
+    Tls {
+        #[command(subcommand)]
+        command: TlsCommand,
     },
     /// The ledger's settings (policy, contract, grace, margin, window…), or change them.
     Settings {
@@ -257,6 +252,22 @@ enum Command {
         client: client::ClientArgs,
         #[command(flatten)]
         which: client::EventsArgs,
+    },
+}
+
+/// `fairledger tls …`
+#[derive(Subcommand)]
+enum TlsCommand {
+    /// Make a small CA of your own and a server certificate it signs, for `serve
+    /// --tls-cert/--tls-key`; the command-line client, agents and curl trust it with
+    /// `--ca-file DIR/ca.pem` (curl: `--cacert`).
+    SelfSigned {
+        /// Names and addresses the server is reached by (repeat for more).
+        #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        hosts: Vec<String>,
+        /// Directory to write ca.pem, cert.pem and key.pem (readable by you only) into.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
     },
 }
 
@@ -344,14 +355,51 @@ struct SimArgs {
     allocation_column: Option<String>,
 }
 
-/// `fairledger tls-cert`: a self-signed end-entity certificate for `hosts`, and its key.
-fn tls_cert(hosts: &[String], out: &std::path::Path) -> Result<(), String> {
+/// `fairledger tls self-signed`: a CA made for the purpose (its key is not kept, so it signs
+/// nothing else) and a server certificate for `hosts` it signs, with the server's key.
+fn tls_self_signed(hosts: &[String], out: &std::path::Path) -> Result<(), String> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose,
+    };
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let made =
-        rcgen::generate_simple_self_signed(hosts.to_vec()).map_err(|e| format!("--host: {e}"))?;
+    let failed = |e: rcgen::Error| format!("cannot make the certificates: {e}");
+    let ca_key = KeyPair::generate().map_err(failed)?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(failed)?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name
+        .push(DnType::CommonName, "fairledger self-signed CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca.self_signed(&ca_key).map_err(failed)?;
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().map_err(failed)?;
+    let mut server = CertificateParams::new(hosts.to_vec()).map_err(|e| format!("--host: {e}"))?;
+    server.is_ca = IsCa::ExplicitNoCa;
+    server.distinguished_name.push(
+        DnType::CommonName,
+        hosts.first().map_or("localhost", String::as_str),
+    );
+    server.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = server.signed_by(&key, &issuer).map_err(failed)?;
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let (cert, key) = (out.join("cert.pem"), out.join("key.pem"));
+    let (ca_file, cert_file, key_file) = (
+        out.join("ca.pem"),
+        out.join("cert.pem"),
+        out.join("key.pem"),
+    );
+    for f in [&ca_file, &cert_file, &key_file] {
+        if f.exists() {
+            return Err(format!(
+                "{} exists; move the old one away first",
+                f.display()
+            ));
+        }
+    }
     let write = |path: &std::path::Path, text: String, mode: u32| {
         std::fs::OpenOptions::new()
             .write(true)
@@ -366,17 +414,21 @@ fn tls_cert(hosts: &[String], out: &std::path::Path) -> Result<(), String> {
                 )
             })
     };
-    write(&key, made.signing_key.serialize_pem(), 0o600)?;
-    write(&cert, made.cert.pem(), 0o644)?;
+    write(&key_file, key.serialize_pem(), 0o600)?;
+    // The server sends its certificate with the CA's, as a chain.
+    write(&cert_file, cert.pem() + &ca_cert.pem(), 0o644)?;
+    write(&ca_file, ca_cert.pem(), 0o644)?;
     println!(
-        "wrote {} and {} for {}\n  serve:   fairledger serve --tls-cert {} --tls-key {}\n  clients: --api https://{}:8080 --ca-file {}",
-        cert.display(),
-        key.display(),
+        "wrote {}, {} and {} for {}\n  serve:   fairledger serve --tls-cert {} --tls-key {}\n  clients: --api https://{}:8080 --ca-file {} (curl --cacert {})",
+        ca_file.display(),
+        cert_file.display(),
+        key_file.display(),
         hosts.join(", "),
-        cert.display(),
-        key.display(),
+        cert_file.display(),
+        key_file.display(),
         hosts.first().map_or("localhost", String::as_str),
-        cert.display()
+        ca_file.display(),
+        ca_file.display()
     );
     Ok(())
 }
@@ -517,7 +569,9 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Alloc { client, command } => {
             client::alloc(&client, command.unwrap_or(client::AllocCommand::List))
         }
-        Command::TlsCert { hosts, out } => tls_cert(&hosts, &out),
+        Command::Tls {
+            command: TlsCommand::SelfSigned { hosts, out },
+        } => tls_self_signed(&hosts, &out),
         Command::Settings { client, command } => {
             client::settings(&client, command.unwrap_or(client::SettingsCommand::Show))
         }

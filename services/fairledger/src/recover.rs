@@ -63,6 +63,7 @@ pub fn grant_offline(
             .map(|d| now.saturating_add(d.as_millis() as u64)),
         max_pending: grant.max_pending,
         rates: None,
+        notify: None,
     });
     let (state_config, _, _, _) = crate::serve::settings(None, None)?;
     let seq = crate::logcmd::runtime()?.block_on(async {

@@ -15,6 +15,9 @@ const CHECKPOINT_GAP: std::time::Duration = std::time::Duration::from_secs(60);
 /// The most nodes an embedded server drives with agents of its own (each folds the ledger).
 const IN_PROCESS_AGENTS_MAX: usize = 64;
 
+/// Where the demo's workloads may post their notifications: this machine.
+const DEMO_NOTIFY_URLS: [&str; 3] = ["http://127.0.0.1", "http://localhost", "http://[::1]"];
+
 /// Settings of `serve`.
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -51,6 +54,10 @@ pub struct ServeArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "FAIRLEDGER_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+    /// The key principals' notification secrets derive from (64 hex digits; made when
+    /// missing). Default DATA/notify.key; every process of one ledger needs the same.
+    #[arg(long, env = "FAIRLEDGER_NOTIFY_KEY_FILE")]
+    pub notify_key_file: Option<std::path::PathBuf>,
     /// A node whose agent has not sent a heartbeat for this long has its GPUs marked unhealthy
     /// (its workloads are requeued as hardware failures). Default: --config's `[policy]
     /// heartbeat_timeout_s`, else 30.
@@ -179,7 +186,11 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             eprintln!("warning: no NATS credentials: whoever reaches this NATS can write the ledger, whatever the API allows; see `fairledger nats-auth` and ops/nats/secure.conf");
         }
         // The settings this process was started with: the log's first event when it is new.
-        let wanted = Settings::from_configs(&state_config, &policy, heartbeat_timeout_ms);
+        let mut wanted = Settings::from_configs(&state_config, &policy, heartbeat_timeout_ms);
+        if embedded && args.config.is_none() && !args.no_demo {
+            // The demo, on one machine: its workloads may notify whoever listens on it.
+            wanted.notify_urls = DEMO_NOTIFY_URLS.iter().map(|u| u.to_string()).collect();
+        }
         wanted
             .check()
             .map_err(|r| format!("the settings are invalid: {r}"))?;
@@ -190,7 +201,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             .expect("settings are an object")
             .iter()
             .filter(|(name, _)| {
-                args.config.is_some()
+                // Where notifications may go is an admin's to change (`settings set`), not a
+                // configuration file's.
+                name.as_str() != "notify_urls" && args.config.is_some()
                     || (name.as_str() == "policy" && args.policy.is_some())
                     || (name.as_str() == "heartbeat_timeout_s" && args.heartbeat_timeout_s.is_some())
             })
@@ -237,6 +250,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             checkpoint_gap: CHECKPOINT_GAP,
             replicas: args.log.replicas,
             tls: args.tls_cert.clone().zip(args.tls_key.clone()),
+            notify_key_file: args.notify_key_file.clone(),
             ledger_settings: writes_settings.then(|| api::LedgerSettings {
                 defaults: wanted.clone(),
                 given,
@@ -365,6 +379,7 @@ async fn local_agent_token(
         expires_at_ms: None,
         max_pending: None,
         rates: None,
+        notify: None,
     });
     // This node's agent from before (its token file lost): revoked and granted anew. A
     // principal of that name that is not this node's agent is someone else's: refuse.

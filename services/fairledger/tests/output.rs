@@ -103,7 +103,7 @@ fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> A
     wait_for_node(server, "gpu-1");
 
     // Followed from before it starts: the lines arrive while it runs.
-    let id = submit_as(server, &alice, ticks(6, 1.0));
+    let id = submit_as(server, &alice, ticks(8, 1.0));
     let mut follower = Command::new(BIN)
         .arg("logs")
         .args([
@@ -137,19 +137,19 @@ fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> A
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut followed, &mut rest).unwrap();
     assert!(follower.wait().unwrap().success());
-    assert_eq!(first + &rest, expected(6), "followed across the restart");
+    assert_eq!(first + &rest, expected(8), "followed across the restart");
     wait_for(server, &id, "finished");
 
     // After the end, whole and its tail, by its submitter, an operator's peers and the admin.
     let (ok, all, err) = logs(server, &alice_file, &[&id]);
     assert!(ok, "{err}");
-    assert_eq!(all, expected(6));
+    assert_eq!(all, expected(8));
     let (ok, tail, err) = logs(server, &alice_file, &["--tail", "2", &id]);
     assert!(ok, "{err}");
-    assert_eq!(tail, "tick 6\ndone\n");
+    assert_eq!(tail, "tick 8\ndone\n");
     let (ok, admin, _) = logs(server, &server.token_file(), &["--run", "1", &id]);
     assert!(ok);
-    assert_eq!(admin, expected(6));
+    assert_eq!(admin, expected(8));
     // Not another submitter, nor a viewer: output can hold secrets.
     let (ok, _, err) = logs(server, &bob_file, &[&id]);
     assert!(!ok && err.contains("submitter"), "{err}");

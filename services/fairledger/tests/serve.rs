@@ -1091,20 +1091,22 @@ fn https_server(dir: &std::path::Path, cert: &std::path::Path, key: &std::path::
     ])
 }
 
-/// https: `serve --tls-cert --tls-key` with the certificate `fairledger tls-cert` makes
+/// https: `serve --tls-cert --tls-key` with the certificate `fairledger tls self-signed` makes
 /// answers over TLS only; the client trusts it with --ca-file and refuses it without, and an
 /// agent over --api reaches it the same way.
 #[test]
 fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
     let tmp = tempfile::tempdir().unwrap();
-    let (ok, said, err) = run(&["tls-cert", "--out", tmp.path().to_str().unwrap()]);
+    let (ok, said, err) = run(&["tls", "self-signed", "--out", tmp.path().to_str().unwrap()]);
     assert!(ok && said.contains("--ca-file"), "{said}{err}");
     let (cert_file, key_file) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
+    // Clients trust the CA that signed the server's certificate.
+    let ca_file = tmp.path().join("ca.pem");
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&key_file).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "the key is its owner's only");
     // Made again, it refuses to overwrite them.
-    let (ok, _, err) = run(&["tls-cert", "--out", tmp.path().to_str().unwrap()]);
+    let (ok, _, err) = run(&["tls", "self-signed", "--out", tmp.path().to_str().unwrap()]);
     assert!(!ok && err.contains("move the old one away"), "{err}");
     let server = https_server(tmp.path(), &cert_file, &key_file);
     let api = format!("https://{}", server.addr);
@@ -1126,7 +1128,7 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
                 + &String::from_utf8_lossy(&out.stderr),
         )
     };
-    let (ok, said) = client(&["--ca-file", cert_file.to_str().unwrap()]);
+    let (ok, said) = client(&["--ca-file", ca_file.to_str().unwrap()]);
     assert!(ok, "{said}");
     assert_eq!(said.trim(), "user:admin (admin)");
     let (ok, said) = client(&[]);
@@ -1161,7 +1163,7 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
         ])
         .args(["--out", token_file.to_str().unwrap()])
         .args(["--api", &api, "--token-file", &server.token_file()])
-        .args(["--ca-file", cert_file.to_str().unwrap()])
+        .args(["--ca-file", ca_file.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(
@@ -1180,7 +1182,7 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
             "8",
         ])
         .args(["--fake-model", "H100", "--label", "rack=r0"])
-        .args(["--ca-file", cert_file.to_str().unwrap()])
+        .args(["--ca-file", ca_file.to_str().unwrap()])
         .args(["--token-file", token_file.to_str().unwrap()])
         .arg("--work-dir")
         .arg(tmp.path().join("agent"))
@@ -1199,7 +1201,7 @@ fn over_https_the_client_and_an_agent_trust_the_servers_certificate() {
                 "--token-file",
                 &server.token_file(),
             ])
-            .args(["--ca-file", cert_file.to_str().unwrap()])
+            .args(["--ca-file", ca_file.to_str().unwrap()])
             .output()
             .unwrap();
         let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
@@ -1598,7 +1600,7 @@ fn a_certificate_marked_as_a_ca_is_refused_with_what_to_do() {
     ]);
     assert!(!ok, "{err}");
     assert!(
-        err.contains("marked as a CA") && err.contains("fairledger tls-cert"),
+        err.contains("marked as a CA") && err.contains("fairledger tls self-signed"),
         "{err}"
     );
 }

@@ -84,7 +84,7 @@ const CONFIG: &[u8] = b"m/config";
 /// term and nodes with work leaving; 15: no index of submissions (14 had one); 14: workload rows
 /// carry their name, run time and last nodes; 13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
 /// rows; 11: version-1 events are folded by the names rules of their day again).
-const FORMAT: u32 = 19;
+const FORMAT: u32 = 20;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";

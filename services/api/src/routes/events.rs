@@ -19,6 +19,7 @@ pub(crate) fn redact(event: &mut serde_json::Value) {
     if event["type"] == "workload_submitted" {
         if let Some(payload) = event.get_mut("payload").and_then(|p| p.as_object_mut()) {
             payload.remove("command");
+            payload.remove("notify");
             payload.remove("env");
         }
     }

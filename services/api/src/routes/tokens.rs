@@ -43,6 +43,10 @@ pub(crate) struct TokenBody {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     rates: Option<ledger::identity::Rates>,
+    /// Where the events of its workloads that name no URL of their own are posted (a URL under
+    /// a prefix the settings' `notify_urls` allow).
+    #[serde(default)]
+    notify: Option<String>,
 }
 
 /// What may be shown of a principal: everything but its token's digest.
@@ -60,6 +64,7 @@ fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
         "expires_at": p.expires_at_ms.map(date),
         "expired": p.expired_at(now_ms),
         "max_pending": p.pending_cap(),
+        "notify": p.notify.as_deref().map(ledger::notify::origin),
         "rates": {
             "submissions_per_minute": p.rate(ledger::identity::RateKind::Submission),
             "whatifs_per_minute": p.rate(ledger::identity::RateKind::WhatIf),
@@ -71,7 +76,9 @@ fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
 /// A grant the fold would refuse, as the problem that names its field.
 fn refused(r: Rejection) -> Problem {
     match r {
-        Rejection::InvalidGrant { field, reason } => Problem::invalid(field, reason),
+        Rejection::InvalidGrant { field, reason } | Rejection::InvalidField { field, reason } => {
+            Problem::invalid(field, reason)
+        }
         Rejection::PrincipalExists { .. } => {
             Problem::new(StatusCode::CONFLICT, "principal_exists", r.to_string())
         }
@@ -128,14 +135,12 @@ pub(crate) async fn create(
         expires_at_ms,
         max_pending: body.max_pending,
         rates: body.rates,
+        notify: body.notify,
     };
     {
         let p = app.inner.projection.read().await;
         let state = p.state();
-        state
-            .principals()
-            .check_grant(&grant, state.allocations())
-            .map_err(refused)?;
+        state.check_granted(&grant).map_err(refused)?;
     }
     let seq = app
         .write(
@@ -154,6 +159,10 @@ pub(crate) async fn create(
         .ok_or_else(|| Problem::unavailable("the grant was folded but is gone; list the tokens"))?;
     let mut answer = describe(granted, now);
     answer["token"] = json!(token);
+    // The secret its notifications are signed with, shown this once too.
+    if let Some(key) = app.inner.notify_key.get() {
+        answer["notify_secret"] = json!(crate::notify::secret(key, granted));
+    }
     answer["seq"] = json!(seq);
     Ok((StatusCode::CREATED, Json(answer)).into_response())
 }

@@ -59,6 +59,11 @@ pub struct SubmitRequest {
     /// Its environment.
     #[serde(default)]
     pub env: std::collections::BTreeMap<String, String>,
+    /// Where its events are posted (started, preemption requested, stopped, requeued,
+    /// finished, cancelled): a URL under a prefix the settings' `notify_urls` allow; without
+    /// it, its submitter's default, if any.
+    #[serde(default)]
+    pub notify: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
@@ -155,6 +160,7 @@ pub(crate) async fn submit(
         command: request.command.clone(),
         env: request.env.clone(),
         idempotency_key: key.clone(),
+        notify: request.notify.clone(),
         ..WorkloadSubmitted::new(
             id,
             request.allocation.clone(),
@@ -369,6 +375,9 @@ pub(crate) async fn workload(
         })
         .collect();
     let mut body = listed(&row, scheduler::wall_clock_ms());
+    if let Some(status) = app.notifier().and_then(|n| n.status(id)) {
+        body["notifications"] = json!(status);
+    }
     body["history"] = json!(history);
     body["rejected"] = json!(row.rejected);
     Ok(Json(body).into_response())

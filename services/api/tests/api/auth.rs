@@ -651,6 +651,7 @@ async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
         expires_at_ms: Some(scheduler::wall_clock_ms() - 1),
         max_pending: None,
         rates: None,
+        notify: None,
     });
     let env = Envelope::new(
         uuid::Uuid::now_v7(),

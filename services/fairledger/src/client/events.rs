@@ -179,6 +179,10 @@ pub enum TokenCommand {
         /// Most workloads it may have waiting at once (default 10,000; none for an admin).
         #[arg(long)]
         max_pending: Option<u32>,
+        /// Where the events of its workloads that name no URL of their own are posted (under a
+        /// prefix the settings' notify_urls allow).
+        #[arg(long)]
+        notify: Option<String>,
         /// Write the token to this file (readable by you only) instead of printing it.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -210,6 +214,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
         out,
         offline: true,
         log,
+        notify,
     } = command
     {
         let grant = crate::recover::Grant {
@@ -220,6 +225,9 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             expires,
             max_pending,
         };
+        if notify.is_some() {
+            return Err("--notify is given online only (the server signs notifications); create the token offline without it, then grant it again online".into());
+        }
         return crate::recover::grant_offline(&log, grant, out.as_deref(), args.json);
     }
     let api = Api::new(args)?;
@@ -232,11 +240,13 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             expires,
             max_pending,
             out,
+            notify,
             ..
         } => {
             let body = json!({
                 "name": name, "role": role, "allocations": allocations, "node": node,
                 "expires_in_s": expires.map(|d| d.as_secs().max(1)), "max_pending": max_pending,
+                "notify": notify,
             });
             let mut v = api.call("POST", "/v1/tokens", Some(&body))?;
             let token = v["token"].as_str().unwrap_or_default().to_owned();
@@ -262,6 +272,11 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
                     text(&v["actor"]),
                     text(&v["role"])
                 );
+                if let Some(secret) = v["notify_secret"].as_str() {
+                    eprintln!(
+                        "its workloads' notifications are signed with the secret {secret} (X-Fairledger-Signature-256: sha256=HMAC-SHA256 of the body); it is shown this once"
+                    );
+                }
                 match &out {
                     Some(path) => format!("token of {head} written to {}\n", path.display()),
                     // The token alone on stdout, so `$(fairledger token create …)` captures it.

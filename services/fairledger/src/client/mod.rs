@@ -233,6 +233,11 @@ pub struct SubmitArgs {
     /// `sbatch --test-only`).
     #[arg(long, conflicts_with = "wait")]
     pub test_only: bool,
+    /// Post its events (started, preemption requested, stopped, requeued, finished,
+    /// cancelled) to this URL, signed with your notification secret (like sbatch
+    /// --mail-type=ALL).
+    #[arg(long)]
+    pub notify: Option<String>,
     /// The command the node agent runs.
     #[arg(last = true)]
     pub command: Vec<String>,
@@ -386,7 +391,7 @@ fn tls_failed(e: &ureq::Error) -> String {
         // openssl's usual self-signed recipe marks the certificate a CA, which browsers and
         // curl forgive and rustls does not.
         return format!(
-            "TLS failed ({what}): the server's certificate is marked as a CA (CA:TRUE, as `openssl req -x509` makes it); make one with `fairledger tls-cert`, or add -addext basicConstraints=critical,CA:FALSE to openssl"
+            "TLS failed ({what}): the server's certificate is marked as a CA (CA:TRUE, as `openssl req -x509` makes it); make a CA and a certificate it signs with `fairledger tls self-signed --host NAME`, or add -addext basicConstraints=critical,CA:FALSE to openssl"
         );
     }
     format!(
@@ -401,6 +406,7 @@ pub fn submit(args: &ClientArgs, s: SubmitArgs) -> Result<(), String> {
         "allocation": s.allocation, "gpus_per_node": s.gpus, "nodes": s.nodes, "name": s.name,
         "model": s.model, "priority": s.priority, "min_runtime_s": s.min_runtime,
         "duration_estimate_s": s.duration, "checkpoint_s": s.checkpoint, "command": s.command,
+        "notify": s.notify,
     });
     if s.test_only {
         let v = api.call("POST", "/v1/workloads?dry_run=true", Some(&body))?;
@@ -576,6 +582,7 @@ pub fn status(args: &ClientArgs, id: &str) -> Result<(), String> {
                     ),
                 },
             ),
+            ("notified", notified(&w["notifications"])),
         ];
         lines
             .iter()
@@ -634,6 +641,27 @@ fn signal_name(sig: i64) -> String {
         return s.as_str().to_owned();
     }
     format!("signal {sig}")
+}
+
+/// How a workload's notifications stand: where they go, how many were delivered, and the last
+/// failure; "-" for a workload without them.
+fn notified(n: &Value) -> String {
+    if n.is_null() {
+        return "-".into();
+    }
+    let mut s = format!(
+        "{} delivered, {} pending to {}",
+        n["delivered"],
+        n["pending"],
+        text(&n["to"])
+    );
+    if n["given_up"].as_u64().unwrap_or(0) > 0 {
+        s += &format!(", {} given up", n["given_up"]);
+    }
+    if let Some(e) = n["last_error"].as_str() {
+        s += &format!(" (last try: {})", ledger::names::terminal_safe(e));
+    }
+    s
 }
 
 /// Where the output of a workload's current or last run is: `node:path` under that node
@@ -851,9 +879,19 @@ pub fn settings(args: &ClientArgs, command: SettingsCommand) -> Result<(), Strin
                         names.join(", ")
                     ));
                 }
-                // Text for a setting that is text (a policy's name, a label); numbers and
-                // booleans as JSON otherwise.
+                // Text for a setting that is text (a policy's name, a label), a list for one
+                // that is a list (comma-separated: `notify_urls=https://a/,https://b/`, or
+                // empty for none); numbers and booleans as JSON otherwise.
                 let value = match serde_json::from_str::<Value>(value) {
+                    Ok(v) if now["settings"][name].is_array() && v.is_array() => v,
+                    _ if now["settings"][name].is_array() => Value::Array(
+                        value
+                            .split(',')
+                            .map(str::trim)
+                            .filter(|v| !v.is_empty())
+                            .map(|v| Value::String(v.to_owned()))
+                            .collect(),
+                    ),
                     Ok(v)
                         if !now["settings"][name].is_string()
                             && (v.is_number() || v.is_boolean()) =>
