@@ -100,10 +100,11 @@ impl Role {
         }
     }
 
-    /// Whether events read by this role show submissions' `command` and `env` (an agent
-    /// launches them; an auditor and an admin see everything).
+    /// Whether events read by this role show submissions' `command`, `env` and `notify` (an
+    /// auditor and an admin see everything; an agent asks for the command of a run placed on
+    /// its node when it launches it, so it never reads another node's).
     pub fn sees_commands(self) -> bool {
-        matches!(self, Role::Admin | Role::Auditor | Role::Agent)
+        matches!(self, Role::Admin | Role::Auditor)
     }
 }
 

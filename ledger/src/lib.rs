@@ -43,7 +43,7 @@
 //!     workload: job, allocation: Some("ai2/olmo".into()), gpus_per_node: 4, nodes: 1,
 //!     model: None, priority: 0, min_runtime_s: None, duration_estimate_s: None,
 //!     checkpoint_s: None, name: None, command: vec![], env: Default::default(),
-//!     idempotency_key: None,
+//!     idempotency_key: None, notify: None,
 //! }));
 //! assert_eq!(outcome, Outcome::Applied);
 //!

@@ -237,15 +237,24 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
                 RegisterNode,
                 DrainNode,
                 WhatIf,
+                ReadOutput,
             ],
         ),
         (
             Role::Operator,
-            &[WhoAmI, Read, ReadEvents, Cancel, RegisterNode, DrainNode],
+            &[
+                WhoAmI,
+                Read,
+                ReadEvents,
+                Cancel,
+                RegisterNode,
+                DrainNode,
+                ReadOutput,
+            ],
         ),
         (
             Role::Submitter,
-            &[WhoAmI, Read, ReadEvents, Submit, Cancel, WhatIf],
+            &[WhoAmI, Read, ReadEvents, Submit, Cancel, WhatIf, ReadOutput],
         ),
         (
             Role::Agent,
@@ -253,7 +262,7 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
         ),
         (
             Role::Auditor,
-            &[WhoAmI, Read, ReadEvents, ReadAudit, WhatIf],
+            &[WhoAmI, Read, ReadEvents, ReadAudit, WhatIf, ReadOutput],
         ),
         (Role::Viewer, &[WhoAmI, Read, ReadEvents]),
     ];
@@ -270,6 +279,7 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
         DrainNode,
         ReportForNode,
         WhatIf,
+        ReadOutput,
     ];
     for (role, allowed) in table {
         for kind in kinds {
@@ -278,6 +288,8 @@ fn each_role_may_take_exactly_its_kinds_of_action() {
     }
     assert!(Role::Auditor.sees_commands() && Role::Admin.sees_commands());
     assert!(!Role::Viewer.sees_commands() && !Role::Submitter.sees_commands());
+    // An agent reads only its own node's commands, when they are placed there.
+    assert!(!Role::Agent.sees_commands());
 }
 
 #[test]

@@ -236,6 +236,23 @@ impl HttpLog {
     }
 }
 
+impl HttpLog {
+    /// What to launch for `workload`, placed on this node: its command and environment (the
+    /// events an agent reads over HTTP leave them out).
+    pub async fn run_spec(
+        &self,
+        workload: uuid::Uuid,
+    ) -> Result<(Vec<String>, std::collections::BTreeMap<String, String>), String> {
+        let path = format!("/v1/nodes/{}/workloads/{workload}/spec", self.node);
+        let (status, answer) = self.call(path, None).await?;
+        if status != 200 {
+            return Err(problem(&answer));
+        }
+        serde_json::from_value(json!([answer["command"], answer["env"]]))
+            .map_err(|e| format!("the server's answer for workload {workload}'s spec: {e}"))
+    }
+}
+
 fn output_path(key: &eventlog::output::RunKey) -> String {
     format!("/v1/nodes/{}/output/{}/{}", key.node, key.workload, key.run)
 }

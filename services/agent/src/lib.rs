@@ -281,6 +281,10 @@ pub struct Agent<L> {
     runs_dir: PathBuf,
     /// Where runs' output is shipped.
     shipping: ship::Shipping,
+    /// Where the commands of runs placed here are asked for, when the events leave them out
+    /// (an agent over HTTP); the workloads whose command was asked.
+    specs_from: Option<http::HttpLog>,
+    fetched: std::collections::BTreeSet<WorkloadId>,
 }
 
 impl<L: EventLog> Agent<L> {
@@ -309,7 +313,16 @@ impl<L: EventLog> Agent<L> {
             orphans: BTreeMap::new(),
             runs_dir,
             shipping: ship::Shipping::Off,
+            specs_from: None,
+            fetched: Default::default(),
         }
+    }
+
+    /// Asks `api` for the command and environment of each run placed here before launching it:
+    /// the events an agent reads over HTTP leave them out, so it never holds another node's.
+    pub fn with_specs_from(mut self, api: http::HttpLog) -> Self {
+        self.specs_from = Some(api);
+        self
     }
 
     /// Ships the runs' output to `shipping` (see [`ship`]); without it, output stays in the run
@@ -515,6 +528,7 @@ impl<L: EventLog> Agent<L> {
                             .is_none_or(|w| matches!(w.phase, Phase::Finished | Phase::Cancelled))
                         {
                             self.specs.remove(&id);
+                            self.fetched.remove(&id);
                         }
                     }
                     _ => {}
@@ -651,6 +665,34 @@ impl<L: EventLog> Agent<L> {
         out
     }
 
+    /// Asks for the command of every run placed here not asked for yet (agents over HTTP);
+    /// answers the workloads whose command is still unknown.
+    async fn fetch_specs(
+        &mut self,
+        placed: &BTreeMap<(WorkloadId, u64), Vec<u32>>,
+    ) -> std::collections::BTreeSet<WorkloadId> {
+        let mut unknown = std::collections::BTreeSet::new();
+        let Some(api) = self.specs_from.clone() else {
+            return unknown;
+        };
+        for (id, _) in placed.keys() {
+            if self.fetched.contains(id) {
+                continue;
+            }
+            match api.run_spec(*id).await {
+                Ok(spec) => {
+                    self.specs.insert(*id, spec);
+                    self.fetched.insert(*id);
+                }
+                Err(e) => {
+                    tracing::warn!(workload = %id, error = %e, "cannot ask for the command of a run placed here; asking again");
+                    unknown.insert(*id);
+                }
+            }
+        }
+        unknown
+    }
+
     /// Runs in the run directory that are alive but not placed here: stopped once found.
     fn find_orphans(&mut self) {
         let placed = self.placed_here();
@@ -678,9 +720,12 @@ impl<L: EventLog> Agent<L> {
     /// Brings the node's processes in line with the ledger.
     async fn reconcile(&mut self) {
         let placed = self.placed_here();
+        let unknown = self.fetch_specs(&placed).await;
         // Launch or adopt what is placed here.
         for (key, gpus) in &placed {
             match self.runs.remove(key) {
+                // Its command is still to be asked for: launched at a later tick.
+                None if unknown.contains(&key.0) => {}
                 None => {
                     let run = self.start(*key, gpus);
                     self.runs.insert(*key, run);

@@ -20,11 +20,16 @@ use crate::http::HttpLog;
 use crate::run;
 
 /// How often new output is looked for.
-pub const SHIP_EVERY: Duration = Duration::from_secs(1);
+pub const SHIP_EVERY: Duration = Duration::from_millis(500);
 
 /// The most bytes of one run shipped per look: a run that writes faster is shipped over the
 /// next looks, and others' output is not held up behind it.
-const PER_LOOK: u64 = 16 * CHUNK_MAX as u64;
+const PER_LOOK: u64 = 64 * CHUNK_MAX as u64;
+
+/// A run whose unshipped output grows past this is shipped from its last this many bytes on:
+/// the service keeps no more of a run (its default bound), so shipping older bytes would only
+/// have them dropped. Readers see the gap as output not kept.
+const BEHIND_MAX: u64 = 16 << 20;
 
 /// Where output goes.
 #[derive(Clone)]
@@ -182,6 +187,14 @@ impl Shipper {
         // Ended first, read after: all a run wrote is in its log before its end is recorded.
         let ended = !matches!(run::status(dir), run::Status::Running);
         let path = dir.join("output.log");
+        let written = std::fs::metadata(&path).map_or(0, |m| m.len());
+        let next = if written > next + BEHIND_MAX {
+            let from = written - BEHIND_MAX;
+            tracing::warn!(workload = %shipment.key.workload, run = shipment.key.run, "a run writes faster than its output is shipped: {} bytes are skipped", from - next);
+            from
+        } else {
+            next
+        };
         let new =
             read_from(&path, next, PER_LOOK).map_err(|e| format!("{}: {e}", path.display()))?;
         let drained = (new.len() as u64) < PER_LOOK;

@@ -90,6 +90,7 @@ pub use routes::{health_router, router};
         routes::nodes::heartbeat,
         routes::nodes::node_events,
         routes::nodes::lease,
+        routes::nodes::run_spec,
         routes::output::ship,
         routes::output::shipped,
         routes::nodes::nodes,

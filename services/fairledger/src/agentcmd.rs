@@ -218,7 +218,9 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             log.claim().await.map_err(|e| format!("{e} (API {api})"))?;
             let telemetry = Telemetry::Http(log.clone());
             let shipping = agent::ship::Shipping::Http(log.clone());
-            let agent = agent::Agent::new(log, telemetry, source, config).with_output(shipping);
+            let agent = agent::Agent::new(log.clone(), telemetry, source, config)
+                .with_output(shipping)
+                .with_specs_from(log);
             agent
                 .run(shutdown_signal())
                 .await

@@ -55,6 +55,21 @@ fn logs(server: &Server, token_file: &str, args: &[&str]) -> (bool, String, Stri
     )
 }
 
+/// The head of the answer to GET `path` with `token`, lower-case.
+fn head_of(server: &Server, token: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(&server.addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\r\n"
+    )
+    .unwrap();
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).unwrap();
+    let text = String::from_utf8_lossy(&all).to_lowercase();
+    text.split("\r\n\r\n").next().unwrap_or("").to_owned()
+}
+
 fn token_file(dir: &Path, name: &str, token: &str) -> String {
     let path = dir.join(format!("{name}.token"));
     std::fs::write(&path, token).unwrap();
@@ -147,6 +162,16 @@ fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> A
     let (ok, tail, err) = logs(server, &alice_file, &["--tail", "2", &id]);
     assert!(ok, "{err}");
     assert_eq!(tail, "tick 8\ndone\n");
+    let head = head_of(server, &alice, &format!("/v1/workloads/{id}/logs?tail=0"));
+    for h in [
+        "fairledger-run: 1",
+        "fairledger-node: gpu-1",
+        "fairledger-ended: true",
+        "fairledger-dropped: 0",
+        "content-type: text/plain",
+    ] {
+        assert!(head.contains(h), "{h} in {head}");
+    }
     let (ok, admin, _) = logs(server, &server.token_file(), &["--run", "1", &id]);
     assert!(ok);
     assert_eq!(admin, expected(8));

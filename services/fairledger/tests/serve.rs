@@ -887,12 +887,29 @@ fn the_first_admin_grants_tokens_that_work_within_their_scope_until_revoked() {
             "uw/nlp",
             "--expires",
             "30d",
+            "--submissions-per-minute",
+            "90",
         ],
     )
     .unwrap()
     .trim()
     .to_owned();
     assert!(bot.starts_with("flt_"), "{bot}");
+    let (_, tokens) = server.call("GET", "/v1/tokens", None);
+    let granted = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "nlp-bot")
+        .unwrap();
+    assert_eq!(
+        (
+            granted["rates"]["submissions_per_minute"].as_u64(),
+            granted["rates"]["whatifs_per_minute"].as_u64()
+        ),
+        (Some(90), Some(20)),
+        "the rate given, the others their defaults: {granted}"
+    );
     let as_bot = [("FAIRLEDGER_TOKEN", bot.as_str())];
     let submitted = cli_env(
         &server,

@@ -8,7 +8,7 @@
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json` | open: no secrets, only liveness, aggregate figures and the API's shape (`/metrics` adds per-allocation series for a token that may `read`) |
 //! | `GET /v1/whoami` | any principal |
 //! | reads of workloads, the queue, allocations, nodes, cluster metrics | `read`: every role but `agent` |
-//! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command` and `env` only for admin, auditor and agent |
+//! | `GET /v1/events`, `GET /v1/events/stream` | `read_events`: every role; `command`, `env` and `notify` only for admin and auditor |
 //! | `GET /v1/audit/…` (ledger, head, verify, workloads) | `read_audit`: admin, auditor |
 //! | `PUT`/`DELETE /v1/allocations/…` | admin |
 //! | `GET /v1/settings` | `read`; `PUT /v1/settings`: admin |
@@ -16,7 +16,7 @@
 //! | `DELETE /v1/workloads/{id}` | admin, operator; submitter within its subtrees |
 //! | `POST /v1/nodes` | admin, operator; agent for its own node |
 //! | `POST`/`DELETE /v1/nodes/{node}/drain` | admin, operator |
-//! | `POST /v1/nodes/{node}/heartbeat`, `…/events`, `…/lease`, `GET`/`POST …/output/{workload}/{run}` | the agent of that node |
+//! | `POST /v1/nodes/{node}/heartbeat`, `…/events`, `…/lease`, `GET`/`POST …/output/{workload}/{run}`, `GET …/workloads/{id}/spec` | the agent of that node |
 //! | `GET /v1/workloads/{id}/logs` | `read_output`: the workload's submitter, operator, admin, auditor (output may hold secrets: not viewers) |
 //! | `/v1/tokens…` | admin |
 //! | `POST /v1/whatif` | admin, auditor; submitter for changes to its own allocations |
@@ -143,6 +143,14 @@ fn table() -> Vec<(Route, MethodRouter<App>)> {
         (
             r("POST", "/v1/nodes/{node}/lease", Needs(ReportForNode)),
             routing::post(nodes::lease),
+        ),
+        (
+            r(
+                "GET",
+                "/v1/nodes/{node}/workloads/{id}/spec",
+                Needs(ReportForNode),
+            ),
+            routing::get(nodes::run_spec),
         ),
         (
             r(

@@ -446,6 +446,59 @@ pub(crate) async fn node_events(
         .map(|v| Json(v).into_response())
 }
 
+#[utoipa::path(get, path = "/v1/nodes/{node}/workloads/{id}/spec", tag = "nodes",
+    params(
+        ("node" = String, Path, description = "the node"),
+        ("id" = String, Path, description = "workload id (UUID)"),
+    ),
+    responses(
+        (status = 200, description = "what to launch: `command` and `env` of a workload running on the node", body = serde_json::Value),
+        (status = 403, description = "not this node's agent", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the workload is not running on this node (or not yet, as this process has folded the ledger)", body = problem::Problem, content_type = "application/problem+json"),
+    ))]
+/// What a node's agent launches for a workload placed on its node: its command and
+/// environment, which the events it reads leave out (an agent never reads another node's).
+pub(crate) async fn run_spec(
+    State(app): State<App>,
+    caller: Caller,
+    Path((node, id)): Path<(String, String)>,
+) -> Result<Response, Problem> {
+    node_name("node", &node)?;
+    let id = super::parse_id(&id)?;
+    let submit_seq = {
+        let p = app.inner.projection.read().await;
+        let state = p.state();
+        caller.allow(&Action::ReportForNode { node: &node }, state)?;
+        let placed = state.workloads().get(&id).filter(|w| {
+            w.phase == ledger::Phase::Running
+                && w.placement
+                    .iter()
+                    .any(|pl| state.cluster().node(pl.node).name == node)
+        });
+        match placed {
+            Some(w) => w.submit_seq,
+            None => {
+                return Err(Problem::new(
+                    StatusCode::CONFLICT,
+                    "not-placed",
+                    format!(
+                        "workload {id} is not running on node {node} as this server has folded the ledger; an agent reads the commands of its own node's runs only"
+                    ),
+                ))
+            }
+        }
+    };
+    let submitted = app.events_at(&[submit_seq]).await?;
+    match submitted.first().map(|(_, env)| &env.event) {
+        Some(Event::WorkloadSubmitted(s)) => {
+            Ok(Json(json!({"command": s.command, "env": s.env})).into_response())
+        }
+        _ => Err(Problem::unavailable(format!(
+            "the submission of workload {id} (event {submit_seq}) cannot be read back"
+        ))),
+    }
+}
+
 /// The agent a report names itself as ([`crate::leases::HOLDER_HEADER`]), if it does.
 pub(crate) fn holder(headers: &axum::http::HeaderMap) -> Result<Option<&str>, Problem> {
     let Some(v) = headers.get(crate::leases::HOLDER_HEADER) else {

@@ -21,7 +21,7 @@ use crate::routes::{bad_query, parse_id};
 use crate::{problem, App, Problem};
 
 /// How often a follower looks for more output.
-const FOLLOW_POLL: Duration = Duration::from_millis(500);
+const FOLLOW_POLL: Duration = Duration::from_millis(250);
 /// A followed run that ended in the ledger but whose last chunk never came (its agent went
 /// away) is followed this long after its last output.
 const FOLLOW_AFTER_END: Duration = Duration::from_secs(10);
@@ -188,7 +188,7 @@ pub(crate) struct LogsQuery {
 #[utoipa::path(get, path = "/v1/workloads/{id}/logs", tag = "workloads",
     params(("id" = String, Path, description = "workload id (UUID)"), LogsQuery),
     responses(
-        (status = 200, description = "the run's output as it was written (`text/plain`, streamed with `follow`). Headers: `fairledger-run` (the run), `fairledger-runs` (how many it had), `fairledger-node`, `fairledger-nodes` (a gang's, comma-separated), `fairledger-offset` (the byte of the output the body starts at), `fairledger-dropped` (bytes before it no longer kept)", content_type = "text/plain"),
+        (status = 200, description = "the run's output as it was written (`text/plain`, streamed with `follow`). Headers: `fairledger-run` (the run), `fairledger-runs` (how many it had), `fairledger-node`, `fairledger-nodes` (a gang's, comma-separated), `fairledger-offset` (the byte of the output the body starts at), `fairledger-dropped` (bytes before it no longer kept), `fairledger-ended` (the run's last output is in: nothing more will come)", content_type = "text/plain"),
         (status = 403, description = "not the workload's submitter, nor an operator, admin or auditor", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "no such workload, run or node; or it never started", body = problem::Problem, content_type = "application/problem+json"),
     ))]
@@ -293,6 +293,11 @@ pub(crate) async fn logs(
     };
     let dropped = kept_from.saturating_sub(start);
     let start = start.max(kept_from);
+    let ended = store
+        .shipped(&key)
+        .await
+        .map_err(unavailable)?
+        .is_some_and(|s| s.ended);
     let follow = Follow {
         app: app.clone(),
         store,
@@ -313,6 +318,10 @@ pub(crate) async fn logs(
         &nodes,
         start,
         dropped,
+    );
+    response.headers_mut().insert(
+        "fairledger-ended",
+        HeaderValue::from_static(if ended { "true" } else { "false" }),
     );
     Ok(response)
 }

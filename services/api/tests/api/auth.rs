@@ -66,6 +66,10 @@ fn expected() -> BTreeMap<(&'static str, &'static str), Option<&'static [&'stati
         (("POST", "/v1/nodes/{node}/events"), Some(&["agent"][..])),
         (("POST", "/v1/nodes/{node}/lease"), Some(&["agent"][..])),
         (
+            ("GET", "/v1/nodes/{node}/workloads/{id}/spec"),
+            Some(&["agent"][..]),
+        ),
+        (
             ("POST", "/v1/nodes/{node}/output/{workload}/{run}"),
             Some(&["agent"][..]),
         ),
@@ -1082,4 +1086,54 @@ async fn only_the_node_a_run_stopped_on_reports_its_requeue() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{answer}");
+}
+
+/// An agent reads no command from the events, not even its own node's: it asks for the command
+/// of a run placed on its node when it launches it, and is refused any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reads_the_commands_of_its_own_nodes_runs_only() {
+    let f = fixture(true).await;
+    let (status, _, answer) = call(
+        &f,
+        "POST",
+        "/v1/workloads",
+        Some(r#"{"allocation":"b","gpus_per_node":8,"command":["train","--key=s3cr3t"],"env":{"WANDB_API_KEY":"s3cr3t"}}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    let id = answer["id"].as_str().unwrap().to_owned();
+    // Placed by the scheduler on one of the two nodes.
+    let mut here = None;
+    for _ in 0..200 {
+        let (_, _, row) = call(&f, "GET", &format!("/v1/workloads/{id}"), None, &[]).await;
+        if let Some(node) = row["placement"][0]["node"].as_str() {
+            here = Some(node.to_owned());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let here = here.expect("placed");
+    let there = if here == "n0" { "n1" } else { "n0" };
+    let mine = token(&f, &here, "agent", &[], Some(&here)).await;
+    let other = token(&f, there, "agent", &[], Some(there)).await;
+    let (_, _, page) = call_as(&f, Some(&mine), "GET", "/v1/events?limit=1000", None, &[]).await;
+    assert!(!page.to_string().contains("s3cr3t"), "{page}");
+    let spec = |token: String, node: String| {
+        let (f, id) = (&f, id.clone());
+        async move {
+            let path = format!("/v1/nodes/{node}/workloads/{id}/spec");
+            call_as(f, Some(&token), "GET", &path, None, &[]).await
+        }
+    };
+    let (status, _, got) = spec(mine.clone(), here.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    assert_eq!(got["command"][1], "--key=s3cr3t");
+    assert_eq!(got["env"]["WANDB_API_KEY"], "s3cr3t");
+    // The other node's agent: not for its node, and not as the placed node's.
+    let (status, _, problem) = spec(other.clone(), there.to_owned()).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert!(!problem.to_string().contains("s3cr3t"));
+    let (status, _, problem) = spec(other, here.clone()).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
 }

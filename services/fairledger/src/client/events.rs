@@ -183,6 +183,16 @@ pub enum TokenCommand {
         /// prefix the settings' notify_urls allow).
         #[arg(long)]
         notify: Option<String>,
+        /// Most submissions (dry runs included) per minute (default 600; none for an admin or
+        /// an agent).
+        #[arg(long)]
+        submissions_per_minute: Option<u32>,
+        /// Most what-ifs per minute (default 20).
+        #[arg(long)]
+        whatifs_per_minute: Option<u32>,
+        /// Most event streams replaying history per minute (default 20).
+        #[arg(long)]
+        replays_per_minute: Option<u32>,
         /// Write the token to this file (readable by you only) instead of printing it.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -215,6 +225,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
         offline: true,
         log,
         notify,
+        ..
     } = command
     {
         let grant = crate::recover::Grant {
@@ -241,12 +252,25 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             max_pending,
             out,
             notify,
+            submissions_per_minute,
+            whatifs_per_minute,
+            replays_per_minute,
             ..
         } => {
+            let rates = (submissions_per_minute.is_some()
+                || whatifs_per_minute.is_some()
+                || replays_per_minute.is_some())
+            .then(|| {
+                json!({
+                    "submissions_per_minute": submissions_per_minute,
+                    "whatifs_per_minute": whatifs_per_minute,
+                    "replays_per_minute": replays_per_minute,
+                })
+            });
             let body = json!({
                 "name": name, "role": role, "allocations": allocations, "node": node,
                 "expires_in_s": expires.map(|d| d.as_secs().max(1)), "max_pending": max_pending,
-                "notify": notify,
+                "notify": notify, "rates": rates,
             });
             let mut v = api.call("POST", "/v1/tokens", Some(&body))?;
             let token = v["token"].as_str().unwrap_or_default().to_owned();
