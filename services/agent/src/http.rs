@@ -22,6 +22,8 @@ pub struct HttpLog {
     authorization: std::sync::Arc<str>,
     /// How this agent names itself to the API (host:pid:id): the node is its while it reports.
     holder: std::sync::Arc<str>,
+    /// Set when the API refused the token (revoked, expired): why.
+    refused: std::sync::Arc<tokio::sync::watch::Sender<Option<String>>>,
 }
 
 /// An HTTP client that answers every status as it is (problems are read, not raised), with
@@ -76,7 +78,20 @@ impl HttpLog {
             agent,
             authorization: format!("Bearer {}", token.trim()).into(),
             holder: format!("{}:{}:{}", host(), std::process::id(), uuid::Uuid::now_v7()).into(),
+            refused: std::sync::Arc::new(tokio::sync::watch::channel(None).0),
         })
+    }
+
+    /// Says why, once the API refuses this agent's token (it was revoked, or it expired).
+    pub fn refused(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.refused.subscribe()
+    }
+
+    /// Notes a 401: the token no longer holds.
+    fn check_refused(&self, status: u16, answer: &Value) {
+        if status == 401 {
+            self.refused.send_replace(Some(problem(answer)));
+        }
     }
 
     /// Names this agent `holder` to the API (by default host, process and a random id): an
@@ -123,10 +138,9 @@ impl HttpLog {
                 .body_mut()
                 .read_to_string()
                 .map_err(|e| format!("reading the answer of {url}: {e}"))?;
-            Ok((
-                status,
-                serde_json::from_str(&text).unwrap_or(Value::String(text)),
-            ))
+            let answer = serde_json::from_str(&text).unwrap_or(Value::String(text));
+            this.check_refused(status, &answer);
+            Ok((status, answer))
         })
         .await
         .map_err(|e| e.to_string())?
@@ -229,6 +243,7 @@ impl HttpLog {
         })
         .await
         .map_err(|e| e.to_string())??;
+        self.check_refused(status, &answer);
         if status >= 400 {
             return Err(problem(&answer));
         }

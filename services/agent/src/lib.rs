@@ -120,6 +120,9 @@ pub enum AgentError {
     /// The run directory could not be used.
     #[error("{0}")]
     Io(String),
+    /// The service no longer takes this agent's credentials.
+    #[error("the server refused this agent's token ({0}): its runs were stopped; give the agent a new token (`fairledger token create --role agent`)")]
+    Refused(String),
 }
 
 /// The time used for events: this machine's clock, corrected by the server's where measured.
@@ -285,6 +288,8 @@ pub struct Agent<L> {
     /// (an agent over HTTP); the workloads whose command was asked.
     specs_from: Option<http::HttpLog>,
     fetched: std::collections::BTreeSet<WorkloadId>,
+    /// Says why once the service refuses this agent's credentials.
+    refused: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
 impl<L: EventLog> Agent<L> {
@@ -315,7 +320,19 @@ impl<L: EventLog> Agent<L> {
             shipping: ship::Shipping::Off,
             specs_from: None,
             fetched: Default::default(),
+            refused: None,
         }
+    }
+
+    /// Stops, its runs with it, once `refused` says the service no longer takes this agent's
+    /// credentials (its token was revoked or expired): the node is cut off, and its work will be
+    /// requeued elsewhere, so none of it may go on here.
+    pub fn stop_when_refused(
+        mut self,
+        refused: tokio::sync::watch::Receiver<Option<String>>,
+    ) -> Self {
+        self.refused = Some(refused);
+        self
     }
 
     /// Asks `api` for the command and environment of each run placed here before launching it:
@@ -398,8 +415,15 @@ impl<L: EventLog> Agent<L> {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut resubscribe = false;
+        let mut refused = self.refused.take();
         loop {
             tokio::select! {
+                why = refusal(&mut refused) => {
+                    tracing::error!(node = %self.config.node, reason = %why, "the server refused this agent's token: stopping its runs and the agent");
+                    self.stop_all().await;
+                    let _ = stop_shipping.send(());
+                    return Err(AgentError::Refused(why));
+                }
                 _ = &mut stop => {
                     if self.config.stop_runs_on_exit {
                         self.stop_all().await;
@@ -1095,6 +1119,21 @@ impl<L: EventLog> Agent<L> {
 }
 
 /// Aborts a task when dropped.
+/// Why the service refused this agent's credentials, once it does; never without a watch.
+async fn refusal(refused: &mut Option<tokio::sync::watch::Receiver<Option<String>>>) -> String {
+    let Some(rx) = refused else {
+        return std::future::pending().await;
+    };
+    loop {
+        if let Some(why) = rx.borrow_and_update().clone() {
+            return why;
+        }
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
+}
+
 struct AbortOnDrop(tokio::task::AbortHandle);
 
 impl Drop for AbortOnDrop {

@@ -220,6 +220,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
             let shipping = agent::ship::Shipping::Http(log.clone());
             let agent = agent::Agent::new(log.clone(), telemetry, source, config)
                 .with_output(shipping)
+                .stop_when_refused(log.refused())
                 .with_specs_from(log);
             agent
                 .run(shutdown_signal())

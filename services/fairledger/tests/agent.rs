@@ -546,6 +546,32 @@ fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
         "the log did not move"
     );
     assert!(agent.log().contains("is off by"), "{}", agent.log());
+    // Its token revoked, the agent stops its runs and itself: the node is cut off, and what
+    // ran there will run elsewhere, not twice.
+    let long = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": [job.to_str().unwrap(), "600"]}),
+    );
+    wait_until("the long process", 30, || {
+        lines(&jobs).iter().any(|l| l[0] == "start" && l[3] == long)
+    });
+    let (status, answer) = server.call("DELETE", "/v1/tokens/gpu-h", None);
+    assert_eq!(status, 200, "{answer}");
+    let mut agent = agent;
+    wait_until("the agent to stop", 30, || {
+        agent.child.try_wait().unwrap().is_some()
+    });
+    assert!(!agent.child.wait().unwrap().success());
+    assert!(
+        agent.log().contains("refused this agent's token"),
+        "{}",
+        agent.log()
+    );
+    assert!(
+        lines(&jobs).iter().any(|l| l[0] == "term" && l[2] == long),
+        "its run was stopped: {:?}",
+        lines(&jobs)
+    );
 }
 
 #[test]
