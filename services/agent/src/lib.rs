@@ -73,6 +73,9 @@ pub struct AgentConfig {
     /// How long after a failed launch the run is launched again (four times longer after
     /// each further failure, up to [`LAUNCH_ATTEMPTS`]).
     pub launch_backoff: Duration,
+    /// Run each workload as the Unix user named like its submitter (`user:alice` runs as
+    /// `alice`); the agent must run as root.
+    pub run_as_submitter: bool,
 }
 
 impl AgentConfig {
@@ -90,6 +93,7 @@ impl AgentConfig {
             orphan_grace: Duration::from_secs(10),
             stop_runs_on_exit: false,
             launch_backoff: Duration::from_secs(2),
+            run_as_submitter: false,
         }
     }
 }
@@ -355,6 +359,11 @@ impl<L: EventLog> Agent<L> {
         mut self,
         stop: impl std::future::Future<Output = ()>,
     ) -> Result<(), AgentError> {
+        if self.config.run_as_submitter && !nix::unistd::geteuid().is_root() {
+            return Err(AgentError::Io(
+                "--run-as-submitter needs the agent to run as root (it starts each workload as its submitter's Unix user)".into(),
+            ));
+        }
         std::fs::create_dir_all(&self.runs_dir).map_err(|e| {
             AgentError::Io(format!(
                 "cannot create the run directory {}: {e}; pass another --work-dir",
@@ -1021,7 +1030,18 @@ impl<L: EventLog> Agent<L> {
         } else {
             command
         };
-        run::Spec { command, env }
+        let run_as = self.config.run_as_submitter.then(|| {
+            let actor = self.state.submitter(w);
+            actor
+                .split_once(':')
+                .map_or(actor, |(_, name)| name)
+                .to_owned()
+        });
+        run::Spec {
+            command,
+            env,
+            run_as,
+        }
     }
 
     /// What to report for a run that ended (or vanished), and when it ended (server time).

@@ -33,6 +33,10 @@ pub struct Spec {
     pub command: Vec<String>,
     /// Environment added to the agent's.
     pub env: BTreeMap<String, String>,
+    /// The Unix user to run it as (the shim, started as root, switches to it); `None`: the
+    /// agent's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<String>,
 }
 
 /// How a run ended.
@@ -113,6 +117,34 @@ pub fn launch(
         .process_group(0)
         .kill_on_drop(false);
     cmd.spawn()
+}
+
+/// Makes `cmd` run as Unix user `name`: its user and group ids (no supplementary groups), its
+/// home as working directory and `HOME`, `USER` and `LOGNAME`. Root is refused.
+fn as_user(cmd: &mut std::process::Command, name: &str) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let user = nix::unistd::User::from_name(name)
+        .map_err(|e| format!("cannot look up the Unix user {name:?}: {e}"))?
+        .ok_or_else(|| {
+            format!("no Unix user {name:?} on this node to run its submitter's workload as")
+        })?;
+    if user.uid.is_root() {
+        return Err(format!(
+            "the Unix user {name:?} is root; a workload never runs as root"
+        ));
+    }
+    let home = if user.dir.is_dir() {
+        user.dir.clone()
+    } else {
+        std::path::PathBuf::from("/")
+    };
+    cmd.uid(user.uid.as_raw())
+        .gid(user.gid.as_raw())
+        .current_dir(&home)
+        .env("HOME", &user.dir)
+        .env("USER", name)
+        .env("LOGNAME", name);
+    Ok(())
 }
 
 /// Records that the run in `dir` failed without running its command, for `reason`: it ends
@@ -298,6 +330,17 @@ pub fn shim_main(dir: &Path, command: &[OsString]) -> i32 {
     cmd.args(args)
         .stdin(std::process::Stdio::null())
         .process_group(0);
+    // As its submitter, when the agent says so: the log is opened before, by the shim.
+    let run_as = std::fs::read(dir.join("spec.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Spec>(&b).ok())
+        .and_then(|s| s.run_as);
+    if let Some(name) = run_as {
+        match as_user(&mut cmd, &name) {
+            Ok(()) => {}
+            Err(reason) => return failed(reason),
+        }
+    }
     match log.try_clone() {
         Ok(out) => {
             cmd.stdout(out).stderr(log);

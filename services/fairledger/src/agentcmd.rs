@@ -58,6 +58,11 @@ pub struct AgentArgs {
     /// Where runs keep their directories and output logs.
     #[arg(long, env = "FAIRLEDGER_WORK_DIR", default_value = "fairledger-agent")]
     pub work_dir: PathBuf,
+    /// Run each workload as the Unix user named like its submitter (the principal `alice`
+    /// runs as `alice`, never as root), so a job cannot read the agent's token, keys or run
+    /// directories, nor another user's files. The agent must run as root.
+    #[arg(long, env = "FAIRLEDGER_RUN_AS_SUBMITTER")]
+    pub run_as_submitter: bool,
     /// Seconds to keep trying a NATS server that is not up yet, or a cluster still forming.
     #[arg(long, env = "FAIRLEDGER_NATS_WAIT_S", default_value_t = 30)]
     pub nats_wait_s: u64,
@@ -195,6 +200,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     config.heartbeat = Duration::from_secs_f64(args.heartbeat_s);
     config.clock_skew_ms = args.clock_skew_ms;
     config.launch_backoff = Duration::from_secs_f64(args.launch_backoff_s);
+    config.run_as_submitter = args.run_as_submitter;
     if let Some(api) = args.api.clone() {
         let token = match &args.token_file {
             Some(path) => crate::client::read_token_file(path)?,

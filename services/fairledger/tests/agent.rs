@@ -971,3 +971,88 @@ fn an_agent_for_a_node_the_server_drives_is_refused() {
         "{said}"
     );
 }
+
+/// `--run-as-submitter`: a job runs as the Unix user named like its submitter, never as root,
+/// and cannot read what the agent and the server keep; a submitter without a Unix user of that
+/// name gets a failed run that says so. An agent not running as root is refused the flag.
+#[test]
+fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = cluster(tmp.path(), 3600);
+    let server = Server::start(&[
+        "--data",
+        tmp.path().join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let api = format!("http://{}", server.addr);
+    let token = server.grant("gpu-r", "agent", &[], Some("gpu-r"));
+    let work = tmp.path().join("agent");
+    let mut agent = Agent::start_with_env(
+        &["--api", &api],
+        "gpu-r",
+        &work,
+        &["--fake-gpus", "1", "--run-as-submitter"],
+        &[("FAIRLEDGER_TOKEN", &token)],
+    );
+    let uid = Command::new("id").arg("-u").output().unwrap();
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        wait_until("the agent to refuse", 30, || {
+            agent.child.try_wait().unwrap().is_some()
+        });
+        assert!(
+            agent.log().contains("needs the agent to run as root"),
+            "{}",
+            agent.log()
+        );
+        return;
+    }
+    wait_for_node(&server, "gpu-r");
+    // `nobody` is a submitter here and a Unix user on every Debian-like system.
+    let nobody = server.grant("nobody", "submitter", &["lab"], None);
+    let secret = server.data.join("admin.token");
+    let probe = format!(
+        "id -un; id -u; cat {} >/dev/null 2>&1 && echo read-the-token || echo cannot-read-the-token",
+        secret.display()
+    );
+    let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["sh", "-c", probe]});
+    let (status, answer) = server.call_as(
+        Some(&nobody),
+        "POST",
+        "/v1/workloads",
+        Some(&body.to_string()),
+    );
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["id"].as_str().unwrap().to_owned();
+    wait_for(&server, &id, "finished");
+    let out = Command::new(BIN)
+        .args([
+            "logs",
+            "--api",
+            &api,
+            "--token-file",
+            &server.token_file(),
+            &id,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "nobody\n65534\ncannot-read-the-token\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The admin has no Unix user of its name: its run fails, saying why.
+    let admin = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["true"]}),
+    );
+    let row = wait_for(&server, &admin, "finished");
+    assert!(
+        row["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no Unix user \"admin\""),
+        "{row}"
+    );
+}
