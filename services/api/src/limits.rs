@@ -11,11 +11,35 @@ use ledger::identity::{Principal, RateKind};
 
 use crate::Problem;
 
-/// The buckets of every principal that has used one.
+/// The buckets of every principal that has used one, and the scarce turns each holds.
 #[derive(Default)]
 pub(crate) struct Limiter {
     buckets: Mutex<HashMap<(String, RateKind), Bucket>>,
+    held: std::sync::Arc<Mutex<HashMap<(String, RateKind), usize>>>,
 }
+
+/// One of the few turns at costly work (a what-if, a replay of history) that a principal
+/// holds; given back when dropped.
+pub(crate) struct Held {
+    held: std::sync::Arc<Mutex<HashMap<(String, RateKind), usize>>>,
+    key: (String, RateKind),
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().expect("never poisoned");
+        if let Some(n) = held.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Turns of one kind a principal with a rate of that kind may hold at once: the few slots are
+/// shared, so one principal's requests cannot take them all while another's wait.
+pub(crate) const HELD_AT_ONCE: usize = 1;
 
 struct Bucket {
     tokens: f64,
@@ -23,6 +47,36 @@ struct Bucket {
 }
 
 impl Limiter {
+    /// Holds one more turn of `kind` for `principal`: a 429 while it already holds
+    /// [`HELD_AT_ONCE`] (its earlier request must end first).
+    pub(crate) fn hold(&self, principal: &Principal, kind: RateKind) -> Result<Held, Problem> {
+        let key = (principal.name.clone(), kind);
+        // Those without a rate of this kind (admins, agents) hold as many as they ask for.
+        let bound = if principal.rate(kind).is_some() {
+            HELD_AT_ONCE
+        } else {
+            usize::MAX
+        };
+        let mut held = self.held.lock().expect("never poisoned");
+        let n = held.entry(key.clone()).or_insert(0);
+        if *n >= bound {
+            return Err(Problem::rate_limited(
+                format!(
+                    "{} already has {} of its {} under way, which is all one principal may have at once while others share the slots; wait for it to end (or close it)",
+                    principal.actor(),
+                    n,
+                    kind.name()
+                ),
+                2,
+            ));
+        }
+        *n += 1;
+        Ok(Held {
+            held: self.held.clone(),
+            key,
+        })
+    }
+
     /// Takes one turn of `kind` for `principal`: a 429 with `Retry-After` when its rate has none
     /// left. A bucket holds ten seconds' worth (at least one), refilled at the rate.
     pub(crate) fn take(&self, principal: &Principal, kind: RateKind) -> Result<(), Problem> {

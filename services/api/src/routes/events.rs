@@ -2,6 +2,9 @@
 //! see commands (every role but admin, auditor and agent) get submissions without their
 //! `command` and `env`, which may hold what only the submitter's team should read.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -188,18 +191,23 @@ pub(crate) async fn event_stream(
         .last_seq()
         .await
         .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let mut turn = if last.saturating_sub(after) > crate::app::REPLAY_FREE {
+    let turn = if last.saturating_sub(after) > crate::app::REPLAY_FREE {
         app.inner
             .limits
             .take(&caller.0, ledger::identity::RateKind::Replay)?;
-        Some(
+        let mine = app
+            .inner
+            .limits
+            .hold(&caller.0, ledger::identity::RateKind::Replay)?;
+        Some((
             app.inner
                 .replays
                 .clone()
                 .acquire_owned()
                 .await
                 .expect("the replay turns are never closed"),
-        )
+            mine,
+        ))
     } else {
         None
     };
@@ -212,11 +220,23 @@ pub(crate) async fn event_stream(
     let sees_commands = caller.sees_commands();
     // A stream lives no longer than its caller's token: revoked or expired, it ends.
     let ended = token_gone(app.clone(), caller);
+    // A replay whose client stops reading gives its turn back after REPLAY_STALL, and the
+    // stream ends at its next read (the client resumes with Last-Event-ID).
+    let read_at = Arc::new(Mutex::new(std::time::Instant::now()));
+    let turn = Arc::new(Mutex::new(turn));
+    let cut = Arc::new(AtomicBool::new(false));
+    tokio::spawn(watch_replay(
+        read_at.clone(),
+        Arc::downgrade(&turn),
+        cut.clone(),
+    ));
     let stream = events
         .take_until(ended)
+        .take_while(move |_| std::future::ready(!cut.load(Ordering::Relaxed)))
         .inspect(move |item| {
+            *read_at.lock().expect("never poisoned") = std::time::Instant::now();
             if matches!(item, Ok(s) if s.seq >= last) {
-                turn.take();
+                turn.lock().expect("never poisoned").take();
             }
         })
         .filter_map(move |item| {
@@ -251,6 +271,35 @@ pub(crate) async fn event_stream(
     Ok(axum::response::sse::Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// How long a replay holding a turn may go without its client reading before it gives the
+/// turn back.
+const REPLAY_STALL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Watches a replay: once its client has not read for [`REPLAY_STALL`] while it holds a turn,
+/// gives the turn back and marks the stream `cut`. Ends when the stream is gone or caught up.
+async fn watch_replay<T>(
+    read_at: Arc<Mutex<std::time::Instant>>,
+    turn: std::sync::Weak<Mutex<Option<T>>>,
+    cut: Arc<AtomicBool>,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Some(turn) = turn.upgrade() else {
+            return;
+        };
+        let mut held = turn.lock().expect("never poisoned");
+        if held.is_none() {
+            return;
+        }
+        if read_at.lock().expect("never poisoned").elapsed() >= REPLAY_STALL {
+            held.take();
+            cut.store(true, Ordering::Relaxed);
+            return;
+        }
+    }
 }
 
 /// Resolves once `caller`'s token is no longer live (revoked or expired), checked every second.

@@ -260,6 +260,10 @@ pub(crate) async fn what_if(
         asked.fits(state)?;
         (state.clone(), state.policy_config(&app.inner.policy))
     };
+    let mine = app
+        .inner
+        .limits
+        .hold(&caller.0, ledger::identity::RateKind::WhatIf)?;
     let Ok(Ok(turn)) = tokio::time::timeout(
         Duration::from_secs(2),
         app.inner.whatifs.clone().acquire_owned(),
@@ -274,7 +278,7 @@ pub(crate) async fn what_if(
     let answered = tokio::task::spawn_blocking(move || {
         // The turn is held by the work itself: a client that goes away does not free it while
         // the what-if still runs.
-        let _turn = turn;
+        let _turn = (turn, mine);
         answer(
             &state,
             &policy,

@@ -1458,6 +1458,73 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
     }
 }
 
+/// tenancy: a viewer may hold one replay turn at a time (its second replay is 429), and a
+/// replay its client does not read gives its turn back after 10 s and ends, so an auditor's
+/// replay behind it gets every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unread_replay_gives_its_turn_back_and_a_principal_holds_one_at_a_time() {
+    let f = fixture(false).await;
+    let history = api::app::REPLAY_FREE as usize + 200;
+    let appends: Vec<eventlog::Append> = (0..history)
+        .map(|i| {
+            let e = ledger::Event::AllocationSet(ledger::event::AllocationSet {
+                path: format!("c/t{}", i % 10),
+                weight: 1 + (i % 3) as u32,
+                max_gpus: None,
+                max_pending_workloads: None,
+                max_pending_gpus: None,
+            });
+            let env =
+                ledger::Envelope::new(uuid::Uuid::now_v7(), scheduler::wall_clock_ms(), "test", e);
+            eventlog::Append::event(&env, None, None)
+        })
+        .collect();
+    for chunk in appends.chunks(500) {
+        f.log.append_batch(chunk.to_vec()).await.unwrap();
+    }
+    let total = SETUP_EVENTS as usize + history;
+    assert!(f.app.folded(total as u64).await);
+    let viewer = token(&f, "v", "viewer", &[], None).await;
+    let auditor = token(&f, "au", "auditor", &[], None).await;
+    let replay = |token: String| {
+        let router = f.router.clone();
+        async move {
+            let req = Request::get("/v1/events/stream")
+                .header("authorization", format!("Bearer {token}"))
+                .body(Body::empty())
+                .unwrap();
+            router.oneshot(req).await.unwrap()
+        }
+    };
+    // A stream the viewer never reads, and a second one it may not have meanwhile.
+    let mut unread = Vec::new();
+    for _ in 0..2 {
+        let res = replay(viewer.clone()).await;
+        if res.status() == StatusCode::OK {
+            unread.push(res);
+        } else {
+            assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            assert!(String::from_utf8_lossy(&body).contains("already has"));
+        }
+    }
+    assert_eq!(unread.len(), 1, "one turn a principal");
+    let res = replay(auditor).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let events = sse_events(res.into_body(), total).await;
+    assert_eq!(events.len(), total);
+    // The unread stream was cut: read now, it ends before the whole history.
+    let body = unread.pop().unwrap().into_body();
+    let read = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("the cut stream ends")
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8_lossy(&read);
+    let seen = text.lines().filter(|l| l.starts_with("id:")).count();
+    assert!(seen < total, "{seen} of {total}");
+}
+
 /// Reads what the server says on `stream` until it closes the connection or `within` passes:
 /// `None` when it is still open then.
 async fn said_before_closing(
