@@ -258,6 +258,9 @@ pub struct Principal {
     /// Where its workloads' events go by default.
     #[serde(default)]
     pub notify: Option<String>,
+    /// The Unix user its workloads run as where agents run them as their submitters.
+    #[serde(default)]
+    pub unix_user: Option<String>,
     /// The actor that granted it.
     pub granted_by: String,
     /// When it was granted.
@@ -443,6 +446,10 @@ pub struct PrincipalGranted {
     /// prefix the settings' `notify_urls` allow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify: Option<String>,
+    /// The Unix user its workloads run as on agents that run them as their submitters
+    /// (`fairledger agent --run-as-submitter`); without it, the user of its name. Never root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unix_user: Option<String>,
 }
 
 /// How often a principal may do what costs the service most, per minute; `None`: the default
@@ -634,7 +641,22 @@ impl Principals {
             }
             _ => {}
         }
+        if let Some(user) = &e.unix_user {
+            if let Err(reason) = crate::names::unix_user(user) {
+                return invalid("unix_user", reason);
+            }
+        }
         Ok(())
+    }
+
+    /// The Unix user the workloads of `actor` run as where agents run them as their
+    /// submitters: its grant's `unix_user`, else its name.
+    pub fn unix_user_of<'a>(&'a self, actor: &'a str) -> &'a str {
+        let name = actor.split_once(':').map_or(actor, |(_, n)| n);
+        self.get(name)
+            .filter(|p| p.actor() == actor)
+            .and_then(|p| p.unix_user.as_deref())
+            .unwrap_or(name)
     }
 
     /// Records a checked grant made by `actor` at `now_ms`, sequence `seq`.
@@ -652,6 +674,7 @@ impl Principals {
                 max_pending: e.max_pending,
                 rates: e.rates,
                 notify: e.notify.clone(),
+                unix_user: e.unix_user.clone(),
                 granted_by: actor.to_owned(),
                 granted_at_ms: now_ms,
                 granted_seq: seq,

@@ -77,6 +77,29 @@ pub fn node(name: &str) -> Result<(), String> {
     token(name, NODE_MAX, "a node name")
 }
 
+/// The longest Unix user name accepted.
+pub const UNIX_USER_MAX: usize = 32;
+
+/// Checks a Unix user's name as a grant names it: a portable one (a lower-case letter or `_`,
+/// then lower-case letters, digits, `_` or `-`, at most [`UNIX_USER_MAX`]), and not root.
+pub fn unix_user(name: &str) -> Result<(), String> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok =
+        chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+    if !first_ok || !rest_ok || name.len() > UNIX_USER_MAX {
+        return Err(format!(
+            "{name:?} is not a Unix user name: a lower-case letter or _, then lower-case letters, digits, _ or -, at most {UNIX_USER_MAX}"
+        ));
+    }
+    if name == "root" {
+        return Err("a workload never runs as root".into());
+    }
+    Ok(())
+}
+
 /// Checks a principal's name (a subject token and an actor).
 pub fn principal(name: &str) -> Result<(), String> {
     token(name, PRINCIPAL_MAX, "a name")

@@ -24,6 +24,7 @@ fn grant(name: &str, role: Role, allocations: &[&str], node: Option<&str>, n: u8
         max_pending: None,
         rates: None,
         notify: None,
+        unix_user: None,
     })
 }
 
@@ -168,6 +169,32 @@ fn grants_that_break_a_rule_are_rejected_and_change_nothing() {
         g.token_sha256 = "ABCD".repeat(16);
     }
     assert_eq!(rejected(l.apply(S, bad_digest)).code(), "invalid_grant");
+    // A Unix user to run as: a portable name, never root.
+    let as_user = |user: &str, n: u8| {
+        let mut g = grant("runner", Role::Submitter, &["uw/nlp"], None, n);
+        if let Event::PrincipalGranted(g) = &mut g {
+            g.unix_user = Some(user.into());
+        }
+        g
+    };
+    for bad in ["root", "Alice", "a b", "-x", ""] {
+        let r = rejected(l.apply(S, as_user(bad, 20)));
+        assert!(
+            matches!(
+                &r,
+                Rejection::InvalidGrant {
+                    field: "unix_user",
+                    ..
+                }
+            ),
+            "{bad:?}: {r}"
+        );
+    }
+    l.ok(S, as_user("svc_nlp", 21));
+    let principals = l.state.principals();
+    assert_eq!(principals.unix_user_of("user:runner"), "svc_nlp");
+    assert_eq!(principals.unix_user_of("user:alice"), "alice", "its name");
+    assert_eq!(principals.unix_user_of("user:gone"), "gone");
 }
 
 /// rule: admins whose tokens expire do not count as the last admin (schema version 3): a

@@ -77,6 +77,7 @@ impl Ledger {
             max_pending,
             rates: None,
             notify: None,
+            unix_user: None,
         }));
     }
 

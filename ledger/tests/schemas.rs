@@ -144,6 +144,7 @@ fn samples() -> Vec<Event> {
             max_pending: None,
             rates: None,
             notify: Some("https://hooks.example.org/nlp".into()),
+            unix_user: None,
         }),
         Event::PrincipalRevoked(PrincipalRevoked {
             name: "nlp-bot".into(),

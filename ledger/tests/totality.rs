@@ -195,6 +195,7 @@ fn event() -> impl Strategy<Value = Event> {
                     max_pending: None,
                     rates: None,
                     notify: None,
+                    unix_user: None,
                 })
             }),
         prop::sample::select(vec!["alice", "bot", ""]).prop_map(|name| Event::PrincipalRevoked(

@@ -1031,10 +1031,9 @@ impl<L: EventLog> Agent<L> {
             command
         };
         let run_as = self.config.run_as_submitter.then(|| {
-            let actor = self.state.submitter(w);
-            actor
-                .split_once(':')
-                .map_or(actor, |(_, name)| name)
+            self.state
+                .principals()
+                .unix_user_of(self.state.submitter(w))
                 .to_owned()
         });
         run::Spec {

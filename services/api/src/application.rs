@@ -361,6 +361,7 @@ impl Application {
             max_pending: None,
             rates: None,
             notify: None,
+            unix_user: None,
         });
         match self.app.write(grant, None, None, "serve").await {
             Ok(_) => {}

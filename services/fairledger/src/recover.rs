@@ -64,6 +64,7 @@ pub fn grant_offline(
         max_pending: grant.max_pending,
         rates: None,
         notify: None,
+        unix_user: None,
     });
     let (state_config, _, _, _) = crate::serve::settings(None, None)?;
     let seq = crate::logcmd::runtime()?.block_on(async {

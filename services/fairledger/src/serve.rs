@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "FAIRLEDGER_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+    /// Run the workloads of this server's own agents as the Unix users named like their
+    /// submitters (or their grants' unix_user), never as root; the server must run as root.
+    #[arg(long, env = "FAIRLEDGER_RUN_AS_SUBMITTER")]
+    pub run_as_submitter: bool,
     /// The key principals' notification secrets derive from (64 hex digits; made when
     /// missing). Default DATA/notify.key; every process of one ledger needs the same.
     #[arg(long, env = "FAIRLEDGER_NOTIFY_KEY_FILE")]
@@ -316,6 +320,7 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
                 config.model = Some(node.model.clone());
                 config.labels = node.labels.clone();
                 config.stop_runs_on_exit = true;
+                config.run_as_submitter = args.run_as_submitter;
                 let tx = tx.clone();
                 let telemetry = agent::Telemetry::Local(std::sync::Arc::new(move |e: &Envelope| {
                     let _ = tx.send(e.clone());
@@ -380,6 +385,7 @@ async fn local_agent_token(
         max_pending: None,
         rates: None,
         notify: None,
+        unix_user: None,
     });
     // This node's agent from before (its token file lost): revoked and granted anew. A
     // principal of that name that is not this node's agent is someone else's: refuse.

@@ -1042,6 +1042,33 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A grant may name the Unix user instead: `ci` runs as nobody too.
+    let body =
+        json!({"name": "ci", "role": "submitter", "allocations": ["lab"], "unix_user": "nobody"});
+    let (status, ci) = server.call("POST", "/v1/tokens", Some(&body.to_string()));
+    assert_eq!(status, 201, "{ci}");
+    let body = json!({"allocation": "lab/b", "gpus_per_node": 1, "command": ["id", "-un"]});
+    let (status, answer) = server.call_as(
+        ci["token"].as_str(),
+        "POST",
+        "/v1/workloads",
+        Some(&body.to_string()),
+    );
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["id"].as_str().unwrap().to_owned();
+    wait_for(&server, &id, "finished");
+    let out = Command::new(BIN)
+        .args([
+            "logs",
+            "--api",
+            &api,
+            "--token-file",
+            &server.token_file(),
+            &id,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "nobody\n");
     // The admin has no Unix user of its name: its run fails, saying why.
     let admin = submit(
         &server,

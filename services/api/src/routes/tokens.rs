@@ -47,6 +47,10 @@ pub(crate) struct TokenBody {
     /// a prefix the settings' `notify_urls` allow).
     #[serde(default)]
     notify: Option<String>,
+    /// The Unix user its workloads run as on agents that run workloads as their submitters
+    /// (default: its name; never root).
+    #[serde(default)]
+    unix_user: Option<String>,
 }
 
 /// What may be shown of a principal: everything but its token's digest.
@@ -65,6 +69,7 @@ fn describe(p: &Principal, now_ms: u64) -> serde_json::Value {
         "expired": p.expired_at(now_ms),
         "max_pending": p.pending_cap(),
         "notify": p.notify.as_deref().map(ledger::notify::origin),
+        "unix_user": p.unix_user,
         "rates": {
             "submissions_per_minute": p.rate(ledger::identity::RateKind::Submission),
             "whatifs_per_minute": p.rate(ledger::identity::RateKind::WhatIf),
@@ -136,6 +141,7 @@ pub(crate) async fn create(
         max_pending: body.max_pending,
         rates: body.rates,
         notify: body.notify,
+        unix_user: body.unix_user,
     };
     {
         let p = app.inner.projection.read().await;

@@ -656,6 +656,7 @@ async fn tokens_are_shown_once_listed_without_secrets_revoked_and_expired() {
         max_pending: None,
         rates: None,
         notify: None,
+        unix_user: None,
     });
     let env = Envelope::new(
         uuid::Uuid::now_v7(),

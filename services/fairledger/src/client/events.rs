@@ -183,6 +183,10 @@ pub enum TokenCommand {
         /// prefix the settings' notify_urls allow).
         #[arg(long)]
         notify: Option<String>,
+        /// The Unix user its workloads run as on agents started with --run-as-submitter
+        /// (default: its name; never root).
+        #[arg(long)]
+        unix_user: Option<String>,
         /// Most submissions (dry runs included) per minute (default 600; none for an admin or
         /// an agent).
         #[arg(long)]
@@ -252,6 +256,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             max_pending,
             out,
             notify,
+            unix_user,
             submissions_per_minute,
             whatifs_per_minute,
             replays_per_minute,
@@ -270,7 +275,7 @@ pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), Str
             let body = json!({
                 "name": name, "role": role, "allocations": allocations, "node": node,
                 "expires_in_s": expires.map(|d| d.as_secs().max(1)), "max_pending": max_pending,
-                "notify": notify, "rates": rates,
+                "notify": notify, "rates": rates, "unix_user": unix_user,
             });
             let mut v = api.call("POST", "/v1/tokens", Some(&body))?;
             let token = v["token"].as_str().unwrap_or_default().to_owned();
