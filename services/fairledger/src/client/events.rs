@@ -156,58 +156,62 @@ fn event_row(seq: &Value, envelope: &Value, subject: Option<&str>) -> Vec<String
     ]
 }
 
+/// What `fairledger token create` grants.
+#[derive(clap::Args, Debug)]
+pub struct TokenCreate {
+    /// The principal's name (letters, digits, - and _); it acts as user:NAME (agent:NAME).
+    #[arg(long)]
+    pub name: String,
+    /// admin, operator, submitter, agent, auditor or viewer.
+    #[arg(long)]
+    pub role: String,
+    /// A submitter's allocation subtree (repeat for more; * for all and unallocated work).
+    #[arg(long = "allocation", short = 'a')]
+    pub allocations: Vec<String>,
+    /// An agent's node (default: its name; an agent is named after its node).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Refuse the token after this long, e.g. 12h, 30d.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub expires: Option<std::time::Duration>,
+    /// Most workloads it may have waiting at once (default 10,000; none for an admin).
+    #[arg(long)]
+    pub max_pending: Option<u32>,
+    /// Where the events of its workloads that name no URL of their own are posted (under a
+    /// prefix the settings' notify_urls allow).
+    #[arg(long)]
+    pub notify: Option<String>,
+    /// The Unix user its workloads run as on agents started with --run-as-submitter
+    /// (default: its name; never root).
+    #[arg(long)]
+    pub unix_user: Option<String>,
+    /// Most submissions (dry runs included) per minute (default 600; none for an admin or
+    /// an agent).
+    #[arg(long)]
+    pub submissions_per_minute: Option<u32>,
+    /// Most what-ifs per minute (default 20).
+    #[arg(long)]
+    pub whatifs_per_minute: Option<u32>,
+    /// Most event streams replaying history per minute (default 20).
+    #[arg(long)]
+    pub replays_per_minute: Option<u32>,
+    /// Write the token to this file (readable by you only) instead of printing it.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// With the server stopped, grant it straight into the log (`--data DIR`, or `--nats`
+    /// with the service's credentials): how to get an admin back when none can sign in.
+    /// The grant is an event like any other, its actor `recovery:offline`.
+    #[arg(long)]
+    pub offline: bool,
+    #[command(flatten)]
+    pub log: Box<crate::logcmd::LogArgs>,
+}
+
 /// `fairledger token …`.
 #[derive(clap::Subcommand, Debug)]
 pub enum TokenCommand {
     /// Grant a principal a role and a new token (admin). The token is printed once.
-    Create {
-        /// The principal's name (letters, digits, - and _); it acts as user:NAME (agent:NAME).
-        #[arg(long)]
-        name: String,
-        /// admin, operator, submitter, agent, auditor or viewer.
-        #[arg(long)]
-        role: String,
-        /// A submitter's allocation subtree (repeat for more; * for all and unallocated work).
-        #[arg(long = "allocation", short = 'a')]
-        allocations: Vec<String>,
-        /// An agent's node (default: its name; an agent is named after its node).
-        #[arg(long)]
-        node: Option<String>,
-        /// Refuse the token after this long, e.g. 12h, 30d.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        expires: Option<std::time::Duration>,
-        /// Most workloads it may have waiting at once (default 10,000; none for an admin).
-        #[arg(long)]
-        max_pending: Option<u32>,
-        /// Where the events of its workloads that name no URL of their own are posted (under a
-        /// prefix the settings' notify_urls allow).
-        #[arg(long)]
-        notify: Option<String>,
-        /// The Unix user its workloads run as on agents started with --run-as-submitter
-        /// (default: its name; never root).
-        #[arg(long)]
-        unix_user: Option<String>,
-        /// Most submissions (dry runs included) per minute (default 600; none for an admin or
-        /// an agent).
-        #[arg(long)]
-        submissions_per_minute: Option<u32>,
-        /// Most what-ifs per minute (default 20).
-        #[arg(long)]
-        whatifs_per_minute: Option<u32>,
-        /// Most event streams replaying history per minute (default 20).
-        #[arg(long)]
-        replays_per_minute: Option<u32>,
-        /// Write the token to this file (readable by you only) instead of printing it.
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// With the server stopped, grant it straight into the log (`--data DIR`, or `--nats`
-        /// with the service's credentials): how to get an admin back when none can sign in.
-        /// The grant is an event like any other, its actor `recovery:offline`.
-        #[arg(long)]
-        offline: bool,
-        #[command(flatten)]
-        log: Box<crate::logcmd::LogArgs>,
-    },
+    Create(Box<TokenCreate>),
     /// The principals: name, role, scope, who granted them and when (admin).
     List,
     /// Revoke a principal's token: every API process refuses it once it has folded this (admin).
@@ -218,50 +222,41 @@ pub enum TokenCommand {
 }
 
 pub fn token_command(args: &ClientArgs, command: TokenCommand) -> Result<(), String> {
-    if let TokenCommand::Create {
-        name,
-        role,
-        allocations,
-        node,
-        expires,
-        max_pending,
-        out,
-        offline: true,
-        log,
-        notify,
-        ..
-    } = command
-    {
-        let grant = crate::recover::Grant {
-            name,
-            role,
-            allocations,
-            node,
-            expires,
-            max_pending,
-        };
-        if notify.is_some() {
-            return Err("--notify is given online only (the server signs notifications); create the token offline without it, then grant it again online".into());
+    if let TokenCommand::Create(create) = &command {
+        if create.offline {
+            let c = &**create;
+            let grant = crate::recover::Grant {
+                name: c.name.clone(),
+                role: c.role.clone(),
+                allocations: c.allocations.clone(),
+                node: c.node.clone(),
+                expires: c.expires,
+                max_pending: c.max_pending,
+            };
+            if c.notify.is_some() {
+                return Err("--notify is given online only (the server signs notifications); create the token offline without it, then grant it again online".into());
+            }
+            return crate::recover::grant_offline(&c.log, grant, c.out.as_deref(), args.json);
         }
-        return crate::recover::grant_offline(&log, grant, out.as_deref(), args.json);
     }
     let api = Api::new(args)?;
     match command {
-        TokenCommand::Create {
-            name,
-            role,
-            allocations,
-            node,
-            expires,
-            max_pending,
-            out,
-            notify,
-            unix_user,
-            submissions_per_minute,
-            whatifs_per_minute,
-            replays_per_minute,
-            ..
-        } => {
+        TokenCommand::Create(create) => {
+            let TokenCreate {
+                name,
+                role,
+                allocations,
+                node,
+                expires,
+                max_pending,
+                out,
+                notify,
+                unix_user,
+                submissions_per_minute,
+                whatifs_per_minute,
+                replays_per_minute,
+                ..
+            } = *create;
             let rates = (submissions_per_minute.is_some()
                 || whatifs_per_minute.is_some()
                 || replays_per_minute.is_some())
