@@ -294,6 +294,8 @@ pub struct Agent<L> {
     fetched: std::collections::BTreeSet<WorkloadId>,
     /// Says why once the service refuses this agent's credentials.
     refused: Option<tokio::sync::watch::Receiver<Option<String>>>,
+    /// Why this agent must stop: the ledger revoked its grant.
+    revoked_self: Option<String>,
 }
 
 impl<L: EventLog> Agent<L> {
@@ -325,6 +327,7 @@ impl<L: EventLog> Agent<L> {
             specs_from: None,
             fetched: Default::default(),
             refused: None,
+            revoked_self: None,
         }
     }
 
@@ -480,6 +483,18 @@ impl<L: EventLog> Agent<L> {
                     }
                 }
             }
+            // Unless granted again since (a rotated token): stop.
+            let granted = |name: &str| self.state.principals().get(name).is_some();
+            if let Some(why) = self
+                .revoked_self
+                .take()
+                .filter(|_| !granted(&self.config.node))
+            {
+                tracing::error!(node = %self.config.node, reason = %why, "this agent's grant was revoked: stopping its runs and the agent");
+                self.stop_all().await;
+                let _ = stop_shipping.send(());
+                return Err(AgentError::Refused(why));
+            }
             self.reconcile().await;
             let busy = self.busy_gpus();
             busy_tx.send_if_modified(|b| {
@@ -544,6 +559,19 @@ impl<L: EventLog> Agent<L> {
                 }
                 let applied = outcome == ledger::Outcome::Applied;
                 match &env.event {
+                    // This agent's own grant revoked: it stops, wherever it reads the ledger.
+                    Event::PrincipalRevoked(r)
+                        if applied
+                            && ledger::identity::actor_of(
+                                ledger::identity::Role::Agent,
+                                &r.name,
+                            ) == self.config.actor =>
+                    {
+                        self.revoked_self = Some(format!(
+                            "its grant {:?} was revoked at event {}",
+                            r.name, stored.seq
+                        ));
+                    }
                     Event::WorkloadSubmitted(s) if applied => {
                         self.specs
                             .insert(s.workload, (s.command.clone(), s.env.clone()));

@@ -1083,3 +1083,36 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
         "{row}"
     );
 }
+
+/// An agent whose grant the ledger revokes stops its runs and itself, on NATS too (where its
+/// NATS user, not a token, is what the server checks): it folds the revocation like any event.
+#[test]
+fn an_agent_on_nats_stops_when_the_ledger_revokes_its_grant() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    server.grant("gpu-v", "agent", &[], Some("gpu-v"));
+    let work = tmp.path().join("agent");
+    let mut agent = Agent::start(&nats.url(), "gpu-v", &work, &["--fake-gpus", "1"]);
+    wait_for_node(&server, "gpu-v");
+    let jobs = tmp.path().join("jobs.log");
+    let job = script(tmp.path(), &jobs);
+    let id = submit(
+        &server,
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": [job.to_str().unwrap(), "600"]}),
+    );
+    wait_until("the process", 30, || {
+        lines(&jobs).iter().any(|l| l[0] == "start" && l[3] == id)
+    });
+    let (status, answer) = server.call("DELETE", "/v1/tokens/gpu-v", None);
+    assert_eq!(status, 200, "{answer}");
+    wait_until("the agent to stop", 30, || {
+        agent.child.try_wait().unwrap().is_some()
+    });
+    assert!(agent.log().contains("was revoked"), "{}", agent.log());
+    assert!(
+        lines(&jobs).iter().any(|l| l[0] == "term" && l[2] == id),
+        "{:?}",
+        lines(&jobs)
+    );
+}
