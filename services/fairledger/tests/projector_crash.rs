@@ -93,11 +93,30 @@ async fn killed_projector_resumes_exactly_once() {
                     let mut batch: Vec<Append> = Vec::new();
                     for (j, e) in events[i..i + n].iter().enumerate() {
                         if bad_at.contains(&(i + j)) {
-                            batch.push(Append::new("fairledger.ledger.junk", "{\"type\":"));
+                            batch.push(
+                                Append::new("fairledger.ledger.junk", "{\"type\":")
+                                    .with_msg_id(format!("junk-{}", i + j)),
+                            );
                         }
                         batch.push(router.append(e, None));
                     }
-                    log.append_batch(batch).await.unwrap();
+                    // As the error says: an unacknowledged batch is sent again with the same
+                    // keys; refused as a duplicate, the first attempt went through.
+                    let mut tries = 0;
+                    loop {
+                        match log.append_batch(batch.clone()).await {
+                            Ok(_) | Err(eventlog::AppendError::DuplicateBatch(_)) => break,
+                            Err(
+                                e @ (eventlog::AppendError::Unacknowledged(_)
+                                | eventlog::AppendError::Unavailable(_)),
+                            ) if tries < 20 => {
+                                tries += 1;
+                                eprintln!("publishing again after: {e}");
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
                     i += n;
                     tokio::time::sleep(Duration::from_millis(3)).await;
                 }
