@@ -210,7 +210,8 @@ impl HealthMonitor {
         }
     }
 
-    /// Whether `node` has reported and then fallen silent past the timeout at `now_ms`.
+    /// Whether `node` has been silent past the timeout at `now_ms`: since its last report, or,
+    /// for a node watched since registration that never reported, since it was first watched.
     pub fn silent(&self, node: &str, now_ms: u64) -> bool {
         self.nodes
             .get(node)

@@ -14,7 +14,8 @@
 //! - [`metrics`]: availability, occupancy, impact, utilization and fragmentation for any period.
 //! - [`identity`]: principals, roles and the rules of who may do what; [`reports`]: what a
 //!   node's agent may report.
-//! - [`names`]: the one check of every name and string that comes from outside.
+//! - [`names`]: the one check of every name and string that comes from outside (the API also
+//!   bounds an `Idempotency-Key` header before it scopes it to its caller).
 //! - [`policy::decide`]: the scheduler as a pure function of the state and the time, returning
 //!   starts, preemptions, the reservation and why each pending workload waits.
 //! - [`health`]: GPU health from heartbeats and their silence, with the clock passed in.

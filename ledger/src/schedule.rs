@@ -1,7 +1,8 @@
 //! One scheduling pass: what the scheduler appends at an instant, in what order and in what
-//! batches. The live scheduler and the simulator both call [`pass`]; the live one adds only IO
-//! (fencing, retries after a conflict, leaving out what the log refuses), the simulator only a
-//! virtual clock.
+//! batches. The live scheduler and the simulator both call [`pass`]; the live one adds IO
+//! (fencing, retries after a conflict, leaving out what the log refuses) and starts watching each
+//! newly registered node's heartbeats ([`crate::health::HealthMonitor::watch_registered`]), the
+//! simulator only a virtual clock.
 //!
 //! A pass answers, in order of precedence:
 //! 1. **GPU health changes** alone, when heartbeats (or their silence) say a GPU's health is not

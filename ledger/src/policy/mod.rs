@@ -58,7 +58,8 @@ use rank::{Ranking, Usage};
 use victims::{due_lenders, lent_due_nodes, level, may_take_from, VictimSearch};
 
 /// A scheduling policy: how pending work is ordered and whether allocations may preempt each
-/// other. Adding a policy is one module implementing this trait plus its line in [`by_name`].
+/// other. Adding a policy is one module implementing this trait, its line in [`by_name`] and its
+/// name in [`POLICY_NAMES`] (which the settings check names against).
 pub trait Policy: Sync {
     /// Name used in configuration.
     fn name(&self) -> &'static str;

@@ -193,7 +193,7 @@ pub struct Workload {
     /// Times it was asked to stop for someone else or for its hardware (every preemption
     /// request but its owner's cancel): what the scheduler weighs before preempting it again.
     pub preemptions: u32,
-    /// Who submitted it: an index into [`State::actors`].
+    /// Who submitted it: an index into the state's table of actors ([`State::submitter`] reads it).
     pub submitted_by: u32,
     /// While stopped: the nodes its last run held, whose agents may report its requeue.
     pub stopped_on: Vec<NodeIdx>,

@@ -5,7 +5,8 @@
 //! - Every heartbeat interval it publishes every GPU's readings (utilization, memory,
 //!   temperature, power, ECC errors, faults) on the telemetry stream; the scheduler turns silence
 //!   and bad readings into `GpuHealthChanged` ledger events.
-//! - It folds the ledger with the same [`ledger::State`] as every other role and keeps the
+//! - It folds the ledger with the same [`ledger::State`] as every other role (the log's settings
+//!   included, so it launches what the server placed) and keeps the
 //!   node's processes in line with it: a `WorkloadStarted` placing work here launches the
 //!   workload's command ([`run`]) with `CUDA_VISIBLE_DEVICES` set to exactly its GPUs; a
 //!   `PreemptionRequested` sends SIGTERM to its process group and SIGKILL when the grace period

@@ -1,7 +1,7 @@
 //! What a node's agent may report, however it reaches the ledger (`POST /v1/nodes/{node}/events`,
 //! a request on NATS answered by [`relay`], or from inside the server): its node's registration
-//! and the ends of the runs placed on it, stamped with its own actor and never ahead of the
-//! server's clock; nothing else. Only the service writes the ledger's subjects.
+//! and the ends of the runs placed on it, stamped with its own actor and no further ahead of the
+//! server's clock than the ledger's clock skew tolerance; nothing else. Only the service writes the ledger's subjects.
 
 use std::sync::Arc;
 

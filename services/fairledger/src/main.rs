@@ -1,16 +1,13 @@
-//! `fairledger`: the one binary of the scheduling ledger.
+//! `fairledger`: the one binary of the scheduling ledger. `fairledger --help` lists every
+//! command; they fall in four groups:
 //!
-//! - `demo` runs the built-in demo cluster through the scheduler on a virtual clock and prints who
-//!   was owed and who got what;
-//! - `sim` replays a workload trace through the same scheduler and writes the ledger and reports
-//!   (the `sim` crate);
-//! - `replay` folds any ledger written as JSON lines and prints the same audit, or rebuilds a
-//!   projection of an event log from sequence 0 and prints its digest;
-//! - `project` keeps the sled projection of an event log up to date;
-//! - `log import` appends a ledger written as JSON lines to an event log.
-//!
-//! - `serve` runs the API, the projector and the scheduler in one process;
-//! - `agent` runs a GPU node's agent: heartbeats, and the node's workloads as processes.
+//! - running it: `serve` (the API, the projector, the scheduler and, on the embedded log, the
+//!   demo's agents), `agent` (a GPU node's agent), `project` (a projection kept up to date);
+//! - the log offline: `log import`/`export`, `replay`, `audit verify`, `token create --offline`;
+//! - simulating: `demo`, `sim`, `whatif --at-seq`;
+//! - the client of a running server (`client/`): `submit`, `queue`, `jobs`, `status`, `logs`,
+//!   `explain`, `cancel`, `alloc`, `nodes`, `settings`, `token`, `whoami`, `events`, `audit`,
+//!   `whatif`; and `tls self-signed`, `nats-auth` for setting one up.
 
 mod agentcmd;
 mod client;

@@ -30,8 +30,8 @@ pub struct ServeArgs {
     /// fairshare).
     #[arg(long, env = "FAIRLEDGER_POLICY")]
     pub policy: Option<String>,
-    /// The cluster: a scenario file as `fairledger sim` reads it ([policy] settings, [[nodes]],
-    /// [[allocations]]; see ops/cluster.toml). Its nodes and allocations are written to an empty
+    /// The cluster: a scenario file as `fairledger sim` reads it (`[policy]` settings, `[[nodes]]`,
+    /// `[[allocations]]`; see ops/cluster.toml). Its nodes and allocations are written to an empty
     /// log instead of the demo cluster.
     #[arg(long, env = "FAIRLEDGER_CONFIG")]
     pub config: Option<std::path::PathBuf>,

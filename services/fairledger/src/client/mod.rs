@@ -1,5 +1,7 @@
-//! The command-line client: `submit`, `status`, `cancel`, `queue`, `jobs`, `explain`, `alloc`,
-//! `audit`, `events` against a running `fairledger serve` (`--api`, default the local one). Tables for
+//! The command-line client of a running `fairledger serve` (`--api`, default the local one):
+//! `submit`, `status`, `cancel`, `explain`, `settings` and `alloc` here; `queue`, `jobs`, `nodes`
+//! (`listings`), `logs`, `events`, `token`, `whoami` (`events`), `audit` and `whatif` in modules
+//! of their own. Tables for
 //! people by default, in the shape squeue, sshare and sreport users know; `--json` for scripts.
 
 use std::path::{Path, PathBuf};
