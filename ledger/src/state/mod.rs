@@ -687,7 +687,9 @@ impl State {
     /// The rule the fold would apply to `env` if it were the next event, changing nothing:
     /// `Ok` when it would be applied (or answered as a duplicate). Writers call it to refuse a
     /// request before appending it; an event folded in between can still change the verdict,
-    /// and then the fold's rejection stands in the ledger.
+    /// and then the fold's rejection stands in the ledger. Unlike the fold, which folds every
+    /// schema version since [`OLDEST_SCHEMA_VERSION`], it accepts only [`SCHEMA_VERSION`]: what is
+    /// written now is written in the current version.
     pub fn check(&self, env: &Envelope) -> Result<(), Rejection> {
         if env.occurred_at_ms + self.config.clock_skew_tolerance_ms < self.now_ms {
             return Err(Rejection::TimeWentBackwards {
