@@ -24,6 +24,15 @@ fn node_name(field: &str, node: &str) -> Result<(), Problem> {
     ledger::names::node(node).map_err(|reason| Problem::invalid(field, reason))
 }
 
+/// Checks `node`, a name from outside, and that the caller is that node's agent.
+pub(crate) async fn its_agent(app: &App, caller: &Caller, node: &str) -> Result<(), Problem> {
+    node_name("node", node)?;
+    caller.allow(
+        &Action::ReportForNode { node },
+        app.inner.projection.read().await.state(),
+    )
+}
+
 /// The body of `POST /v1/nodes`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -429,11 +438,7 @@ pub(crate) async fn node_events(
     headers: axum::http::HeaderMap,
     body: Result<Json<NodeEventsBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    node_name("node", &node)?;
-    caller.allow(
-        &Action::ReportForNode { node: &node },
-        app.inner.projection.read().await.state(),
-    )?;
+    its_agent(&app, &caller, &node).await?;
     let Json(body) = body.map_err(bad_body)?;
     let appends = {
         let p = app.inner.projection.read().await;
@@ -527,11 +532,7 @@ pub(crate) async fn lease(
     Path(node): Path<String>,
     body: Result<Json<LeaseBody>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    node_name("node", &node)?;
-    caller.allow(
-        &Action::ReportForNode { node: &node },
-        app.inner.projection.read().await.state(),
-    )?;
+    its_agent(&app, &caller, &node).await?;
     let Json(body) = body.map_err(bad_body)?;
     crate::leases::holder_name("holder", &body.holder)?;
     app.inner.leases.claim(&node, &body.holder, false)?;

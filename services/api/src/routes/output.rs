@@ -45,11 +45,7 @@ async fn run_key(
     workload: &str,
     run: &str,
 ) -> Result<RunKey, Problem> {
-    ledger::names::node(node).map_err(|reason| Problem::invalid("node", reason))?;
-    caller.allow(
-        &Action::ReportForNode { node },
-        app.inner.projection.read().await.state(),
-    )?;
+    crate::routes::nodes::its_agent(app, caller, node).await?;
     let workload = parse_id(workload)?;
     let run: u64 =
         run.parse().ok().filter(|&r| r >= 1).ok_or_else(|| {

@@ -1407,13 +1407,9 @@ async fn submissions_are_acknowledged_while_auditors_hammer_the_audit() {
     assert!(last >= SETUP_EVENTS + 200, "{audit}");
 }
 
-/// More clients than there are replay turns replay a log longer than a live stream's stretch
-/// at once: each gets every event in order (a turn is given back once its stream catches up),
-/// and submissions made meanwhile are acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
-    let f = std::sync::Arc::new(fixture(false).await);
-    let history = api::app::REPLAY_FREE as usize + 500;
+/// Appends `history` allocation changes to the fixture's log and waits for them to be folded;
+/// answers how many events the log then holds.
+async fn append_history(f: &Fixture, history: usize) -> usize {
     let appends: Vec<eventlog::Append> = (0..history)
         .map(|i| {
             let e = ledger::Event::AllocationSet(ledger::event::AllocationSet {
@@ -1433,6 +1429,17 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
     }
     let total = SETUP_EVENTS as usize + history;
     assert!(f.app.folded(total as u64).await);
+    total
+}
+
+/// More clients than there are replay turns replay a log longer than a live stream's stretch
+/// at once: each gets every event in order (a turn is given back once its stream catches up),
+/// and submissions made meanwhile are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
+    let f = std::sync::Arc::new(fixture(false).await);
+    let history = api::app::REPLAY_FREE as usize + 500;
+    let total = append_history(&f, history).await;
     let streams = 3 * api::app::REPLAYS_AT_ONCE;
     let mut readers = Vec::new();
     for _ in 0..streams {
@@ -1465,25 +1472,7 @@ async fn many_replays_of_a_long_log_all_finish_and_writers_go_on() {
 async fn an_unread_replay_gives_its_turn_back_and_a_principal_holds_one_at_a_time() {
     let f = fixture(false).await;
     let history = api::app::REPLAY_FREE as usize + 200;
-    let appends: Vec<eventlog::Append> = (0..history)
-        .map(|i| {
-            let e = ledger::Event::AllocationSet(ledger::event::AllocationSet {
-                path: format!("c/t{}", i % 10),
-                weight: 1 + (i % 3) as u32,
-                max_gpus: None,
-                max_pending_workloads: None,
-                max_pending_gpus: None,
-            });
-            let env =
-                ledger::Envelope::new(uuid::Uuid::now_v7(), scheduler::wall_clock_ms(), "test", e);
-            eventlog::Append::event(&env, None, None)
-        })
-        .collect();
-    for chunk in appends.chunks(500) {
-        f.log.append_batch(chunk.to_vec()).await.unwrap();
-    }
-    let total = SETUP_EVENTS as usize + history;
-    assert!(f.app.folded(total as u64).await);
+    let total = append_history(&f, history).await;
     let viewer = token(&f, "v", "viewer", &[], None).await;
     let auditor = token(&f, "au", "auditor", &[], None).await;
     let replay = |token: String| {
