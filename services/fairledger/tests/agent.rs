@@ -1015,60 +1015,49 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
         "id -un; id -u; cat {} >/dev/null 2>&1 && echo read-the-token || echo cannot-read-the-token",
         secret.display()
     );
-    let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["sh", "-c", probe]});
-    let (status, answer) = server.call_as(
-        Some(&nobody),
-        "POST",
-        "/v1/workloads",
-        Some(&body.to_string()),
-    );
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["id"].as_str().unwrap().to_owned();
-    wait_for(&server, &id, "finished");
-    let out = Command::new(BIN)
-        .args([
-            "logs",
-            "--api",
-            &api,
-            "--token-file",
-            &server.token_file(),
-            &id,
-        ])
-        .output()
-        .unwrap();
+    // What a job submitted with `token` printed, once it finished.
+    let ran = |token: &str, command: Value| {
+        let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": command});
+        let (status, answer) = server.call_as(
+            Some(token),
+            "POST",
+            "/v1/workloads",
+            Some(&body.to_string()),
+        );
+        assert_eq!(status, 202, "{answer}");
+        let id = answer["id"].as_str().unwrap().to_owned();
+        wait_for(&server, &id, "finished");
+        let out = Command::new(BIN)
+            .args([
+                "logs",
+                "--api",
+                &api,
+                "--token-file",
+                &server.token_file(),
+                &id,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "nobody\n65534\ncannot-read-the-token\n",
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ran(&nobody, json!(["sh", "-c", probe])),
+        "nobody\n65534\ncannot-read-the-token\n"
     );
     // A grant may name the Unix user instead: `ci` runs as nobody too.
     let body =
         json!({"name": "ci", "role": "submitter", "allocations": ["lab"], "unix_user": "nobody"});
     let (status, ci) = server.call("POST", "/v1/tokens", Some(&body.to_string()));
     assert_eq!(status, 201, "{ci}");
-    let body = json!({"allocation": "lab/b", "gpus_per_node": 1, "command": ["id", "-un"]});
-    let (status, answer) = server.call_as(
-        ci["token"].as_str(),
-        "POST",
-        "/v1/workloads",
-        Some(&body.to_string()),
+    assert_eq!(
+        ran(ci["token"].as_str().unwrap(), json!(["id", "-un"])),
+        "nobody\n"
     );
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["id"].as_str().unwrap().to_owned();
-    wait_for(&server, &id, "finished");
-    let out = Command::new(BIN)
-        .args([
-            "logs",
-            "--api",
-            &api,
-            "--token-file",
-            &server.token_file(),
-            &id,
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "nobody\n");
     // The admin has no Unix user of its name: its run fails, saying why.
     let admin = submit(
         &server,
