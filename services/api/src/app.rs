@@ -21,6 +21,34 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// How long a write waits for the projection to fold it.
 const FOLD_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The clock the API reads: milliseconds since the epoch. The application injects it (the wall
+/// clock unless a test drives its own), so no handler reads the machine's clock itself.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl Clock {
+    /// A clock that reads `now`.
+    pub fn new(now: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        Clock(Arc::new(now))
+    }
+
+    /// The machine's clock.
+    pub fn wall() -> Self {
+        Clock::new(scheduler::wall_clock_ms)
+    }
+
+    /// The time now, milliseconds since the epoch.
+    pub fn now_ms(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock({} ms)", self.now_ms())
+    }
+}
+
 /// What the handlers share.
 #[derive(Clone)]
 pub struct App {
@@ -28,6 +56,7 @@ pub struct App {
 }
 
 pub(crate) struct Inner {
+    pub(crate) clock: Clock,
     pub(crate) log: AnyLog,
     pub(crate) projection: Arc<RwLock<Projector>>,
     pub(crate) applied: watch::Receiver<u64>,
@@ -88,8 +117,20 @@ impl App {
         applied: watch::Receiver<u64>,
         policy: PolicyConfig,
     ) -> Self {
+        Self::with_clock(log, projection, applied, policy, Clock::wall())
+    }
+
+    /// [`App::new`] reading `clock` for the time.
+    pub fn with_clock(
+        log: AnyLog,
+        projection: Arc<RwLock<Projector>>,
+        applied: watch::Receiver<u64>,
+        policy: PolicyConfig,
+        clock: Clock,
+    ) -> Self {
         App {
             inner: Arc::new(Inner {
+                clock,
                 log,
                 projection,
                 applied,
@@ -129,6 +170,11 @@ impl App {
             .leases
             .claim(node, holder, true)
             .map_err(|p| p.detail)
+    }
+
+    /// The time by the application's clock, milliseconds since the epoch.
+    pub fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
     }
 
     /// Keeps runs' output in `store` (set once).
@@ -293,7 +339,7 @@ impl App {
         actor: &str,
         fence: Option<eventlog::Expect>,
     ) -> Result<Written, Option<Problem>> {
-        let env = Envelope::new(Uuid::now_v7(), scheduler::wall_clock_ms(), actor, event);
+        let env = Envelope::new(Uuid::now_v7(), self.now_ms(), actor, event);
         // Refused means nothing written: what the fold would reject now is not appended.
         self.inner
             .projection

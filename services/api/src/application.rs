@@ -69,6 +69,8 @@ pub struct Settings {
     pub ledger_settings: Option<LedgerSettings>,
     /// How much of runs' output is kept.
     pub output: eventlog::output::OutputLimits,
+    /// The clock the API reads (the machine's by default; a test's own to drive time).
+    pub clock: crate::app::Clock,
     /// The key principals' notification secrets derive from (`DATA/notify.key` by default;
     /// every process of one ledger needs the same).
     pub notify_key_file: Option<PathBuf>,
@@ -147,6 +149,7 @@ impl Settings {
             ledger_settings: None,
             output: Default::default(),
             notify_key_file: None,
+            clock: crate::app::Clock::wall(),
         }
     }
 }
@@ -186,11 +189,12 @@ impl Application {
         projection.catch_up(&log).await.map_err(|e| e.to_string())?;
         let (applied_tx, applied) = watch::channel(projection.last_seq());
         let projection = Arc::new(RwLock::new(projection));
-        let app = App::new(
+        let app = App::with_clock(
             log.clone(),
             projection.clone(),
             applied.clone(),
             settings.policy.clone(),
+            settings.clock.clone(),
         );
         app.set_heartbeat_timeout(settings.heartbeat_timeout_ms);
         app.set_output(match &log {

@@ -155,7 +155,7 @@ pub async fn authorize(
         }
         Ok(Some(token)) => {
             let p = app.projection().read().await;
-            match authenticate(p.state(), token, scheduler::wall_clock_ms()) {
+            match authenticate(p.state(), token, app.now_ms()) {
                 Ok(caller) => caller,
                 Err(problem) => return problem.into_response(),
             }

@@ -51,13 +51,15 @@ pub async fn append(app: &App, appends: Vec<Append>) -> Result<serde_json::Value
 }
 
 /// Checks the reports of `node`'s agent, whose events must name `actor` as theirs, against the
-/// state: only its registration and the ends of runs placed on it, never stamped ahead of the
-/// server's clock. Answers the appends, each keyed by the agent's own idempotency key.
+/// state: only its registration and the ends of runs placed on it, never stamped further ahead
+/// of the server's clock (`now_ms`) than the ledger's skew tolerance. Answers the appends, each
+/// keyed by the agent's own idempotency key.
 pub fn check(
     state: &ledger::State,
     node: &str,
     actor: &str,
     reports: &[NodeReport],
+    now_ms: u64,
 ) -> Result<Vec<Append>, Problem> {
     if reports.is_empty() || reports.len() > NODE_EVENTS_MAX {
         return Err(Problem::invalid(
@@ -87,8 +89,7 @@ pub fn check(
                 "1 to 128 printable ASCII characters",
             ));
         }
-        let now = scheduler::wall_clock_ms();
-        let ahead = env.occurred_at_ms.saturating_sub(now);
+        let ahead = env.occurred_at_ms.saturating_sub(now_ms);
         if ahead > state.config().clock_skew_tolerance_ms {
             return Err(Problem::invalid(
                 &format!("{field}.occurred_at_ms"),
@@ -186,7 +187,7 @@ impl LocalAgentLog {
     /// The actor its token stands for now.
     pub async fn actor(&self) -> Result<String, String> {
         let p = self.app.projection().read().await;
-        crate::auth::authenticate(p.state(), &self.token, scheduler::wall_clock_ms())
+        crate::auth::authenticate(p.state(), &self.token, self.app.now_ms())
             .map(|caller| caller.actor())
             .map_err(|problem| problem.detail)
     }
@@ -207,12 +208,19 @@ impl EventLog for LocalAgentLog {
             let p = self.app.projection().read().await;
             let state = p.state();
             let refused = |problem: Problem| AppendError::Refused(problem.detail);
-            let caller = crate::auth::authenticate(state, &self.token, scheduler::wall_clock_ms())
+            let caller = crate::auth::authenticate(state, &self.token, self.app.now_ms())
                 .map_err(refused)?;
             caller
                 .allow(&Action::ReportForNode { node: &self.node }, state)
                 .map_err(refused)?;
-            check(state, &self.node, &caller.actor(), &reports).map_err(refused)?
+            check(
+                state,
+                &self.node,
+                &caller.actor(),
+                &reports,
+                self.app.now_ms(),
+            )
+            .map_err(refused)?
         };
         self.app.log().append_batch(checked).await
     }
@@ -298,7 +306,7 @@ async fn answer_report(
     let actor = format!("agent:{node}");
     let appends = {
         let p = app.projection().read().await;
-        check(p.state(), node, &actor, &body.events)?
+        check(p.state(), node, &actor, &body.events, app.now_ms())?
     };
     append(app, appends).await
 }

@@ -25,7 +25,7 @@ pub(crate) async fn allocations(
     let period = match (&q.from, &q.to) {
         (None, None) => None,
         (from, to) => {
-            let now = scheduler::wall_clock_ms();
+            let now = app.now_ms();
             let (from, to) = crate::period::period(
                 from.as_deref(),
                 to.as_deref(),
@@ -261,7 +261,7 @@ pub(crate) async fn usage(
     query: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let (from, to) = crate::period::period(
         q.from.as_deref(),
         q.to.as_deref(),

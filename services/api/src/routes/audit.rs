@@ -254,7 +254,7 @@ pub(crate) async fn audit_ledger(
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
     let g = granularity_param(q.granularity.as_deref())?;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let (from, to) = period(q.from.as_deref(), q.to.as_deref(), 7 * DAY_MS, g, now)?;
     let mut periods = 0u64;
     let mut t = from;
@@ -358,7 +358,7 @@ pub(crate) async fn cluster_metrics(
     query: Result<Query<PeriodQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let (from, to) = period(
         q.from.as_deref(),
         q.to.as_deref(),

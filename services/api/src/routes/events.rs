@@ -132,7 +132,7 @@ pub(crate) async fn events(
         .last_seq()
         .await
         .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let now_ms = scheduler::wall_clock_ms();
+    let now_ms = app.now_ms();
     Ok(
         Json(json!({"events": rows, "next_after": next, "last_seq": last_seq, "now_ms": now_ms}))
             .into_response(),
@@ -313,7 +313,7 @@ async fn token_gone(app: App, caller: Caller) {
             .principals()
             .by_token_sha256(&caller.0.token_sha256)
             .is_some_and(|now| now.granted_seq == caller.0.granted_seq);
-        if !live || caller.0.expired_at(scheduler::wall_clock_ms()) {
+        if !live || caller.0.expired_at(app.now_ms()) {
             return;
         }
     }

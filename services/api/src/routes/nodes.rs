@@ -386,7 +386,7 @@ pub(crate) async fn heartbeat(
         node: node.clone(),
         readings: body.readings,
     };
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let sent = body.sent_at_ms.unwrap_or(now);
     let problems = match &app.inner.log {
         // On NATS the heartbeat reaches the scheduler's monitor through the telemetry stream.
@@ -442,7 +442,13 @@ pub(crate) async fn node_events(
     let Json(body) = body.map_err(bad_body)?;
     let appends = {
         let p = app.inner.projection.read().await;
-        reports::check(p.state(), &node, &caller.actor(), &body.events)?
+        reports::check(
+            p.state(),
+            &node,
+            &caller.actor(),
+            &body.events,
+            app.now_ms(),
+        )?
     };
     // Reports that hold up, from an agent that does not drive the node: not taken.
     app.inner.leases.check(&node, holder(&headers)?)?;

@@ -91,7 +91,7 @@ pub(crate) async fn readyz(State(app): State<App>) -> Response {
     if let Some((slug, detail)) = unready {
         return Problem::new(StatusCode::SERVICE_UNAVAILABLE, slug, detail).into_response();
     }
-    let stuck = app.inner.stuck.list(scheduler::wall_clock_ms());
+    let stuck = app.inner.stuck.list(app.now_ms());
     if let Some((subject, why)) = stuck.first() {
         return Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -115,12 +115,10 @@ pub(crate) async fn metrics(State(app): State<App>, headers: axum::http::HeaderM
         let by_allocation = match crate::auth::bearer(&headers) {
             Err(problem) => return problem.into_response(),
             Ok(None) => false,
-            Ok(Some(token)) => {
-                match crate::auth::authenticate(p.state(), token, scheduler::wall_clock_ms()) {
-                    Err(problem) => return problem.into_response(),
-                    Ok(caller) => caller.0.may(ledger::identity::ActionKind::Read).is_ok(),
-                }
-            }
+            Ok(Some(token)) => match crate::auth::authenticate(p.state(), token, app.now_ms()) {
+                Err(problem) => return problem.into_response(),
+                Ok(caller) => caller.0.may(ledger::identity::ActionKind::Read).is_ok(),
+            },
         };
         app.inner
             .metrics

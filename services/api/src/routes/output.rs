@@ -132,7 +132,7 @@ pub(crate) async fn ship(
         offset: query.offset,
         data,
         end: query.end,
-        at_ms: scheduler::wall_clock_ms(),
+        at_ms: app.now_ms(),
     };
     store.append(&key, chunk).await.map_err(unavailable)?;
     let now = store.shipped(&key).await.map_err(unavailable)?;

@@ -119,7 +119,7 @@ pub(crate) async fn create(
             ),
         )
     })?;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let expires_at_ms = match body.expires_in_s {
         None => None,
         Some(0) => return Err(Problem::invalid("expires_in_s", "at least 1 second")),
@@ -200,7 +200,7 @@ pub(crate) async fn list(
         return Err(Problem::invalid("limit", "limit must be 1 to 5000"));
     }
     let p = app.inner.projection.read().await;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let principals = p.state().principals();
     let mut page = principals.after(query.after.as_deref());
     let rows: Vec<_> = page
@@ -262,6 +262,6 @@ pub(crate) async fn revoke(
         (status = 200, description = "the caller: name, role, actor, scope, expiry", body = serde_json::Value),
         (status = 401, description = "no token, or an unknown, revoked or expired one", body = problem::Problem, content_type = "application/problem+json"),
     ))]
-pub(crate) async fn whoami(caller: Caller) -> Response {
-    Json(describe(&caller.0, scheduler::wall_clock_ms())).into_response()
+pub(crate) async fn whoami(State(app): State<App>, caller: Caller) -> Response {
+    Json(describe(&caller.0, app.now_ms())).into_response()
 }

@@ -248,7 +248,7 @@ async fn dry_run(
     submitted: WorkloadSubmitted,
 ) -> Result<Response, Problem> {
     use ledger::dryrun::{DryRun, Start};
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     // Worked out on a copy, the ledger's lock released: writers do not wait for it.
     let state = app.inner.projection.read().await.state().clone();
     let event = Event::WorkloadSubmitted(submitted.clone());
@@ -374,7 +374,7 @@ pub(crate) async fn workload(
             })
         })
         .collect();
-    let mut body = listed(&row, scheduler::wall_clock_ms());
+    let mut body = listed(&row, app.now_ms());
     if let Some(status) = app.notifier().and_then(|n| n.status(id)) {
         body["notifications"] = json!(status);
     }
@@ -526,17 +526,13 @@ fn reason(b: &Blocked) -> serde_json::Value {
     }
 }
 
-/// The policy's view of the queue now, with every pending workload explained.
-fn explained(state: &ledger::State, policy: &PolicyConfig) -> ledger::policy::Plan {
+/// The policy's view of the queue at `now_ms`, with every pending workload explained.
+fn explained(state: &ledger::State, policy: &PolicyConfig, now_ms: u64) -> ledger::policy::Plan {
     let config = PolicyConfig {
         explain: true,
         ..state.policy_config(policy)
     };
-    decide(
-        state,
-        scheduler::wall_clock_ms().max(state.now_ms()),
-        &config,
-    )
+    decide(state, now_ms.max(state.now_ms()), &config)
 }
 
 #[utoipa::path(get, path = "/v1/workloads/{id}/explain", tag = "workloads",
@@ -570,7 +566,7 @@ pub(crate) async fn explain(
         }))
         .into_response());
     }
-    let plan = explained(state, &app.inner.policy);
+    let plan = explained(state, &app.inner.policy, app.now_ms());
     let Some(mine) = plan.pending.iter().find(|q| q.workload == id) else {
         return Ok(Json(json!({
             "id": id,
@@ -622,7 +618,7 @@ pub(crate) async fn explain(
         start: own.map_or(ledger::dryrun::Start::Unknown, ledger::dryrun::Start::At),
         waiting: Some(id),
         actor: state.submitter(w).to_owned(),
-        at_ms: scheduler::wall_clock_ms().max(state.now_ms()),
+        at_ms: app.now_ms().max(state.now_ms()),
         allocations: submittable(state, submitter),
         state: state.clone(),
     };
@@ -853,7 +849,7 @@ pub(crate) async fn list(
             .await
             .map_err(|e| Problem::unavailable(e.to_string()))?
             .map_err(|e| Problem::unavailable(e.to_string()))?;
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let rows: Vec<serde_json::Value> = page.rows.iter().map(|r| listed(r, now)).collect();
     Ok(Json(json!({
         "workloads": rows,
@@ -1016,7 +1012,7 @@ const PLAN_REUSE_MS: u64 = 5_000;
 /// out again when the ledger moved or after [`PLAN_REUSE_MS`], so that a long queue read page
 /// after page is not planned (nor counted) once per page.
 fn queue_plan(app: &App, state: &ledger::State) -> Arc<(Plan, QueueSummary)> {
-    let now = scheduler::wall_clock_ms();
+    let now = app.now_ms();
     let seq = state.last_seq();
     if let Some((at_seq, at_ms, planned)) = app
         .inner
@@ -1029,7 +1025,7 @@ fn queue_plan(app: &App, state: &ledger::State) -> Arc<(Plan, QueueSummary)> {
             return planned.clone();
         }
     }
-    let plan = explained(state, &app.inner.policy);
+    let plan = explained(state, &app.inner.policy, app.now_ms());
     let summary = QueueSummary::of(state, &plan.pending);
     let planned = Arc::new((plan, summary));
     *app.inner.queue_plan.lock().expect("never poisoned") = Some((seq, now, planned.clone()));

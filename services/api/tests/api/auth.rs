@@ -1138,3 +1138,28 @@ async fn an_agent_reads_the_commands_of_its_own_nodes_runs_only() {
     let (status, _, problem) = spec(other, here.clone()).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
 }
+
+/// clock: the API reads the clock the application gives it, never the machine's: a token that
+/// expires in a minute is taken until the clock, moved by the test, passes that minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_reads_the_clock_it_is_given() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let ahead = std::sync::Arc::new(AtomicU64::new(0));
+    let moved = ahead.clone();
+    let clock =
+        api::app::Clock::new(move || scheduler::wall_clock_ms() + moved.load(Ordering::Relaxed));
+    let f = fixture_with_clock(false, clock).await;
+    let body = r#"{"name":"brief","role":"viewer","expires_in_s":60}"#;
+    let (status, _, answer) = call(&f, "POST", "/v1/tokens", Some(body), &[]).await;
+    assert_eq!(status, StatusCode::CREATED, "{answer}");
+    let brief = answer["token"].as_str().unwrap().to_owned();
+    let (status, _, _) = call_as(&f, Some(&brief), "GET", "/v1/whoami", None, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    ahead.store(61_000, Ordering::Relaxed);
+    let (status, _, problem) = call_as(&f, Some(&brief), "GET", "/v1/whoami", None, &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("expired"),
+        "{problem}"
+    );
+}

@@ -33,6 +33,11 @@ pub const SETUP_EVENTS: u64 = 4;
 /// Two nodes of 8 GPUs and allocations `a/x` (weight 1) and `b` (weight 1); the scheduler runs
 /// when `scheduler_on` (every 50 ms), else only the API and the projector do.
 pub async fn fixture(scheduler_on: bool) -> Fixture {
+    fixture_with_clock(scheduler_on, api::app::Clock::wall()).await
+}
+
+/// [`fixture`] whose API reads `clock`.
+pub async fn fixture_with_clock(scheduler_on: bool, clock: api::app::Clock) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let log = AnyLog::Embedded(EmbeddedLog::open(&dir.path().join("log")).unwrap());
     let mut setup = Vec::new();
@@ -73,6 +78,7 @@ pub async fn fixture(scheduler_on: bool) -> Fixture {
             api::Serving::Api
         },
         scheduler_tick: Duration::from_millis(50),
+        clock,
         ..api::Settings::new("127.0.0.1:0", data.clone())
     };
     let application = api::Application::build(settings, log.clone())
