@@ -163,10 +163,6 @@ fn delivery_key(seq: u64) -> Vec<u8> {
     [b"q".as_slice(), &seq.to_be_bytes()].concat()
 }
 
-fn now_ms() -> u64 {
-    scheduler::wall_clock_ms()
-}
-
 /// The notifier of one ledger.
 pub struct Notifier {
     _db: sled::Db,
@@ -321,7 +317,7 @@ impl Notifier {
                     "occurred_at": crate::routes::date(env.occurred_at_ms),
                     "event": env,
                 });
-                let now = now_ms();
+                let now = app.now_ms();
                 let delivery = Delivery {
                     workload: w,
                     url: target.url.clone(),
@@ -365,7 +361,7 @@ impl Notifier {
         let mut flying: HashSet<Uuid> = HashSet::new();
         let mut posts = tokio::task::JoinSet::new();
         loop {
-            let now = now_ms();
+            let now = app.now_ms();
             // Each workload's oldest delivery; those due and not in flight go.
             let mut heads: BTreeMap<Uuid, (u64, Delivery)> = BTreeMap::new();
             for (k, v) in self.tree.scan_prefix(b"q").flatten() {
@@ -406,7 +402,7 @@ impl Notifier {
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
                 Some(Ok((seq, d, answer))) = posts.join_next(), if !posts.is_empty() => {
                     flying.remove(&d.workload);
-                    if let Err(e) = self.record(seq, d, answer) {
+                    if let Err(e) = self.record(seq, d, answer, app.now_ms()) {
                         tracing::error!(error = %e, "notifications: cannot record a delivery");
                     }
                 }
@@ -414,9 +410,14 @@ impl Notifier {
         }
     }
 
-    /// Records how the delivery at `seq` went.
-    fn record(&self, seq: u64, mut d: Delivery, answer: Result<u16, Failed>) -> Result<(), String> {
-        let now = now_ms();
+    /// Records how the delivery at `seq` went, at `now` (milliseconds since the epoch).
+    fn record(
+        &self,
+        seq: u64,
+        mut d: Delivery,
+        answer: Result<u16, Failed>,
+        now: u64,
+    ) -> Result<(), String> {
         let mut status: Status = self.get(&status_key(d.workload)).unwrap_or_default();
         status.last_attempt_at_ms = Some(now);
         let mut batch = sled::Batch::default();
