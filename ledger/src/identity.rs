@@ -649,14 +649,18 @@ impl Principals {
         Ok(())
     }
 
+    /// The live principal that acts as `actor` (`user:alice`, `agent:gpu-1`).
+    pub fn by_actor(&self, actor: &str) -> Option<&Principal> {
+        let (_, name) = actor.split_once(':')?;
+        self.get(name).filter(|p| p.actor() == actor)
+    }
+
     /// The Unix user the workloads of `actor` run as where agents run them as their
     /// submitters: its grant's `unix_user`, else its name.
     pub fn unix_user_of<'a>(&'a self, actor: &'a str) -> &'a str {
-        let name = actor.split_once(':').map_or(actor, |(_, n)| n);
-        self.get(name)
-            .filter(|p| p.actor() == actor)
+        self.by_actor(actor)
             .and_then(|p| p.unix_user.as_deref())
-            .unwrap_or(name)
+            .unwrap_or_else(|| actor.split_once(':').map_or(actor, |(_, n)| n))
     }
 
     /// Records a checked grant made by `actor` at `now_ms`, sequence `seq`.

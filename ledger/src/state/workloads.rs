@@ -126,10 +126,7 @@ impl State {
         gpus: u64,
         actor: &str,
     ) -> Result<(), Rejection> {
-        let principal = actor
-            .split_once(':')
-            .and_then(|(_, name)| self.principals.get(name))
-            .filter(|p| p.actor() == actor);
+        let principal = self.principals.by_actor(actor);
         if let Some(cap) = principal.and_then(|p| p.pending_cap()) {
             let waiting = self
                 .actor_ids

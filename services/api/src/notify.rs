@@ -100,12 +100,6 @@ pub fn signature(secret: &str, body: &[u8]) -> String {
     format!("sha256={}", hex(ring::hmac::sign(&k, body).as_ref()))
 }
 
-/// The live principal that acts as `actor` (`user:alice`).
-fn principal_of<'a>(state: &'a ledger::State, actor: &str) -> Option<&'a Principal> {
-    let (_, name) = actor.split_once(':')?;
-    state.principals().get(name).filter(|p| p.actor() == actor)
-}
-
 /// A workload whose events are posted.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Target {
@@ -206,8 +200,7 @@ impl Notifier {
 
     /// How `workload`'s notifications stand, if it has any.
     pub fn status(&self, workload: Uuid) -> Option<Status> {
-        let v = self.tree.get(status_key(workload)).ok()??;
-        serde_json::from_slice(&v).ok()
+        self.get(&status_key(workload))
     }
 
     fn get<T: serde::de::DeserializeOwned>(&self, key: &[u8]) -> Option<T> {
@@ -286,8 +279,11 @@ impl Notifier {
                     Some(url) => Some(url.clone()),
                     None => {
                         let p = app.inner.projection.read().await;
-                        let url =
-                            principal_of(p.state(), &env.actor).and_then(|p| p.notify.clone());
+                        let url = p
+                            .state()
+                            .principals()
+                            .by_actor(&env.actor)
+                            .and_then(|p| p.notify.clone());
                         url
                     }
                 };
@@ -380,7 +376,11 @@ impl Notifier {
                 }
                 let secret = {
                     let p = app.inner.projection.read().await;
-                    let secret = principal_of(p.state(), &d.actor).map(|p| secret(&self.key, p));
+                    let secret = p
+                        .state()
+                        .principals()
+                        .by_actor(&d.actor)
+                        .map(|p| secret(&self.key, p));
                     secret
                 };
                 flying.insert(w);
