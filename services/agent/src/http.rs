@@ -59,6 +59,16 @@ pub fn client(
     Ok(config.build().into())
 }
 
+/// What a call sends.
+enum Sent {
+    /// Nothing: a GET.
+    Nothing,
+    /// A JSON body, POSTed.
+    Json(Value),
+    /// Raw bytes, POSTed.
+    Raw(Bytes),
+}
+
 /// What a call answered: the status and the JSON body.
 type Answer = (u16, Value);
 
@@ -114,25 +124,35 @@ impl HttpLog {
         Ok(())
     }
 
-    /// GET `path`, or POST `body` to it, off the async threads.
+    /// GET `path`, or POST `body` to it (JSON), off the async threads.
     async fn call(&self, path: String, body: Option<Value>) -> Result<Answer, String> {
+        self.send(path, body.map_or(Sent::Nothing, Sent::Json))
+            .await
+    }
+
+    /// GET `path` or POST to it what `sent` says, off the async threads; notes a 401.
+    async fn send(&self, path: String, sent: Sent) -> Result<Answer, String> {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let url = format!("{}{path}", this.base);
             let auth = &*this.authorization;
-            let holder = &*this.holder;
-            let sent = match body {
-                None => this.agent.get(&url).header("authorization", auth).call(),
-                Some(b) => this
-                    .agent
+            let post = || {
+                this.agent
                     .post(&url)
                     .header("authorization", auth)
-                    .header("fairledger-agent", holder)
+                    .header("fairledger-agent", &*this.holder)
+            };
+            let answered = match sent {
+                Sent::Nothing => this.agent.get(&url).header("authorization", auth).call(),
+                Sent::Json(b) => post()
                     .header("content-type", "application/json")
                     .send(b.to_string()),
+                Sent::Raw(b) => post()
+                    .header("content-type", "application/octet-stream")
+                    .send(&b[..]),
             };
             let mut response =
-                sent.map_err(|e| format!("cannot reach the API at {} ({e})", this.base))?;
+                answered.map_err(|e| format!("cannot reach the API at {} ({e})", this.base))?;
             let status = response.status().as_u16();
             let text = response
                 .body_mut()
@@ -216,7 +236,6 @@ impl HttpLog {
         key: &eventlog::output::RunKey,
         chunk: eventlog::output::Chunk,
     ) -> Result<(), String> {
-        let this = self.clone();
         let path = format!(
             "{}?offset={}&at_ms={}{}",
             output_path(key),
@@ -224,34 +243,13 @@ impl HttpLog {
             chunk.at_ms,
             if chunk.end { "&end=true" } else { "" }
         );
-        let (status, answer) = tokio::task::spawn_blocking(move || {
-            let url = format!("{}{path}", this.base);
-            let mut response = this
-                .agent
-                .post(&url)
-                .header("authorization", &*this.authorization)
-                .header("fairledger-agent", &*this.holder)
-                .header("content-type", "application/octet-stream")
-                .send(&chunk.data[..])
-                .map_err(|e| format!("cannot reach the API at {} ({e})", this.base))?;
-            let status = response.status().as_u16();
-            let text = response.body_mut().read_to_string().unwrap_or_default();
-            Ok::<_, String>((
-                status,
-                serde_json::from_str(&text).unwrap_or(Value::String(text)),
-            ))
-        })
-        .await
-        .map_err(|e| e.to_string())??;
-        self.check_refused(status, &answer);
+        let (status, answer) = self.send(path, Sent::Raw(chunk.data)).await?;
         if status >= 400 {
             return Err(problem(&answer));
         }
         Ok(())
     }
-}
 
-impl HttpLog {
     /// What to launch for `workload`, placed on this node: its command and environment (the
     /// events an agent reads over HTTP leave them out).
     pub async fn run_spec(

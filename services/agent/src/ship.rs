@@ -84,10 +84,6 @@ fn parse_dir(name: &str) -> Option<(Uuid, u64)> {
     Some((Uuid::parse_str(workload).ok()?, run.parse().ok()?))
 }
 
-fn now_ms() -> u64 {
-    crate::wall_clock_ms()
-}
-
 /// Up to `max` bytes of `path` from `offset`: what was written since.
 fn read_from(path: &Path, offset: u64, max: u64) -> std::io::Result<Vec<u8>> {
     let mut f = match std::fs::File::open(path) {
@@ -206,7 +202,7 @@ impl Shipper {
                 offset,
                 data: Bytes::copy_from_slice(piece),
                 end: last,
-                at_ms: now_ms(),
+                at_ms: crate::wall_clock_ms(),
             };
             self.shipping.append(&shipment.key, chunk).await?;
             offset += piece.len() as u64;
@@ -221,7 +217,7 @@ impl Shipper {
                 offset,
                 data: Bytes::new(),
                 end: true,
-                at_ms: now_ms(),
+                at_ms: crate::wall_clock_ms(),
             };
             self.shipping.append(&shipment.key, end).await?;
             return mark_shipped(dir);
@@ -296,7 +292,7 @@ mod tests {
                     offset: 0,
                     data: Bytes::copy_from_slice(&big.as_bytes()[..100]),
                     end: false,
-                    at_ms: now_ms(),
+                    at_ms: crate::wall_clock_ms(),
                 },
             )
             .await
