@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{wait_for, Agent, Server, BIN};
+use common::{wait_for, wait_for_node, wait_until, Agent, Server, BIN};
 use eventlog::testing::NatsServer;
 use serde_json::{json, Value};
 
@@ -75,26 +75,7 @@ fn serve_on(nats: &NatsServer, dir: &Path, min_runtime_s: u64, extra: &[&str]) -
 }
 
 fn submit(server: &Server, body: Value) -> String {
-    let (status, answer) = server.call("POST", "/v1/workloads", Some(&body.to_string()));
-    assert_eq!(status, 202, "{answer}");
-    answer["id"].as_str().unwrap().to_owned()
-}
-
-fn wait_until(what: &str, secs: u64, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn wait_for_node(server: &Server, node: &str) {
-    wait_until(&format!("node {node} to register"), 30, || {
-        let (_, nodes) = server.call("GET", "/v1/nodes", None);
-        nodes["nodes"]
-            .as_array()
-            .is_some_and(|n| n.iter().any(|n| n["node"] == node))
-    });
+    common::submit_as(server, None, &body)
 }
 
 /// The lines of the jobs' log, split into words.
@@ -1018,14 +999,7 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
     // What a job submitted with `token` printed, once it finished.
     let ran = |token: &str, command: Value| {
         let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": command});
-        let (status, answer) = server.call_as(
-            Some(token),
-            "POST",
-            "/v1/workloads",
-            Some(&body.to_string()),
-        );
-        assert_eq!(status, 202, "{answer}");
-        let id = answer["id"].as_str().unwrap().to_owned();
+        let id = common::submit_as(&server, Some(token), &body);
         wait_for(&server, &id, "finished");
         let out = Command::new(BIN)
             .args([

@@ -10,9 +10,8 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use common::{wait_for, Server};
+use common::{wait_for, wait_until, Server};
 use serde_json::{json, Value};
 
 /// One request the receiver took: its path, headers (lower-case names) and body.
@@ -100,14 +99,6 @@ fn sign(secret: &str, body: &str) -> String {
     let tag = ring::hmac::sign(&key, body.as_bytes());
     let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
     format!("sha256={hex}")
-}
-
-fn wait_until(what: &str, secs: u64, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]

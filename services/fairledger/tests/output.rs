@@ -8,9 +8,9 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{wait_for, Agent, Server, BIN};
+use common::{submit_as, wait_for, wait_for_node, Agent, Server, BIN};
 use eventlog::testing::NatsServer;
 use serde_json::json;
 
@@ -76,33 +76,6 @@ fn token_file(dir: &Path, name: &str, token: &str) -> String {
     path.to_str().unwrap().to_owned()
 }
 
-fn submit_as(server: &Server, token: &str, command: serde_json::Value) -> String {
-    let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": command});
-    let (status, answer) = server.call_as(
-        Some(token),
-        "POST",
-        "/v1/workloads",
-        Some(&body.to_string()),
-    );
-    assert_eq!(status, 202, "{answer}");
-    answer["id"].as_str().unwrap().to_owned()
-}
-
-fn wait_for_node(server: &Server, node: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (_, nodes) = server.call("GET", "/v1/nodes", None);
-        if nodes["nodes"]
-            .as_array()
-            .is_some_and(|n| n.iter().any(|n| n["node"] == node))
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "node {node} never registered");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// Output read after the run, followed while it runs, across a restart of the agent, by whom
 /// may read it; with `agent_link` the way the agent reaches the service.
 fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> Agent) {
@@ -118,7 +91,8 @@ fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> A
     wait_for_node(server, "gpu-1");
 
     // Followed from before it starts: the lines arrive while it runs.
-    let id = submit_as(server, &alice, ticks(8, 1.0));
+    let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ticks(8, 1.0)});
+    let id = submit_as(server, Some(&alice), &body);
     let mut follower = Command::new(BIN)
         .arg("logs")
         .args([

@@ -309,3 +309,30 @@ impl Drop for Agent {
         }
     }
 }
+
+/// Submits `body` with `token` (the first admin's when `None`); answers its id.
+pub fn submit_as(server: &Server, token: Option<&str>, body: &Value) -> String {
+    let token = token.or(server.token.as_deref());
+    let (status, answer) = server.call_as(token, "POST", "/v1/workloads", Some(&body.to_string()));
+    assert_eq!(status, 202, "{answer}");
+    answer["id"].as_str().unwrap().to_owned()
+}
+
+/// Waits up to `secs` for `check`, failing the test with `what` after.
+pub fn wait_until(what: &str, secs: u64, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits for `node` to be registered.
+pub fn wait_for_node(server: &Server, node: &str) {
+    wait_until(&format!("node {node} to register"), 30, || {
+        let (_, nodes) = server.call("GET", "/v1/nodes", None);
+        nodes["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().any(|n| n["node"] == node))
+    });
+}
