@@ -236,11 +236,11 @@ impl HttpLog {
         key: &eventlog::output::RunKey,
         chunk: eventlog::output::Chunk,
     ) -> Result<(), String> {
+        // The server stamps the chunk with its own clock.
         let path = format!(
-            "{}?offset={}&at_ms={}{}",
+            "{}?offset={}{}",
             output_path(key),
             chunk.offset,
-            chunk.at_ms,
             if chunk.end { "&end=true" } else { "" }
         );
         let (status, answer) = self.send(path, Sent::Raw(chunk.data)).await?;

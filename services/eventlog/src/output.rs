@@ -588,7 +588,8 @@ impl OutputStore for JetStreamOutput {
                 break;
             }
         }
-        // Shipped twice (an agent's retry outside the duplicate window): kept once.
+        // In offset order as readers expect; a chunk shipped again outside the duplicate window
+        // is read twice, and readers skip what they already have by its offset.
         page.chunks.sort_by_key(|c| c.offset);
         Ok(page)
     }

@@ -81,10 +81,6 @@ pub(crate) struct ShipQuery {
     /// The run ended and this is the end of its output.
     #[serde(default)]
     end: bool,
-    /// When the agent read it (its clock; the server keeps its own).
-    #[serde(default)]
-    #[allow(dead_code)]
-    at_ms: Option<u64>,
 }
 
 #[utoipa::path(post, path = "/v1/nodes/{node}/output/{workload}/{run}", tag = "nodes",
