@@ -223,13 +223,16 @@ pub(crate) async fn event_stream(
     // A replay whose client stops reading gives its turn back after REPLAY_STALL, and the
     // stream ends at its next read (the client resumes with Last-Event-ID).
     let read_at = Arc::new(Mutex::new(std::time::Instant::now()));
+    let replaying = turn.is_some();
     let turn = Arc::new(Mutex::new(turn));
     let cut = Arc::new(AtomicBool::new(false));
-    tokio::spawn(watch_replay(
-        read_at.clone(),
-        Arc::downgrade(&turn),
-        cut.clone(),
-    ));
+    if replaying {
+        tokio::spawn(watch_replay(
+            read_at.clone(),
+            Arc::downgrade(&turn),
+            cut.clone(),
+        ));
+    }
     let stream = events
         .take_until(ended)
         .take_while(move |_| std::future::ready(!cut.load(Ordering::Relaxed)))
