@@ -10,6 +10,9 @@
 //! [`AppendError::Conflict`], acknowledge an append only once it is durable, and serve tail
 //! subscriptions from any sequence. The same conformance suite (`tests/conformance.rs`) runs
 //! against both.
+//!
+//! Beside the ledger, each backend keeps runs' output ([`output`]: a tree of the embedded
+//! database, or the `OUTPUT` stream), which is not the ledger: bounded, and never folded.
 
 use std::future::Future;
 
