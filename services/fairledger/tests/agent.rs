@@ -58,6 +58,18 @@ fn executable(path: &Path, text: &str) -> PathBuf {
     path.to_owned()
 }
 
+/// `fairledger serve` on the embedded log in `dir/data` with the cluster of [`cluster`] (a
+/// contract of an hour), driving no node itself: agents reach it over HTTP.
+fn serve_embedded(dir: &Path) -> Server {
+    let config = cluster(dir, 3600);
+    Server::start(&[
+        "--data",
+        dir.join("data").to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ])
+}
+
 /// `fairledger serve` on `nats` with the cluster of [`cluster`] and `extra` flags.
 fn serve_on(nats: &NatsServer, dir: &Path, min_runtime_s: u64, extra: &[&str]) -> Server {
     let config = cluster(dir, min_runtime_s);
@@ -366,14 +378,8 @@ fn a_restarted_agent_re_adopts_its_runs_and_never_launches_one_twice() {
 #[test]
 fn an_agent_on_http_runs_and_reports_workloads_and_may_report_only_its_own() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 3600);
     // The embedded log this time: the agent reaches the server through its HTTP API only.
-    let server = Server::start(&[
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_embedded(tmp.path());
     let api = format!("http://{}", server.addr);
     let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
     // A minute slow: the agent sets its clock by the server's before it registers. Its token
@@ -768,13 +774,7 @@ fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only(
 /// submission: it ends failed with the reason, after [`agent::LAUNCH_ATTEMPTS`] tries.
 fn a_failing_launch_through(shim: &str, reason: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 3600);
-    let server = Server::start(&[
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_embedded(tmp.path());
     let api = format!("http://{}", server.addr);
     let token = server.grant("gpu-h", "agent", &[], Some("gpu-h"));
     let agent = Agent::start_with_env(
@@ -959,13 +959,7 @@ fn an_agent_for_a_node_the_server_drives_is_refused() {
 #[test]
 fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = cluster(tmp.path(), 3600);
-    let server = Server::start(&[
-        "--data",
-        tmp.path().join("data").to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ]);
+    let server = serve_embedded(tmp.path());
     let api = format!("http://{}", server.addr);
     let token = server.grant("gpu-r", "agent", &[], Some("gpu-r"));
     let work = tmp.path().join("agent");
