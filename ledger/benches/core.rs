@@ -278,8 +278,10 @@ fn bench_decide(c: &mut Criterion) {
     let mut g = c.benchmark_group("decide");
     g.sample_size(10);
     for policy in ["fairshare", "fifo"] {
+        // Every pending workload considered, not only the first `lookahead`: the heaviest pass.
         let cfg = PolicyConfig {
             policy,
+            lookahead: 0,
             ..PolicyConfig::default()
         };
         let plan = decide(&state, now, &cfg);

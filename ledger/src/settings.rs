@@ -42,6 +42,8 @@ pub struct Settings {
     pub reservations: u32,
     /// The most blocked workloads a pass lets look for victims.
     pub preemptors_per_pass: u32,
+    /// The most pending workloads a pass considers, in the policy's order; 0: every one.
+    pub lookahead: u32,
     /// Assemble whole nodes for the multi-GPU work of under-served allocations.
     pub defragment: bool,
     /// The node label whose equal values mean "close" for gang placement.
@@ -83,6 +85,7 @@ impl Settings {
             reversal_window_s: policy.reversal_window_ms / 1000,
             reservations: policy.reservations_max,
             preemptors_per_pass: policy.preemptors_per_pass_max,
+            lookahead: policy.lookahead,
             defragment: policy.defragment,
             topology_label: policy.topology_label.clone(),
             heartbeat_timeout_s: heartbeat_ms.div_ceil(1000),
@@ -107,7 +110,7 @@ impl Settings {
             );
         }
         // Whole numbers within bounds, in the order they are checked; a bound's gloss follows it.
-        let bounded: [(&'static str, u64, u64, u64, &str); 9] = [
+        let bounded: [(&'static str, u64, u64, u64, &str); 10] = [
             (
                 "window_s",
                 self.window_s,
@@ -144,6 +147,13 @@ impl Settings {
                 1,
                 1024,
                 "",
+            ),
+            (
+                "lookahead",
+                self.lookahead.into(),
+                0,
+                1_000_000,
+                " (0 considers every pending workload)",
             ),
             (
                 "heartbeat_timeout_s",
@@ -226,6 +236,7 @@ impl Settings {
             topology_label: self.topology_label.clone(),
             explain: local.explain,
             reversal_window_ms: self.reversal_window_s * 1000,
+            lookahead: self.lookahead,
         }
     }
 

@@ -1141,3 +1141,68 @@ fn an_under_served_allocation_gets_nodes_drained_in_proportion_to_its_deficit() 
     };
     assert_eq!(holders(&one), vec![wid(10)]);
 }
+
+#[test]
+fn a_pass_considers_the_first_lookahead_workloads_and_those_with_preemptions_under_way() {
+    // Three 1-GPU jobs on an idle node: with a lookahead of 2 the third waits, whether or not
+    // the pass explains; with 0 (every workload) or the default, all three start.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    for i in 1..=3 {
+        l.submit(0, wid(i), Some("a"), 1, 1);
+    }
+    let look = |lookahead, explain| PolicyConfig {
+        lookahead,
+        explain,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, 0, &look(2, true));
+    let ids: Vec<Uuid> = started(&plan).into_iter().map(|s| s.0).collect();
+    assert_eq!(ids, vec![wid(1), wid(2)]);
+    assert_eq!(
+        reason(&plan, wid(3)),
+        &Blocked::BeyondLookahead { limit: 2 }
+    );
+    assert_eq!(plan.pending[0].position, 3);
+    assert_eq!(started(&decide(&l.state, 0, &look(2, false))).len(), 2);
+    assert_eq!(started(&decide(&l.state, 0, &look(0, true))).len(), 3);
+    assert_eq!(
+        started(&decide(&l.state, 0, &PolicyConfig::default())).len(),
+        3
+    );
+
+    // Work with preemptions under way for it is considered wherever it stands: the GPUs
+    // leaving for it stay held for it, and not taken by the work ranked above it.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 0);
+    l.submit(H, wid(2), Some("b"), 8, 1);
+    l.submit(H, wid(3), Some("a"), 8, 1);
+    l.ok(
+        H,
+        Event::PreemptionRequested(PreemptionRequested {
+            workload: wid(1),
+            reason: PreemptionReason::FairShare,
+            beneficiary: Some(wid(3)),
+            grace_s: 300,
+        }),
+    );
+    l.submit(H, wid(4), Some("a"), 1, 1);
+    let plan = decide(&l.state, H, &look(1, true));
+    let order: Vec<(Uuid, u32)> = plan
+        .pending
+        .iter()
+        .map(|p| (p.workload, p.position))
+        .collect();
+    assert_eq!(order, vec![(wid(2), 1), (wid(3), 2), (wid(4), 3)]);
+    assert!(matches!(
+        reason(&plan, wid(3)),
+        Blocked::WaitingForPreemption { victims: 1, .. }
+    ));
+    assert_eq!(
+        reason(&plan, wid(4)),
+        &Blocked::BeyondLookahead { limit: 1 }
+    );
+}

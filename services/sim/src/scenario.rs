@@ -14,6 +14,7 @@
 //! heartbeat_timeout_s = 30  # a node silent this long has its GPUs marked unhealthy
 //! topology_label = "rack"   # nodes with equal values of this label are close for gangs
 //! preemptors_per_pass = 16  # blocked workloads a pass lets look for victims
+//! lookahead = 128           # pending workloads a pass considers, in policy order (0: all)
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
 //! count = 16

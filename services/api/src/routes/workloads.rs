@@ -485,7 +485,8 @@ pub(crate) struct QueueQuery {
     /// Only workloads this principal submitted: its name (`alice`) or actor (`user:alice`).
     user: Option<String>,
     /// Only workloads waiting for these reasons, comma-separated: holds_reservation,
-    /// waiting_for_preemption, behind_reservation, allocation_cap, no_capacity.
+    /// waiting_for_preemption, behind_reservation, allocation_cap, no_capacity,
+    /// beyond_lookahead.
     reason: Option<String>,
     /// At most this many rows (default 200, at most 5,000; 0 answers the summary alone).
     limit: Option<usize>,
@@ -523,6 +524,9 @@ fn reason(b: &Blocked) -> serde_json::Value {
         Blocked::AllocationCap { path, max_gpus } => json!({
             "code": "allocation_cap", "allocation": path, "max_gpus": max_gpus,
             "detail": format!("{path} is at its cap of {max_gpus} GPUs")}),
+        Blocked::BeyondLookahead { limit } => json!({
+            "code": "beyond_lookahead", "limit": limit,
+            "detail": format!("further down the queue than the scheduler looks (the first {limit} pending workloads in policy order); it moves up as work ahead of it starts or its allocation comes to rank higher")}),
     }
 }
 

@@ -219,7 +219,8 @@ pub struct QueueArgs {
     #[arg(long)]
     pub me: bool,
     /// Only workloads waiting for these reasons, comma-separated: holds_reservation,
-    /// waiting_for_preemption, behind_reservation, allocation_cap, no_capacity.
+    /// waiting_for_preemption, behind_reservation, allocation_cap, no_capacity,
+    /// beyond_lookahead.
     #[arg(long, short)]
     pub reason: Option<String>,
     /// Counts and GPUs by allocation (with the head of each allocation's queue) and by
