@@ -1,8 +1,9 @@
 //! The scheduler as a pure function: [`decide`] reads the state and the time and proposes
 //! decisions. The caller turns them into events and folds them; the fold has the last word.
 //!
-//! One pass walks the pending workloads in the policy's order ([`rank`]). Each that fits is
-//! started (best-fit, gangs all-or-nothing, see [`placement`]). The first that does not fit gets
+//! One pass walks the pending workloads in the policy's order ([`rank`]), the first
+//! [`PolicyConfig::lookahead`] of them (and, beyond, only work with preemptions under way for
+//! it). Each that fits is started (best-fit, gangs all-or-nothing, see [`placement`]). The first that does not fit gets
 //! the *reservation*: the nodes that free up soonest for it, which later workloads may use if
 //! they are expected to end before it starts (backfill) or, one node each and unless it is a
 //! gang, as a *borrowed placement*: the GPUs are lent until a grace period before the
