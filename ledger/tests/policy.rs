@@ -1206,3 +1206,34 @@ fn a_pass_considers_the_first_lookahead_workloads_and_those_with_preemptions_und
         &Blocked::BeyondLookahead { limit: 1 }
     );
 }
+
+#[test]
+fn allocation_keys_say_how_the_order_will_move_as_work_runs() {
+    // a ran alone on the 8-GPU node for 2 h, then b asked for it too: each is owed 4 GPUs now.
+    // With τ = 2 h, a's key is (16 + 8·2) / (16 + 4·2) = 4/3 now; holding 8 GPUs while owed 4
+    // for 24 h more, (16 + 8·26) / (16 + 4·26) = 224/120 then. b, delivered nothing, stays at 0.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    l.submit(0, wid(1), Some("a"), 8, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 0);
+    l.submit(2 * H, wid(2), Some("b"), 8, 1);
+    let cfg = PolicyConfig::default();
+    let keys = ledger::policy::allocation_keys(&l.state, &cfg, &[2 * H, 26 * H]).unwrap();
+    let (a, b) = (
+        l.state.allocations().get("a").unwrap() as usize,
+        l.state.allocations().get("b").unwrap() as usize,
+    );
+    assert!((keys[0][a] - 4.0 / 3.0).abs() < 1e-9, "{keys:?}");
+    assert!((keys[1][a] - 224.0 / 120.0).abs() < 1e-9, "{keys:?}");
+    assert_eq!((keys[0][b], keys[1][b]), (0.0, 0.0));
+    // The keys now are the ones the pass ranks by.
+    let plan = decide(&l.state, 2 * H, &cfg);
+    assert_eq!(plan.pending[0].key, Some(keys[0][b]));
+    // A flat policy has none.
+    let fifo = PolicyConfig {
+        policy: "fifo",
+        ..PolicyConfig::default()
+    };
+    assert!(ledger::policy::allocation_keys(&l.state, &fifo, &[2 * H]).is_none());
+}

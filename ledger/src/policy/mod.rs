@@ -424,6 +424,40 @@ pub struct Estimate {
     pub how: &'static str,
 }
 
+/// Every allocation's key among its siblings (what orders the queue, lower first) at each of
+/// `times_ms`, as it will stand if nothing changes meanwhile: its work runs on at today's rates
+/// (the GPUs it holds, the GPUs it is owed) and the usage window slides. `keys[t][a]` is
+/// allocation `a`'s at `times_ms[t]`; `None` for a policy without a tree ranking, which has no
+/// keys. A key of `f64::MAX` is an allocation that holds GPUs while owed none.
+///
+/// # Panics
+/// If `cfg.policy` names no policy.
+pub fn allocation_keys(
+    state: &State,
+    cfg: &PolicyConfig,
+    times_ms: &[u64],
+) -> Option<Vec<Vec<f64>>> {
+    let policy = by_name(cfg.policy).expect("policy name validated by the caller");
+    if !matches!(policy.ranking(), Ranking::Tree) {
+        return None;
+    }
+    let n = state.allocations.nodes.len() as u32;
+    Some(
+        times_ms
+            .iter()
+            .map(|&t| {
+                let rank = rank::Rank::new(
+                    state,
+                    t.max(state.now_ms),
+                    policy,
+                    cfg.min_runtime_ms as f64,
+                );
+                (0..n).map(|a| rank.key(a)).collect()
+            })
+            .collect(),
+    )
+}
+
 /// Runs one scheduling pass at `now_ms`. Pure: the same state, time and config give the same plan.
 ///
 /// # Panics

@@ -373,6 +373,9 @@ fn the_command_line_client_speaks_to_the_server() {
         budget.starts_with("uw/nlp: weight 2 (50.0% of the cluster by weight); no caps or quotas")
             && budget.contains("now: owed 24.0 GPUs, holds 32")
             && budget.contains("over the usage window: owed ")
+            && budget.contains("its key among its siblings: ")
+            && budget
+                .contains("in a day if nothing changes (GPU-hours delivered over GPU-hours owed")
             && budget.contains("DAY (UTC)"),
         "{budget}"
     );

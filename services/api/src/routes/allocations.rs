@@ -15,7 +15,7 @@ use crate::{problem, App, Problem};
 
 #[utoipa::path(get, path = "/v1/allocations", tag = "allocations",
     params(AllocationsQuery),
-    responses((status = 200, description = "the tree: weights, static shares, owed now, held, owed and delivered GPU-hours since the start and over the usage window (a parent sums its subtree); for a period, GET /v1/audit/ledger", body = serde_json::Value)))]
+    responses((status = 200, description = "the tree: weights, static shares, owed now, held, owed and delivered GPU-hours since the start and over the usage window (a parent sums its subtree), GPU-hours owed over the window and not yet delivered, and the key that orders its work among its siblings now, in an hour and in a day if nothing changes (`key_meaning` says what it measures; null under a policy without keys, or for one that holds GPUs while owed none); for a period, GET /v1/audit/ledger", body = serde_json::Value)))]
 pub(crate) async fn allocations(
     State(app): State<App>,
     query: Result<Query<AllocationsQuery>, axum::extract::rejection::QueryRejection>,
@@ -52,6 +52,16 @@ pub(crate) async fn allocations(
     let owed = state.owed_now();
     let nodes = &state.allocations().nodes;
     let share = ledger::book::static_shares(state);
+    // The keys that order the queue, now and as they will move if nothing changes.
+    let policy = state.policy_config(&app.inner.policy);
+    let at = app.now_ms().max(state.now_ms());
+    let keys =
+        ledger::policy::allocation_keys(state, &policy, &[at, at + 3_600_000, at + 86_400_000]);
+    let key = |t: usize, id: usize| {
+        keys.as_ref()
+            .and_then(|k| k[t].get(id).copied())
+            .filter(|k| *k < f64::MAX)
+    };
     // Leaves account; a parent shows the sum of its subtree (children after parents).
     let window_now = state.now_ms();
     let shape = state.window_shape();
@@ -119,6 +129,10 @@ pub(crate) async fn allocations(
                 "max_pending_gpus": a.max_pending_gpus,
                 "pending_workloads": pending.0,
                 "pending_gpus": pending.1,
+                "owed_not_delivered_gpu_hours": ((w_owed - w_delivered) / 3.6e6).max(0.0),
+                "key": key(0, id),
+                "key_in_1h": key(1, id),
+                "key_in_24h": key(2, id),
             });
             if period.is_some() {
                 row["period_owed_gpu_hours"] = json!(p_owed);
@@ -127,7 +141,9 @@ pub(crate) async fn allocations(
             row
         })
         .collect();
-    let mut body = json!({"as_of_seq": state.last_seq(), "allocations": rows});
+    let key_meaning = ledger::policy::by_name(policy.policy).and_then(|p| p.key_meaning());
+    let mut body =
+        json!({"as_of_seq": state.last_seq(), "key_meaning": key_meaning, "allocations": rows});
     if let Some((from, to, _)) = period {
         body["period"] = json!({"from_ms": from, "to_ms": to});
     }

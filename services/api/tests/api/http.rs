@@ -466,6 +466,35 @@ async fn explain_names_the_allocations_ahead_and_their_keys() {
         "the allocation ahead is the more under-served: {why}"
     );
     assert_eq!(why["ahead"][0]["id"], theirs["id"]);
+
+    // The allocations' listing gives the same order with its keys, and how they will move: a,
+    // holding the whole cluster while owed half of it, ranks higher still in a day; b, which
+    // holds nothing, stays first.
+    let (status, _, tree) = call(&f, "GET", "/v1/allocations", None, &[]).await;
+    assert_eq!(status, StatusCode::OK, "{tree}");
+    assert_eq!(tree["key_meaning"], why["key_meaning"]);
+    let row = |path: &str| {
+        tree["allocations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["path"] == path)
+            .unwrap()
+            .clone()
+    };
+    let (a, b) = (row("a"), row("b"));
+    let key = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k}: {r}"));
+    assert!(key(&b, "key") < key(&a, "key"), "{tree}");
+    assert!(key(&a, "key") < key(&a, "key_in_24h"), "{tree}");
+    assert!(key(&a, "key_in_1h") <= key(&a, "key_in_24h"), "{tree}");
+    assert_eq!(key(&b, "key_in_24h"), 0.0, "{tree}");
+    for r in [&a, &b] {
+        let gap = key(r, "window_owed_gpu_hours") - key(r, "window_delivered_gpu_hours");
+        assert!(
+            (key(r, "owed_not_delivered_gpu_hours") - gap.max(0.0)).abs() < 1e-12,
+            "{tree}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,14 +44,20 @@ pub fn show(args: &ClientArgs, path: &str) -> Result<(), String> {
         d.0 += sum("owed_gpus");
         d.1 += sum("held_gpus");
     }
-    let out = json!({"allocation": row, "days": days.iter().map(|(day, (owed, delivered))| json!({
+    let out = json!({"allocation": row, "key_meaning": tree["key_meaning"], "days": days.iter().map(|(day, (owed, delivered))| json!({
         "day": day, "owed_gpu_hours": owed, "delivered_gpu_hours": delivered,
     })).collect::<Vec<_>>()});
-    print(args, &out, |v| budget_text(&v["allocation"], &days));
+    print(args, &out, |v| {
+        budget_text(&v["allocation"], v["key_meaning"].as_str(), &days)
+    });
     Ok(())
 }
 
-fn budget_text(a: &Value, days: &std::collections::BTreeMap<String, (f64, f64)>) -> String {
+fn budget_text(
+    a: &Value,
+    key_meaning: Option<&str>,
+    days: &std::collections::BTreeMap<String, (f64, f64)>,
+) -> String {
     let f = |k: &str| a[k].as_f64().unwrap_or(0.0);
     let limit = |k: &str, what: &str| a[k].as_u64().map(|n| format!("{n} {what}"));
     let limits: Vec<String> = [
@@ -98,6 +104,14 @@ fn budget_text(a: &Value, days: &std::collections::BTreeMap<String, (f64, f64)>)
             String::new()
         }
     );
+    if let (Some(now), Some(meaning)) = (a["key"].as_f64(), key_meaning) {
+        let later = |k: &str| a[k].as_f64().map_or("-".to_owned(), |v| format!("{v:.3}"));
+        out += &format!(
+            "its key among its siblings: {now:.3} now, {} in an hour, {} in a day if nothing changes ({meaning})\n",
+            later("key_in_1h"),
+            later("key_in_24h"),
+        );
+    }
     out += &format!(
         "since the start: owed {:.2} GPU-h, delivered {:.2} GPU-h\n",
         f("owed_gpu_hours"),
