@@ -15,6 +15,9 @@ const view = {
   nodes: [], // every node, as /v1/nodes answers them
   layout: [], // where each node is drawn on the canvas: {x, y, w, h, node}
   period: null,
+  budget: null, // the allocation whose budget is open: its path
+  allocations: [], // the rows of /v1/allocations, and what its key means
+  keyMeaning: null,
   started: false,
   following: false,
   // Paged lists: the cursor of each page shown before the current one, and the current one.
@@ -200,6 +203,13 @@ async function refreshAllocations() {
   for (const a of v.allocations) if (a.leaf && a.held_gpus > 0) held[a.path] = a.held_gpus;
   view.samples.push({ t: Date.now(), held });
   if (view.samples.length > 5000) view.samples.splice(0, view.samples.length - 5000);
+  view.allocations = v.allocations;
+  view.keyMeaning = v.key_meaning;
+  const arrow = (a) => {
+    if (typeof a.key !== "number" || typeof a.key_in_24h !== "number") return "-";
+    const d = a.key_in_24h - a.key;
+    return `${num(a.key_in_24h, 3)} ${d > 1e-9 ? "↑" : d < -1e-9 ? "↓" : "="}`;
+  };
   fill(
     "allocations",
     v.allocations.map((a) => {
@@ -214,6 +224,9 @@ async function refreshAllocations() {
         { text: num(a.window_owed_gpu_hours, 2), num: true },
         { text: num(a.window_delivered_gpu_hours, 2), num: true },
         { text: ratio, num: true },
+        { text: num(a.owed_not_delivered_gpu_hours, 2), num: true },
+        { text: num(a.key, 3), num: true },
+        { text: arrow(a), num: true },
         { text: num(a.owed_gpu_hours, 2), num: true },
         { text: num(a.delivered_gpu_hours, 2), num: true },
         { text: num(a.period_owed_gpu_hours, 2), num: true },
@@ -221,6 +234,12 @@ async function refreshAllocations() {
       ];
     }),
   );
+  const rows = document.querySelectorAll("#allocations tbody tr");
+  v.allocations.forEach((a, i) => {
+    rows[i].dataset.path = a.path;
+    if (a.path === view.budget) rows[i].classList.add("chosen");
+  });
+  if (view.budget) await refreshBudget();
   // Running work by allocation: the leaves holding GPUs, the most first.
   const holding = v.allocations.filter((a) => a.leaf && (a.held_gpus > 0 || a.demand_gpus > a.held_gpus)).sort((a, b) => b.held_gpus - a.held_gpus);
   const heldAll = holding.reduce((s, a) => s + a.held_gpus, 0);
@@ -667,6 +686,95 @@ document.querySelector("#waiting-summary tbody").addEventListener("click", (e) =
   w.cursors = [];
   w.cursor = null;
   refreshWaiting().catch(report);
+});
+
+/// One allocation's budget over time: GPU-hours owed against delivered, summed hour by hour over
+/// the period chosen (the last 7 days without one), for its whole subtree.
+async function refreshBudget() {
+  const path = view.budget;
+  const a = view.allocations.find((r) => r.path === path);
+  const box = document.getElementById("budget");
+  if (!a) {
+    box.hidden = true;
+    return;
+  }
+  const to = view.period ? Date.parse(`${view.period.to}T00:00:00Z`) : Date.now();
+  // The hours of at most 31 days, the most /v1/usage answers at a time.
+  const from = Math.max(view.period ? Date.parse(`${view.period.from}T00:00:00Z`) : to - 7 * 86_400_000, to - 31 * 86_400_000);
+  const v = await api(`/v1/usage?from=${from}&to=${to}`);
+  const under = (leaf) => leaf === path || leaf.startsWith(`${path}/`);
+  const sum = (m) => Object.entries(m || {}).reduce((s, [leaf, g]) => s + (under(leaf) ? g : 0), 0);
+  let owed = 0, delivered = 0;
+  const points = [{ t: from, owed, delivered }];
+  for (const h of v.hours) {
+    const span = (h.to_ms - h.from_ms) / 3600_000;
+    owed += sum(h.owed_gpus) * span;
+    delivered += sum(h.held_gpus) * span;
+    points.push({ t: h.to_ms, owed, delivered });
+  }
+  box.hidden = false;
+  const canvas = document.getElementById("budget-chart");
+  canvas.dataset.owed = owed.toFixed(2);
+  canvas.dataset.delivered = delivered.toFixed(2);
+  const span = view.period ? `${new Date(from).toISOString().slice(0, 10)} to ${view.period.to}` : "the last 7 days";
+  document.getElementById("budget-title").textContent = `${path}, ${span}:`;
+  const key = typeof a.key === "number"
+    ? ` Its key: ${num(a.key, 3)} now, ${num(a.key_in_1h, 3)} in an hour, ${num(a.key_in_24h, 3)} in a day if nothing changes (${view.keyMeaning}).`
+    : "";
+  const gap = owed - delivered;
+  document.getElementById("budget-said").textContent =
+    `owed ${num(owed, 2)} GPU-h, delivered ${num(delivered, 2)} GPU-h` +
+    (owed > 0 ? ` (${num(delivered / owed, 2)} of owed)` : "") +
+    (gap > 0.005 ? `; ${num(gap, 2)} GPU-h owed and not yet delivered, so its work ranks ahead of allocations delivered more of what they are owed.` : "; it has had what it was owed.") +
+    key;
+  drawBudget(canvas, points, from, to, colour(path));
+}
+
+/// Cumulative owed (dashed) and delivered (solid, in the allocation's colour) over time.
+function drawBudget(canvas, points, start, end, fill) {
+  const ctx = canvas.getContext("2d");
+  const W = canvas.width, H = canvas.height, left = 56, bottom = 24, top = 8, right = 8;
+  ctx.clearRect(0, 0, W, H);
+  const ymax = Math.max(1, ...points.map((p) => Math.max(p.owed, p.delivered)));
+  const x = (t) => left + ((t - start) / Math.max(1, end - start)) * (W - left - right);
+  const y = (g) => H - bottom - (g / ymax) * (H - bottom - top);
+  ctx.strokeStyle = "#ccc";
+  ctx.fillStyle = "#555";
+  ctx.font = "11px system-ui, sans-serif";
+  for (let i = 0; i <= 4; i++) {
+    const g = (ymax * i) / 4;
+    ctx.beginPath();
+    ctx.moveTo(left, y(g));
+    ctx.lineTo(W - right, y(g));
+    ctx.stroke();
+    ctx.fillText(`${num(g, g < 10 ? 1 : 0)} GPU-h`, 2, y(g) + 4);
+  }
+  for (let t = Math.ceil(start / 86_400_000) * 86_400_000; t <= end; t += 86_400_000) {
+    ctx.fillText(new Date(t).toISOString().slice(5, 10), x(t) - 14, H - 6);
+  }
+  const line = (pick, colourOf, dash) => {
+    ctx.setLineDash(dash);
+    ctx.strokeStyle = colourOf;
+    ctx.lineWidth = 2;
+    ctx.beginPath();
+    points.forEach((p, i) => (i ? ctx.lineTo(x(p.t), y(pick(p))) : ctx.moveTo(x(p.t), y(pick(p)))));
+    ctx.stroke();
+    ctx.setLineDash([]);
+    ctx.lineWidth = 1;
+  };
+  line((p) => p.owed, "#1d232b", [5, 4]);
+  line((p) => p.delivered, fill, []);
+  ctx.fillStyle = "#1d232b";
+  ctx.fillText("owed (dashed), delivered (solid)", W - right - 190, top + 12);
+}
+
+document.querySelector("#allocations tbody").addEventListener("click", (e) => {
+  const tr = e.target.closest("tr");
+  if (!tr || !tr.dataset.path) return;
+  view.budget = view.budget === tr.dataset.path ? null : tr.dataset.path;
+  document.querySelectorAll("#allocations tbody tr").forEach((r) => r.classList.toggle("chosen", r.dataset.path === view.budget));
+  if (!view.budget) document.getElementById("budget").hidden = true;
+  else refreshBudget().catch(report);
 });
 
 async function refreshHistory() {

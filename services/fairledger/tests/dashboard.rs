@@ -345,6 +345,27 @@ fn the_dashboard_shows_the_cluster_and_work_submitted_after_it_loaded() {
         "opening the row says nothing of what would start it sooner: {}",
         browser.eval("document.getElementById('waiting-detail').textContent")
     );
+    // An allocation's row opened: its budget over time, what it is owed and has not had, and
+    // its key now and in a day.
+    let keyed = browser.eval(
+        "[...document.querySelectorAll('#allocations tbody tr')].find(r => r.dataset.path === 'ai2/tulu').cells[10].textContent",
+    );
+    assert!(
+        keyed.as_str().is_some_and(|k| k.parse::<f64>().is_ok()),
+        "no key for ai2/tulu: {keyed}"
+    );
+    browser.eval(
+        "[...document.querySelectorAll('#allocations tbody tr')].find(r => r.dataset.path === 'ai2/tulu').click()",
+    );
+    let budget = browser.wait_for(
+        "!document.getElementById('budget').hidden && document.getElementById('budget-title').textContent === 'ai2/tulu, the last 7 days:' && document.getElementById('budget-said').textContent.includes('in a day if nothing changes') && Number(document.getElementById('budget-chart').dataset.owed) >= 0",
+        Duration::from_secs(5),
+    );
+    assert!(
+        budget,
+        "opening the allocation's row shows no budget: {}",
+        browser.eval("document.getElementById('budget').textContent")
+    );
     // A weight changed with its preview: the next 24 hours side by side, then applied.
     browser.eval(
         "(() => { const s = document.getElementById('change-path'); s.value = 'ai2/tulu'; \
