@@ -846,6 +846,7 @@ fn a_submission_meets_what_its_dry_run_said() {
         .min(30);
     use ledger::dryrun::{Change, Start};
     let (mut starts, mut waits, mut refused, mut offered) = (0, 0, 0, 0);
+    let (mut started_at_once, mut exact_checked, mut exact_kept) = (0, 0, 0);
     for seed in 0..seeds {
         let _guard = SeedGuard(seed);
         let sc = scenario(seed);
@@ -982,7 +983,7 @@ fn a_submission_meets_what_its_dry_run_said() {
                             Uuid::from_u128(rng.random()),
                             at,
                             "user:probe",
-                            changed,
+                            changed.clone(),
                             &sc.policy,
                         );
                         assert_eq!(
@@ -991,6 +992,79 @@ fn a_submission_meets_what_its_dry_run_said() {
                             "seed {seed} at {seq}: {alt:?} alone: {alone:?}"
                         );
                         offered += 1;
+                        // In a simulation forked from the same ledger with the changed
+                        // submission in it (running work ending by its estimate, nothing
+                        // arriving), an alternative said to start now starts at once, where
+                        // nothing else happens at that instant (no stopped work requeued, no
+                        // running work ending). An exact estimate holds if nothing changes;
+                        // in the fork, keys move with time: how often it holds is counted.
+                        let exact = match alt.start {
+                            Start::Now(_) => true,
+                            Start::At(e) => e.exact,
+                            Start::Unknown => false,
+                        };
+                        let Some(claimed) = alt.start.at_ms().filter(|_| exact) else {
+                            continue;
+                        };
+                        let changed_id = changed.workload;
+                        let mut fork = state.clone();
+                        let outcome = fork.apply(
+                            seq + 1,
+                            &Envelope::new(
+                                Uuid::from_u128(rng.random()),
+                                at,
+                                "user:probe",
+                                Event::WorkloadSubmitted(changed),
+                            ),
+                        );
+                        assert_eq!(outcome, Outcome::Applied, "seed {seed} at {seq}");
+                        let from_ms = fork.now_ms().max(at);
+                        let work = |w: &ledger::state::Workload| {
+                            ledger::whatif::estimated_work_ms(w, 30 * 86_400_000)
+                        };
+                        let quiet = !fork.workloads().values().any(|w| {
+                            w.phase == ledger::state::Phase::Stopped
+                                || w.phase == ledger::state::Phase::Running
+                                    && w.started_at_ms
+                                        .saturating_add(work(w).saturating_sub(w.work_done_ms))
+                                        <= from_ms
+                        });
+                        let answer = ledger::whatif::what_if(
+                            &fork,
+                            &fork.policy_config(&sc.policy),
+                            &ledger::whatif::Question {
+                                changes: Vec::new(),
+                                from_ms,
+                                horizon_ms: claimed.saturating_sub(from_ms) + 1,
+                                arrivals: Vec::new(),
+                            },
+                            &work,
+                            &mut || true,
+                        )
+                        .unwrap();
+                        let simulated = answer
+                            .baseline
+                            .pending
+                            .iter()
+                            .find(|p| p.id == changed_id)
+                            .and_then(|p| p.start_at_ms);
+                        match alt.start {
+                            Start::Now(_) if quiet => {
+                                assert_eq!(
+                                    simulated,
+                                    Some(claimed),
+                                    "seed {seed} at {seq}: {alt:?} did not start at once in the fork"
+                                );
+                                started_at_once += 1;
+                            }
+                            Start::At(_) => {
+                                exact_checked += 1;
+                                if simulated.is_some_and(|s| s <= claimed) {
+                                    exact_kept += 1;
+                                }
+                            }
+                            _ => {}
+                        }
                     }
                 }
                 (said, outcome) => {
@@ -1000,10 +1074,10 @@ fn a_submission_meets_what_its_dry_run_said() {
         }
     }
     eprintln!(
-        "{starts} would start, {waits} would wait ({offered} alternatives offered), {refused} refused, as their dry runs said"
+        "{starts} would start, {waits} would wait ({offered} alternatives offered), {refused} refused, as their dry runs said; in forked simulations, {started_at_once} alternatives said to start now did, and {exact_kept} of {exact_checked} exact estimates held"
     );
     assert!(
-        starts > 0 && waits > 0 && refused > 0 && offered > 0,
-        "{starts} {waits} {refused} {offered}"
+        starts > 0 && waits > 0 && refused > 0 && offered > 0 && started_at_once > 0,
+        "{starts} {waits} {refused} {offered} {started_at_once}"
     );
 }
