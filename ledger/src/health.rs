@@ -64,6 +64,20 @@ pub enum HeartbeatProblem {
     },
 }
 
+impl HeartbeatProblem {
+    /// Whether `other` is the same problem measured again: a node's clock skew is measured
+    /// anew with every heartbeat, so two skews of one node are one problem, told once.
+    pub fn same_as(&self, other: &HeartbeatProblem) -> bool {
+        match (self, other) {
+            (
+                HeartbeatProblem::ClockSkew { node: a, .. },
+                HeartbeatProblem::ClockSkew { node: b, .. },
+            ) => a == b,
+            _ => self == other,
+        }
+    }
+}
+
 impl std::fmt::Display for HeartbeatProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -320,6 +334,23 @@ mod tests {
     use super::*;
     use crate::event::{GpuReading, NodeRegistered};
     use crate::{Envelope, StateConfig};
+
+    #[test]
+    fn a_skew_measured_again_is_the_same_problem_and_other_problems_are_not() {
+        let skew = |node: &str, skew_ms| HeartbeatProblem::ClockSkew {
+            node: node.into(),
+            skew_ms,
+        };
+        assert!(skew("n1", 5_000).same_as(&skew("n1", -7_000)));
+        assert!(!skew("n1", 5_000).same_as(&skew("n2", 5_000)));
+        let gpus = |gpus: Vec<u32>| HeartbeatProblem::UnknownGpus {
+            node: "n1".into(),
+            gpus,
+        };
+        assert!(gpus(vec![9]).same_as(&gpus(vec![9])));
+        assert!(!gpus(vec![9]).same_as(&gpus(vec![8, 9])));
+        assert!(!HeartbeatProblem::UnknownNode("n1".into()).same_as(&skew("n1", 1)));
+    }
     use uuid::Uuid;
 
     fn reading(gpu: u32, ecc: u64) -> GpuReading {

@@ -410,7 +410,8 @@ pub async fn watch_heartbeats(
     use futures::StreamExt;
     let mut heartbeats = std::pin::pin!(heartbeats);
     let mut stop = std::pin::pin!(stop);
-    let mut told: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    let mut told: std::collections::BTreeMap<String, Vec<ledger::health::HeartbeatProblem>> =
+        Default::default();
     loop {
         let env = tokio::select! {
             _ = &mut stop => return,
@@ -422,24 +423,16 @@ pub async fn watch_heartbeats(
         let Event::GpuHeartbeat(hb) = &env.event else {
             continue;
         };
-        let problems: Vec<String> = {
+        let problems = {
             let p = projection.read().await;
             monitor
                 .lock()
                 .expect("the health monitor is never poisoned")
                 .heartbeat(p.state(), hb, env.occurred_at_ms, wall_clock_ms())
-                .iter()
-                .map(ToString::to_string)
-                .collect()
         };
         let before = told.entry(hb.node.clone()).or_default();
         for problem in &problems {
-            // Skew is measured anew each time: compare problems by their kind of message.
-            let kind = problem.split(" off by ").next().unwrap_or(problem);
-            if !before
-                .iter()
-                .any(|b| b.split(" off by ").next() == Some(kind))
-            {
+            if !before.iter().any(|b| b.same_as(problem)) {
                 tracing::warn!("{problem}");
             }
         }
