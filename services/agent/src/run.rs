@@ -138,12 +138,28 @@ fn as_user(cmd: &mut std::process::Command, name: &str) -> Result<(), String> {
     } else {
         std::path::PathBuf::from("/")
     };
-    cmd.uid(user.uid.as_raw())
-        .gid(user.gid.as_raw())
-        .current_dir(&home)
+    // With the user's groups, as a login gives them (device and project groups): std's `uid`
+    // would drop every supplementary group, so the identity is changed in the child instead,
+    // groups first, while it may still.
+    let c_name = std::ffi::CString::new(name)
+        .map_err(|_| format!("the Unix user {name:?} has a NUL byte"))?;
+    let groups = nix::unistd::getgrouplist(&c_name, user.gid)
+        .map_err(|e| format!("cannot read the groups of the Unix user {name:?}: {e}"))?;
+    let (uid, gid) = (user.uid, user.gid);
+    cmd.current_dir(&home)
         .env("HOME", &user.dir)
         .env("USER", name)
         .env("LOGNAME", name);
+    // SAFETY: between fork and exec the closure makes three system calls and allocates
+    // nothing (the group list was read before).
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::unistd::setgroups(&groups)?;
+            nix::unistd::setgid(gid)?;
+            nix::unistd::setuid(uid)?;
+            Ok(())
+        });
+    }
     Ok(())
 }
 

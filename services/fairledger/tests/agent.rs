@@ -953,9 +953,10 @@ fn an_agent_for_a_node_the_server_drives_is_refused() {
     );
 }
 
-/// `--run-as-submitter`: a job runs as the Unix user named like its submitter, never as root,
-/// and cannot read what the agent and the server keep; a submitter without a Unix user of that
-/// name gets a failed run that says so. An agent not running as root is refused the flag.
+/// `--run-as-submitter`: a job runs as the Unix user named like its submitter (with that user's
+/// groups), never as root, and cannot read what the agent and the server keep; a submitter
+/// without a Unix user of that name gets a failed run that says so. An agent not running as
+/// root is refused the flag.
 #[test]
 fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1025,6 +1026,13 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
     assert_eq!(
         ran(ci["token"].as_str().unwrap(), json!(["id", "-un"])),
         "nobody\n"
+    );
+    // With the groups a login as that user gets, supplementary ones included, and not the
+    // agent's (root's).
+    let login = Command::new("id").args(["-G", "nobody"]).output().unwrap();
+    assert_eq!(
+        ran(&nobody, json!(["id", "-G"])),
+        String::from_utf8_lossy(&login.stdout)
     );
     // The admin has no Unix user of its name: its run fails, saying why.
     let admin = submit(
