@@ -115,3 +115,56 @@ impl Limiter {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::identity::Role;
+
+    fn principal(name: &str, role: Role) -> Principal {
+        Principal {
+            name: name.into(),
+            role,
+            allocations: Vec::new(),
+            node: None,
+            token_sha256: String::new(),
+            expires_at_ms: None,
+            max_pending: None,
+            rates: None,
+            notify: None,
+            unix_user: None,
+            granted_by: "user:admin".into(),
+            granted_at_ms: 0,
+            granted_seq: 0,
+        }
+    }
+
+    #[test]
+    fn a_principal_holds_one_what_if_at_a_time_and_admins_are_not_held() {
+        let limiter = Limiter::default();
+        let (viewer, other) = (
+            principal("viewer", Role::Viewer),
+            principal("other", Role::Viewer),
+        );
+        let first = limiter.hold(&viewer, RateKind::WhatIf).unwrap();
+        let refused = limiter.hold(&viewer, RateKind::WhatIf).err().unwrap();
+        assert_eq!(refused.status, 429);
+        assert!(
+            refused.detail.contains("user:viewer already has 1"),
+            "{}",
+            refused.detail
+        );
+        // Another principal's turn, and the same principal's turn of another kind, are its own.
+        let _theirs = limiter.hold(&other, RateKind::WhatIf).unwrap();
+        let _replay = limiter.hold(&viewer, RateKind::Replay).unwrap();
+        // Given back when the what-if ends.
+        drop(first);
+        let _again = limiter.hold(&viewer, RateKind::WhatIf).unwrap();
+        // An admin has no rate: as many as it asks for.
+        let admin = principal("admin", Role::Admin);
+        let held: Vec<Held> = (0..3)
+            .map(|_| limiter.hold(&admin, RateKind::WhatIf).unwrap())
+            .collect();
+        assert_eq!(held.len(), 3);
+    }
+}
