@@ -1237,3 +1237,54 @@ fn allocation_keys_say_how_the_order_will_move_as_work_runs() {
     };
     assert!(ledger::policy::allocation_keys(&l.state, &fifo, &[2 * H]).is_none());
 }
+
+#[test]
+fn allocated_work_is_preempted_only_for_the_holders_of_the_passs_reservations() {
+    // a's job on n1 is past its contract; b, which has had nothing of what it was owed for two
+    // hours, asks for two whole nodes.
+    // With one reservation a pass, b's first job holds it and takes n2 from the unallocated job
+    // there (the cheapest victim); b's second holds none: it may take unallocated work, but not
+    // a's, whose room a reservation could take from it once free.
+    let setup = |n1_unallocated: bool| {
+        let mut l = cluster(&[("n1", 8, None), ("n2", 8, None)]);
+        l.alloc(0, "a", 1);
+        l.alloc(0, "b", 1);
+        l.submit(0, wid(1), (!n1_unallocated).then_some("a"), 8, 1);
+        l.start(0, wid(1), &[("n1", &[0, 1, 2, 3, 4, 5, 6, 7])], 0);
+        l.submit(0, wid(2), None, 8, 1);
+        l.start(0, wid(2), &[("n2", &[0, 1, 2, 3, 4, 5, 6, 7])], 0);
+        l.submit(H, wid(10), Some("b"), 8, 1);
+        l.submit(H, wid(11), Some("b"), 8, 1);
+        l
+    };
+    let cfg = PolicyConfig {
+        reservations_max: 1,
+        ..PolicyConfig::default()
+    };
+    let l = setup(false);
+    let plan = decide(&l.state, 3 * H, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(2)]);
+    assert!(matches!(
+        reason(&plan, wid(10)),
+        Blocked::WaitingForPreemption { victims: 1, .. }
+    ));
+    assert!(
+        !matches!(reason(&plan, wid(11)), Blocked::WaitingForPreemption { .. }),
+        "{:?}",
+        reason(&plan, wid(11))
+    );
+    // Its own reservation's holder would take a's: with two reservations, it does.
+    let two = PolicyConfig {
+        reservations_max: 2,
+        ..PolicyConfig::default()
+    };
+    let mut both = preempted(&decide(&l.state, 3 * H, &two));
+    both.sort();
+    assert_eq!(both, vec![wid(1), wid(2)]);
+    // Unallocated work yields to anyone: with both nodes unallocated, both go with one
+    // reservation.
+    let l = setup(true);
+    let mut both = preempted(&decide(&l.state, 3 * H, &cfg));
+    both.sort();
+    assert_eq!(both, vec![wid(1), wid(2)]);
+}

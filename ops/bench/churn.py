@@ -4,8 +4,10 @@ terms of BENCHMARKS.md's "Fair without churn": preemption requests by reason, th
 per workload (max, p99, how many workloads more than 3 times), reclaims that went to the
 reservation that lent the GPUs against those that went to anyone else, fair-share preemptions
 that reverse one between the same two allocations within a day, one-GPU jobs preempted for
-one-GPU jobs, and the GPU-hours a preempted run would redo if it restarted from its start (no
-checkpoint) against what the ledger's requeues say was lost.
+one-GPU jobs, the GPU-hours a preempted run would redo if it restarted from its start (no
+checkpoint) against what the ledger's requeues say was lost, and what became of the room made:
+for every beneficiary whose victims have all left, whether it started at that instant, later,
+or had started elsewhere before they left (the preemption bought it nothing).
 
 Usage: churn.py EVENTS_JSONL [--json]
 """
@@ -33,6 +35,13 @@ def main():
     redone_restart_ms = 0
     lost_reported_ms = 0
     grace_ms = 0
+    # What became of the room made, per beneficiary and round of victims.
+    leaving_for = defaultdict(set)  # beneficiary -> victims still leaving
+    asked_for = {}  # victim -> beneficiary
+    round_at = {}  # beneficiary -> when its current round was asked
+    last_start = {}  # workload -> its last start
+    room_made_at = {}  # beneficiary -> when its last victim left
+    room = Counter()
     with open(args[0]) as f:
         for line in f:
             e = json.loads(line)
@@ -47,11 +56,19 @@ def main():
                 b = p.get("borrowed")
                 run[w] = (t, b["reserved_for"] if b else None)
                 pending.discard(w)
+                last_start[w] = t
+                if w in room_made_at:
+                    room["started_at_once" if t == room_made_at.pop(w) else "started_later"] += 1
             elif kind == "preemption_requested":
                 reason = p["reason"]
                 if reason == "user_cancelled":
                     continue
                 w, ben = p["workload"], p.get("beneficiary")
+                if ben is not None:
+                    if not leaving_for[ben]:
+                        round_at[ben] = t
+                    leaving_for[ben].add(w)
+                    asked_for[w] = ben
                 by_reason[reason] += 1
                 per_workload[w] += 1
                 preempting[w] = (t, reason)
@@ -73,6 +90,14 @@ def main():
                     one_for_one += 1
             elif kind == "workload_stopped":
                 w = p["workload"]
+                ben = asked_for.pop(w, None)
+                if ben is not None:
+                    leaving_for[ben].discard(w)
+                    if not leaving_for[ben]:
+                        if last_start.get(ben, -1) >= round_at[ben]:
+                            room["started_elsewhere_before"] += 1
+                        else:
+                            room_made_at[ben] = t
                 if w in preempting and w in run:
                     asked, _ = preempting.pop(w)
                     grace_ms += (t - asked) * gpus.get(w, 0)
@@ -107,6 +132,9 @@ def main():
         "gpu_hours_in_grace": round(grace_ms / 3.6e6, 1),
         "gpu_hours_redone_if_restarted_from_start": round(redone_restart_ms / 3.6e6, 1),
         "gpu_hours_lost_as_reported": round(lost_reported_ms / 3.6e6, 1),
+        "room_made_started_at_once": room["started_at_once"],
+        "room_made_started_later": room["started_later"],
+        "room_made_started_elsewhere_before": room["started_elsewhere_before"],
     }
     if "--json" in args:
         print(json.dumps(out))

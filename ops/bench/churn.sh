@@ -58,6 +58,8 @@ print(f"{name:22} delivered/owed {r['fairness']['delivered_over_owed']:.4f}, wor
       f"{c['workloads_preempted_more_than_3']} more than 3 times; reclaims for the lender "
       f"{c['reclaims_for_lender']}, for another {c['reclaims_for_another']}; "
       f"{c['fair_share_reversals_within_a_day']} fair-share reversals within a day; "
+      f"room made: started at once {c['room_made_started_at_once']}, later "
+      f"{c['room_made_started_later']}, elsewhere before {c['room_made_started_elsewhere_before']}; "
       f"{c['gpu_hours_in_grace']} GPU-h in grace, {c['gpu_hours_redone_if_restarted_from_start']} "
       f"GPU-h redone if restarted from the start; "
       f"{r['workloads']['contract_violations']} contract violations; {t1 - t0:.1f} s. {teams}")

@@ -17,10 +17,13 @@
 //! above one, blocked single-node workloads asking more than one GPU of allocations delivered
 //! less than they were owed over the usage window hold further reservations, one node each on
 //! a node with the most free GPUs, as many per allocation as twice the GPUs it is owed now
-//! beyond those it holds: the nodes drained for whole-node work follow the deficit. A blocked
-//! workload of an under-served allocation may preempt post-contract work of allocations ranked
-//! above it by more than the hysteresis margin, choosing victims preempted the fewest times,
-//! then those that lose the fewest GPU-hours.
+//! beyond those it holds: the nodes drained for whole-node work follow the deficit. The
+//! holder of a reservation (the head's or a further one) may preempt post-contract work of
+//! allocations ranked above its own by more than the hysteresis margin, choosing victims
+//! preempted the fewest times, then those that lose the fewest GPU-hours; work that holds no
+//! reservation may take only unallocated work, since the room it made would go to a holder
+//! ranked above it (whose reservation moves to the nodes that free up first) and it would
+//! preempt again elsewhere.
 //!
 //! Preemption is a cost someone pays, so it is bounded per workload and in time: each time a
 //! workload is preempted, the protection of its next run doubles (up to the contract's cap) and
@@ -748,11 +751,26 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                         .inspect(|_| defragmenting = true)
                 })
                 .or_else(|| {
+                    // Allocated work is preempted only for work the pass holds room for: the
+                    // head of the queue and the further reservations' holders. Room made for
+                    // work ranked below them is theirs to take once it is free (a reservation
+                    // moves to the nodes that free up first), and the work it was made for
+                    // preempts again elsewhere. Unallocated work yields to anyone.
+                    let only_unallocated = !(head || further);
                     search
-                        .worth_searching(state, &rank, policy, cfg, w)
+                        .worth_searching(state, &rank, policy, cfg, w, only_unallocated)
                         .then(|| {
                             deferred.settle(&mut plan, &mut scratch, &rank);
-                            search.find(state, &scratch, &rank, policy, cfg, w, now_ms)
+                            search.find(
+                                state,
+                                &scratch,
+                                &rank,
+                                policy,
+                                cfg,
+                                w,
+                                now_ms,
+                                only_unallocated,
+                            )
                         })
                         .flatten()
                 }) {

@@ -77,9 +77,18 @@ impl VictimSearch {
         policy: &dyn Policy,
         cfg: &PolicyConfig,
         w: &Workload,
+        only_unallocated: bool,
     ) -> bool {
         if self.left == 0 || w.allocation.is_none() || self.allocs.is_empty() {
             return false;
+        }
+        if only_unallocated {
+            // Work without an allocation always yields: worth a look wherever some runs.
+            if !self.allocs.contains(&None) {
+                return false;
+            }
+            self.left -= 1;
+            return true;
         }
         self.left -= 1;
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
@@ -104,7 +113,8 @@ impl VictimSearch {
     }
 
     /// Victims whose preemption makes room for blocked `w`, and the nodes it would use, once
-    /// [`Self::worth_searching`] said to look.
+    /// [`Self::worth_searching`] said to look; with `only_unallocated`, among work without an
+    /// allocation only.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn find(
         &mut self,
@@ -115,6 +125,7 @@ impl VictimSearch {
         cfg: &PolicyConfig,
         w: &Workload,
         now_ms: u64,
+        only_unallocated: bool,
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
@@ -122,13 +133,17 @@ impl VictimSearch {
         // A borrowed run is taken by fair share like any other, past its contract: the borrowing's
         // term is its lender's alone (see `reclaim`).
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-            preemptible(&t.hold, now_ms) && mine.has(t.hold.allocation, t.hold.preemptions)
+            preemptible(&t.hold, now_ms)
+                && (!only_unallocated || t.hold.allocation.is_none())
+                && mine.has(t.hold.allocation, t.hold.preemptions)
         });
         match found {
             Ok((nodes, victims)) => {
                 self.claimed.extend(victims.iter().copied());
                 Some((nodes, victims))
             }
+            // What a narrower search did not find, a wider one may: remember only wide ones.
+            Err(_) if only_unallocated => None,
             Err(why) => {
                 match why {
                     placement::NoPlan::NoVictims => self.no_victims.insert(w.allocation),
