@@ -16,6 +16,7 @@ const view = {
   layout: [], // where each node is drawn on the canvas: {x, y, w, h, node}
   period: null,
   budget: null, // the allocation whose budget is open: its path
+  usageCache: null, // the hours last read for it: {span, at, v}
   allocations: [], // the rows of /v1/allocations, and what its key means
   keyMeaning: null,
   started: false,
@@ -701,7 +702,13 @@ async function refreshBudget() {
   const to = view.period ? Date.parse(`${view.period.to}T00:00:00Z`) : Date.now();
   // The hours of at most 31 days, the most /v1/usage answers at a time.
   const from = Math.max(view.period ? Date.parse(`${view.period.from}T00:00:00Z`) : to - 7 * 86_400_000, to - 31 * 86_400_000);
-  const v = await api(`/v1/usage?from=${from}&to=${to}`);
+  // The hours change slowly: read them again at most once a minute for the same period.
+  const span = view.period ? `${view.period.from}/${view.period.to}` : "week";
+  const cached = view.usageCache;
+  const v = cached && cached.span === span && Date.now() - cached.at < 60_000
+    ? cached.v
+    : await api(`/v1/usage?from=${from}&to=${to}`);
+  if (v !== (cached && cached.v)) view.usageCache = { span, at: Date.now(), v };
   const under = (leaf) => leaf === path || leaf.startsWith(`${path}/`);
   const sum = (m) => Object.entries(m || {}).reduce((s, [leaf, g]) => s + (under(leaf) ? g : 0), 0);
   let owed = 0, delivered = 0;
@@ -716,8 +723,8 @@ async function refreshBudget() {
   const canvas = document.getElementById("budget-chart");
   canvas.dataset.owed = owed.toFixed(2);
   canvas.dataset.delivered = delivered.toFixed(2);
-  const span = view.period ? `${new Date(from).toISOString().slice(0, 10)} to ${view.period.to}` : "the last 7 days";
-  document.getElementById("budget-title").textContent = `${path}, ${span}:`;
+  const shown = view.period ? `${new Date(from).toISOString().slice(0, 10)} to ${view.period.to}` : "the last 7 days";
+  document.getElementById("budget-title").textContent = `${path}, ${shown}:`;
   const key = typeof a.key === "number"
     ? ` Its key: ${num(a.key, 3)} now, ${num(a.key_in_1h, 3)} in an hour, ${num(a.key_in_24h, 3)} in a day if nothing changes (${view.keyMeaning}).`
     : "";
