@@ -1288,3 +1288,35 @@ fn allocated_work_is_preempted_only_for_the_holders_of_the_passs_reservations() 
     both.sort();
     assert_eq!(both, vec![wid(1), wid(2)]);
 }
+
+#[test]
+fn unallocated_work_preempted_before_is_left_alone_a_while_when_it_runs_again() {
+    // Unallocated work yields at once the first time; preempted once, it is left alone for a
+    // grace period after it starts again, so it is not taken every grace period for work that
+    // then cannot start.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    let all: &[u32] = &[0, 1, 2, 3, 4, 5, 6, 7];
+    l.submit(0, wid(1), None, 8, 1);
+    l.start(0, wid(1), &[("n1", all)], 0);
+    l.submit(H, wid(2), Some("a"), 8, 1);
+    let cfg = PolicyConfig::default();
+    assert_eq!(preempted(&decide(&l.state, H, &cfg)), vec![wid(1)]);
+    // It was preempted and, the room unused, runs again at 2 h.
+    preempt_and_requeue(&mut l, H, wid(1), Some(wid(2)));
+    l.start(2 * H, wid(1), &[("n1", all)], 2 * H);
+    let grace = cfg.grace_ms;
+    assert!(preempted(&decide(&l.state, 2 * H + grace - 1, &cfg)).is_empty());
+    assert_eq!(
+        preempted(&decide(&l.state, 2 * H + grace, &cfg)),
+        vec![wid(1)]
+    );
+    // Preempted twice, two grace periods.
+    preempt_and_requeue(&mut l, 2 * H + grace, wid(1), Some(wid(2)));
+    l.start(3 * H, wid(1), &[("n1", all)], 3 * H);
+    assert!(preempted(&decide(&l.state, 3 * H + 2 * grace - 1, &cfg)).is_empty());
+    assert_eq!(
+        preempted(&decide(&l.state, 3 * H + 2 * grace, &cfg)),
+        vec![wid(1)]
+    );
+}

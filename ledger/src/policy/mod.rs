@@ -29,7 +29,9 @@
 //! workload is preempted, the protection of its next run doubles (up to the contract's cap) and
 //! so does the margin by which a beneficiary must rank below it (up to eight times); and an
 //! allocation whose work was taken by another's for fair share takes back from it within
-//! [`PolicyConfig::reversal_window_ms`] only by twice the margin.
+//! [`PolicyConfig::reversal_window_ms`] only by twice the margin. Unallocated work, which has no
+//! contract, is left alone for one grace period after it starts again once preempted, two after
+//! twice, and so on up to the default contract.
 //!
 //! With [`PolicyConfig::defragment`], the head of the queue or a further
 //! reservation's holder first looks to move smaller post-contract work of allocations ranked
@@ -505,6 +507,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed: Vec::new(),
         takes: FxHashMap::default(),
         defragmented: false,
+        backoff: victims::Backoff {
+            grace_ms: cfg.grace_ms,
+            cap_ms: cfg.min_runtime_ms,
+        },
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {

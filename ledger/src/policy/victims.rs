@@ -31,6 +31,8 @@ pub(super) struct VictimSearch {
     pub(super) claimed: FxHashSet<WorkloadId>,
     /// Whether this pass has looked for a defragmentation ([`Self::defragment`]).
     pub(super) defragmented: bool,
+    /// How long unallocated work preempted before is left alone ([`preemptible`]).
+    pub(super) backoff: Backoff,
 }
 
 impl VictimSearch {
@@ -129,11 +131,12 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let shape = (w.allocation, w.gpus_per_node, w.nodes);
-        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
+        let backoff = self.backoff;
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms, backoff);
         // A borrowed run is taken by fair share like any other, past its contract: the borrowing's
         // term is its lender's alone (see `reclaim`).
         let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-            preemptible(&t.hold, now_ms)
+            preemptible(&t.hold, now_ms, backoff)
                 && (!only_unallocated || t.hold.allocation.is_none())
                 && mine.has(t.hold.allocation, t.hold.preemptions)
         });
@@ -178,10 +181,11 @@ impl VictimSearch {
             return None;
         }
         self.defragmented = true;
-        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms);
+        let backoff = self.backoff;
+        let nodes = preemptible_nodes(&mut self.nodes, state, now_ms, backoff);
         let (nodes, victims) = scratch
             .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-                preemptible(&t.hold, now_ms)
+                preemptible(&t.hold, now_ms, backoff)
                     && t.hold.borrowed.is_none()
                     && t.total_gpus < need
                     && u64::from(t.gpus.count_ones()) == t.total_gpus
@@ -222,9 +226,11 @@ impl VictimSearch {
         due: &[u32],
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
+        let backoff = self.backoff;
         let may_free = |t: &Tenant| {
             lent_due(&t.hold, w.id, now_ms)
-                || preemptible(&t.hold, now_ms) && mine.has(t.hold.allocation, t.hold.preemptions)
+                || preemptible(&t.hold, now_ms, backoff)
+                    && mine.has(t.hold.allocation, t.hold.preemptions)
         };
         // Most often nothing can come of it (a gang at the head, borrowers beside protected
         // work): a look at the due nodes' tenants says so before victims are priced.
@@ -247,14 +253,19 @@ impl VictimSearch {
 
 /// The nodes holding work that could be preempted at all, gathered into `cache` the first time
 /// a pass needs them.
-fn preemptible_nodes<'a>(cache: &'a mut Option<Vec<u32>>, state: &State, now_ms: u64) -> &'a [u32] {
+fn preemptible_nodes<'a>(
+    cache: &'a mut Option<Vec<u32>>,
+    state: &State,
+    now_ms: u64,
+    backoff: Backoff,
+) -> &'a [u32] {
     cache.get_or_insert_with(|| {
         (0..state.cluster.nodes.len() as u32)
             .filter(|&i| {
                 state.cluster.nodes[i as usize]
                     .tenants
                     .iter()
-                    .any(|t| preemptible(&t.hold, now_ms))
+                    .any(|t| preemptible(&t.hold, now_ms, backoff))
             })
             .collect()
     })
@@ -307,9 +318,34 @@ fn lent_due(h: &Hold, lender: WorkloadId, now_ms: u64) -> bool {
             .is_some_and(|b| b.reserved_for == lender && b.until_ms <= now_ms)
 }
 
-/// Preemptible at all: not leaving already, and unallocated or past its contract.
-fn preemptible(h: &Hold, now_ms: u64) -> bool {
-    h.grace_until_ms.is_none() && (h.allocation.is_none() || now_ms >= h.protected_until_ms)
+/// How long unallocated work preempted before is left alone once it runs again.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Backoff {
+    /// A grace period: after its first preemption, one; then two, four…
+    pub(super) grace_ms: u64,
+    /// At most this (the default contract).
+    pub(super) cap_ms: u64,
+}
+
+/// Preemptible at all: not leaving already, and past its contract. Unallocated work has none
+/// and yields at once the first time; preempted `n` times, it is left alone for 2ⁿ⁻¹ grace
+/// periods after it starts again (up to the default contract): placed back on room made for
+/// work that then could not start, it was otherwise taken again every grace period, for as
+/// long as that work waited.
+fn preemptible(h: &Hold, now_ms: u64, backoff: Backoff) -> bool {
+    h.grace_until_ms.is_none()
+        && match (h.allocation, h.preemptions) {
+            (Some(_), _) => now_ms >= h.protected_until_ms,
+            (None, 0) => true,
+            // (Its contract's end is its start: it was given none.)
+            (None, n) => {
+                let left_alone = backoff
+                    .grace_ms
+                    .saturating_mul(1 << (n - 1).min(16))
+                    .min(backoff.cap_ms);
+                now_ms >= h.protected_until_ms.saturating_add(left_alone)
+            }
+        }
 }
 
 /// [`may_preempt_allocation`] for one beneficiary, asked once per victim allocation (the answer
