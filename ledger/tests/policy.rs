@@ -1320,3 +1320,41 @@ fn unallocated_work_preempted_before_is_left_alone_a_while_when_it_runs_again() 
         vec![wid(1)]
     );
 }
+
+#[test]
+fn lent_gpus_are_taken_back_on_the_term_when_the_rest_of_the_node_ends_by_then() {
+    // n1 runs a's job on 4 GPUs, estimated to end at 3 h; under fifo b's 8-GPU job holds the
+    // reservation of n1 from then, and a's next job borrows the other 4 GPUs until a grace
+    // period before. On that term the long job has not ended yet, but will by the time the
+    // borrower has left: the borrower is taken back then, so b starts when the reservation
+    // said, and the long job is no victim.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    let mut long = submission(wid(1), Some("a"), 4, 1);
+    long.duration_estimate_s = Some(3 * 3600);
+    l.ok(0, Event::WorkloadSubmitted(long));
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
+    l.submit(H, wid(2), Some("b"), 8, 1);
+    l.submit(H, wid(3), Some("a"), 4, 1);
+    let cfg = PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        ..PolicyConfig::default()
+    };
+    let plan = decide(&l.state, H, &cfg);
+    assert_eq!(head_reservation(&plan), Some((wid(2), Some(3 * H))));
+    let term = 3 * H - cfg.grace_ms;
+    assert_eq!(
+        contracts(&plan),
+        vec![(wid(3), 5 * H, Some((wid(2), term)))]
+    );
+    l.ok(H, plan.decisions[0].to_event());
+    assert!(preempted(&decide(&l.state, term - 1, &cfg)).is_empty());
+    let plan = decide(&l.state, term, &cfg);
+    assert_eq!(preempted(&plan), vec![wid(3)]);
+    assert!(matches!(
+        reason(&plan, wid(2)),
+        Blocked::WaitingForPreemption { until_ms, .. } if *until_ms == 3 * H
+    ));
+}

@@ -12,7 +12,8 @@
 //! was owed over the usage window (the nodes drained for an under-served allocation are not
 //! its over-served siblings' to fill). From the end of that term the workload that lent them
 //! may take them back ([`PreemptionReason::Reclaimed`], no contract violation), when that lets
-//! it start; no one else takes them on that term: otherwise a borrowed run is an ordinary one,
+//! it start (counting the GPUs of work estimated to end before the borrowers have left, which
+//! is no victim); no one else takes them on that term: otherwise a borrowed run is an ordinary one,
 //! preempted only for fair share past its contract. With [`PolicyConfig::reservations_max`]
 //! above one, blocked single-node workloads asking more than one GPU of allocations delivered
 //! less than they were owed over the usage window hold further reservations, one node each on

@@ -672,19 +672,25 @@ impl<'s> Scratch<'s> {
     /// Only `victim_nodes` (nodes holding work that may be preemptible at all) and nodes with
     /// room to spare are looked at. `eligible` says whether a running workload, seen as a tenant
     /// of a node, may be preempted for `w`. The cost prefers unallocated victims, then the fewest
-    /// GPU-milliseconds of work lost since checkpoints.
+    /// GPU-milliseconds of work lost since checkpoints. The GPUs of `leaving` (work that gives
+    /// them back by itself in time) count as freed at no cost, and `leaving` is no victim.
+    #[allow(clippy::too_many_arguments)]
     pub fn plan_preemption(
         &self,
         state: &State,
         w: &Workload,
         now_ms: u64,
         claimed: &FxHashSet<WorkloadId>,
+        leaving: &FxHashSet<WorkloadId>,
         victim_nodes: &[NodeIdx],
         mut eligible: impl FnMut(&Tenant) -> bool,
     ) -> Result<(Vec<NodeIdx>, Vec<WorkloadId>), NoPlan> {
         let mut any_eligible = false;
         let need = w.gpus_per_node;
         let mut cost_of = |t: &Tenant| -> Option<Cost> {
+            if !leaving.is_empty() && leaving.contains(&t.workload) {
+                return Some((0, 0, 0));
+            }
             if !eligible(t) || !claimed.is_empty() && claimed.contains(&t.workload) {
                 return None;
             }
@@ -751,7 +757,9 @@ impl<'s> Scratch<'s> {
                     }
                     have += gpus;
                     cost = (cost.0 + c.0, cost.1 + c.1, cost.2 + c.2);
-                    chosen.push(h);
+                    if leaving.is_empty() || !leaving.contains(&h) {
+                        chosen.push(h);
+                    }
                 }
                 if have >= need {
                     options.push((cost, i, from..chosen.len()));

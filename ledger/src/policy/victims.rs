@@ -135,11 +135,19 @@ impl VictimSearch {
         let nodes = preemptible_nodes(&mut self.nodes, state, now_ms, backoff);
         // A borrowed run is taken by fair share like any other, past its contract: the borrowing's
         // term is its lender's alone (see `reclaim`).
-        let found = scratch.plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-            preemptible(&t.hold, now_ms, backoff)
-                && (!only_unallocated || t.hold.allocation.is_none())
-                && mine.has(t.hold.allocation, t.hold.preemptions)
-        });
+        let found = scratch.plan_preemption(
+            state,
+            w,
+            now_ms,
+            &self.claimed,
+            &FxHashSet::default(),
+            nodes,
+            |t| {
+                preemptible(&t.hold, now_ms, backoff)
+                    && (!only_unallocated || t.hold.allocation.is_none())
+                    && mine.has(t.hold.allocation, t.hold.preemptions)
+            },
+        );
         match found {
             Ok((nodes, victims)) => {
                 self.claimed.extend(victims.iter().copied());
@@ -184,15 +192,23 @@ impl VictimSearch {
         let backoff = self.backoff;
         let nodes = preemptible_nodes(&mut self.nodes, state, now_ms, backoff);
         let (nodes, victims) = scratch
-            .plan_preemption(state, w, now_ms, &self.claimed, nodes, |t| {
-                preemptible(&t.hold, now_ms, backoff)
-                    && t.hold.borrowed.is_none()
-                    && t.total_gpus < need
-                    && u64::from(t.gpus.count_ones()) == t.total_gpus
-                    && t.hold
-                        .allocation
-                        .is_none_or(|v| rank.outranks_by(state, leaf, v, 0.0))
-            })
+            .plan_preemption(
+                state,
+                w,
+                now_ms,
+                &self.claimed,
+                &FxHashSet::default(),
+                nodes,
+                |t| {
+                    preemptible(&t.hold, now_ms, backoff)
+                        && t.hold.borrowed.is_none()
+                        && t.total_gpus < need
+                        && u64::from(t.gpus.count_ones()) == t.total_gpus
+                        && t.hold
+                            .allocation
+                            .is_none_or(|v| rank.outranks_by(state, leaf, v, 0.0))
+                },
+            )
             .ok()?;
         let node = *nodes.first()?;
         let mut sizes: Vec<u32> = victims
@@ -227,8 +243,24 @@ impl VictimSearch {
     ) -> Option<(Vec<u32>, Vec<WorkloadId>)> {
         let mine = self.takes_of(state, rank, policy, cfg, w.allocation);
         let backoff = self.backoff;
+        // Work on those nodes that ends by its estimate before borrowers taken back now have
+        // left: its GPUs count as freed, so the borrowers are taken back on the term, a grace
+        // period before the reservation is due, and not only once that work has ended (a grace
+        // period late). It is no victim.
+        let soon = now_ms.saturating_add(cfg.grace_ms);
+        let ending: FxHashSet<WorkloadId> = due
+            .iter()
+            .flat_map(|&n| &state.cluster.node(n).tenants)
+            .filter(|t| {
+                t.hold.grace_until_ms.is_none()
+                    && t.hold.borrowed.is_none()
+                    && t.hold.ends_ms.is_some_and(|end| end <= soon)
+            })
+            .map(|t| t.workload)
+            .collect();
         let may_free = |t: &Tenant| {
             lent_due(&t.hold, w.id, now_ms)
+                || ending.contains(&t.workload)
                 || preemptible(&t.hold, now_ms, backoff)
                     && mine.has(t.hold.allocation, t.hold.preemptions)
         };
@@ -237,14 +269,14 @@ impl VictimSearch {
         if !scratch.may_make_room(state, w, due, may_free) {
             debug_assert!(
                 scratch
-                    .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
+                    .plan_preemption(state, w, now_ms, &self.claimed, &ending, due, may_free)
                     .is_err(),
                 "the bound said no room where victims would make some"
             );
             return None;
         }
         let (nodes, victims) = scratch
-            .plan_preemption(state, w, now_ms, &self.claimed, due, may_free)
+            .plan_preemption(state, w, now_ms, &self.claimed, &ending, due, may_free)
             .ok()?;
         self.claimed.extend(victims.iter().copied());
         Some((nodes, victims))
