@@ -62,7 +62,7 @@ use crate::event::{
 use crate::state::{Phase, State, Workload};
 use placement::Scratch;
 use rank::{Ranking, Usage};
-use victims::{due_lenders, lent_due_nodes, level, may_take_from, VictimSearch};
+use victims::{due_lenders, lent_due_nodes, level, may_take_from, Backoff, VictimSearch};
 
 /// A scheduling policy: how pending work is ordered and whether allocations may preempt each
 /// other. Adding a policy is one module implementing this trait, its line in [`by_name`] and its
@@ -316,7 +316,8 @@ impl Blocked {
 pub struct Pending {
     /// The workload.
     pub workload: WorkloadId,
-    /// 1-based position in this pass's order.
+    /// 1-based position among the workloads this pass leaves waiting, in its order: the
+    /// workloads it starts are not in the queue any more.
     pub position: u32,
     /// Why it waits.
     pub reason: Blocked,
@@ -385,17 +386,23 @@ impl Plan {
     /// reservation's start where it holds one, the end of the grace periods of the workloads
     /// leaving for it, else no sooner than the reservation it waits behind (or the head of the
     /// queue's) is due; `None` when no end is in sight (no running work it waits for has an
-    /// estimate or a contract ending).
+    /// estimate or a contract ending). Only the head of the queue's is exact: the room that
+    /// frees up for any other workload may be taken by one ranked above it that fits there
+    /// then, or by the head's reservation, which moves to the nodes that free up first.
     pub fn estimate(&self, pending: &Pending) -> Option<Estimate> {
+        let head = self
+            .reservations
+            .first()
+            .is_some_and(|r| r.workload == pending.workload);
         match &pending.reason {
             Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|at_ms| Estimate {
                 at_ms,
-                exact: true,
+                exact: head,
                 how: "the reserved nodes free up then, by the running workloads' duration estimates",
             }),
             Blocked::WaitingForPreemption { until_ms, .. } => Some(Estimate {
                 at_ms: *until_ms,
-                exact: true,
+                exact: head,
                 how: "the workloads preempted for it leave when their grace periods end",
             }),
             Blocked::BehindReservation { holder } => self
@@ -508,10 +515,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed: Vec::new(),
         takes: FxHashMap::default(),
         defragmented: false,
-        backoff: victims::Backoff {
-            grace_ms: cfg.grace_ms,
-            cap_ms: cfg.min_runtime_ms,
-        },
+        backoff: Backoff::of(cfg),
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -526,7 +530,9 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
     // Shapes asked by the pending workloads this pass has not visited yet.
     let mut asks = state.pending_shapes.clone();
+    // Candidates visited (what the lookahead counts), and those left waiting (their positions).
     let mut position = 0u32;
+    let mut waiting = 0u32;
     let mut deferred = Deferred {
         holders: Vec::new(),
         policy,
@@ -578,9 +584,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     rank.skip_rest_of(leaf);
                 }
             } else {
+                waiting += 1;
                 plan.pending.push(Pending {
                     workload: id,
-                    position,
+                    position: waiting,
                     reason: Blocked::BeyondLookahead {
                         limit: cfg.lookahead,
                     },
@@ -848,9 +855,10 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             },
         };
         if cfg.explain {
+            waiting += 1;
             plan.pending.push(Pending {
                 workload: id,
-                position,
+                position: waiting,
                 reason: blocked,
                 key: w
                     .allocation
@@ -997,6 +1005,7 @@ impl Deferred<'_> {
         let w = &state.workloads[&holder];
         // The nodes where it could start soonest, from when each holder gives its GPUs back.
         let mut may_take = may_take_from(state, rank, self.policy, cfg, w.allocation);
+        let backoff = Backoff::of(cfg);
         // Whether only the GPUs of workloads already leaving have a known return: no running
         // work has an estimate, and the holder may preempt none of the work running.
         // (Borrowed placements count as leaving: the holder may take back those it lent.)
@@ -1018,7 +1027,7 @@ impl Deferred<'_> {
                 .filter(|b| b.reserved_for == holder)
                 .map_or(u64::MAX, |b| b.until_ms.max(now_ms) + cfg.grace_ms);
             let eligible = may_take(hold.allocation) > level(hold.preemptions);
-            release_ms(cfg, eligible, hold, now_ms).min(lent)
+            release_ms(cfg, eligible, hold, now_ms, backoff).min(lent)
         });
         // A gang's reservation lends nothing: its nodes must all be free at once, and taking
         // borrowers back from several nodes cost more work than the idle GPUs they filled (on
@@ -1068,15 +1077,22 @@ fn start(
 }
 
 /// When a GPU is expected back from the holder described by `hold`: the end of a preemption's
-/// grace, else its estimated end, or the end of its contract plus grace if the beneficiary may
-/// preempt it (`eligible`), whichever is sooner; `u64::MAX` if nothing is known.
-fn release_ms(cfg: &PolicyConfig, eligible: bool, hold: &Hold, now_ms: u64) -> u64 {
+/// grace, else its estimated end, or the end of its contract (or of the time unallocated work
+/// is left alone) plus grace if the beneficiary may preempt it (`eligible`), whichever is
+/// sooner; `u64::MAX` if nothing is known.
+fn release_ms(
+    cfg: &PolicyConfig,
+    eligible: bool,
+    hold: &Hold,
+    now_ms: u64,
+    backoff: Backoff,
+) -> u64 {
     if let Some(grace_until_ms) = hold.grace_until_ms {
         return grace_until_ms.max(now_ms);
     }
     let ends = hold.ends_ms.map_or(u64::MAX, |e| e.max(now_ms));
     let preempt = if eligible {
-        hold.protected_until_ms.max(now_ms) + cfg.grace_ms
+        victims::left_alone_until(hold, backoff).max(now_ms) + cfg.grace_ms
     } else {
         u64::MAX
     };

@@ -359,25 +359,36 @@ pub(super) struct Backoff {
     pub(super) cap_ms: u64,
 }
 
+impl Backoff {
+    pub(super) fn of(cfg: &PolicyConfig) -> Backoff {
+        Backoff {
+            grace_ms: cfg.grace_ms,
+            cap_ms: cfg.min_runtime_ms,
+        }
+    }
+}
+
 /// Preemptible at all: not leaving already, and past its contract. Unallocated work has none
 /// and yields at once the first time; preempted `n` times, it is left alone for 2ⁿ⁻¹ grace
 /// periods after it starts again (up to the default contract): placed back on room made for
 /// work that then could not start, it was otherwise taken again every grace period, for as
 /// long as that work waited.
 fn preemptible(h: &Hold, now_ms: u64, backoff: Backoff) -> bool {
-    h.grace_until_ms.is_none()
-        && match (h.allocation, h.preemptions) {
-            (Some(_), _) => now_ms >= h.protected_until_ms,
-            (None, 0) => true,
-            // (Its contract's end is its start: it was given none.)
-            (None, n) => {
-                let left_alone = backoff
-                    .grace_ms
-                    .saturating_mul(1 << (n - 1).min(16))
-                    .min(backoff.cap_ms);
-                now_ms >= h.protected_until_ms.saturating_add(left_alone)
-            }
-        }
+    h.grace_until_ms.is_none() && now_ms >= left_alone_until(h, backoff)
+}
+
+/// Until when the holder described by `h` may not be preempted: the end of its contract, or
+/// for unallocated work (whose contract ends as it starts) of the time it is left alone.
+pub(super) fn left_alone_until(h: &Hold, backoff: Backoff) -> u64 {
+    match (h.allocation, h.preemptions) {
+        (Some(_), _) | (None, 0) => h.protected_until_ms,
+        (None, n) => h.protected_until_ms.saturating_add(
+            backoff
+                .grace_ms
+                .saturating_mul(1 << (n - 1).min(16))
+                .min(backoff.cap_ms),
+        ),
+    }
 }
 
 /// [`may_preempt_allocation`] for one beneficiary, asked once per victim allocation (the answer
