@@ -335,6 +335,10 @@ pub struct Reservation {
     pub nodes: Vec<String>,
     /// Earliest start known, if any.
     pub start_at_ms: Option<u64>,
+    /// Whether the start is known as it will be if nothing changes: not when it counts on
+    /// preempting work, which happens only once the rest of the room is ready too (so a grace
+    /// period after it, where that comes later).
+    pub exact: bool,
 }
 
 impl Reservation {
@@ -346,6 +350,7 @@ impl Reservation {
                 .map(|&n| state.cluster.node(n).name.clone())
                 .collect(),
             start_at_ms,
+            exact: true,
         }
     }
 }
@@ -397,7 +402,10 @@ impl Plan {
         match &pending.reason {
             Blocked::HoldsReservation { start_at_ms, .. } => start_at_ms.map(|at_ms| Estimate {
                 at_ms,
-                exact: head,
+                exact: head
+                    && self
+                        .reservation_of(pending.workload)
+                        .is_some_and(|r| r.exact),
                 how: "the reserved nodes free up then, by the running workloads' duration estimates",
             }),
             Blocked::WaitingForPreemption { until_ms, .. } => Some(Estimate {
@@ -1029,6 +1037,21 @@ impl Deferred<'_> {
             let eligible = may_take(hold.allocation) > level(hold.preemptions);
             release_ms(cfg, eligible, hold, now_ms, backoff).min(lent)
         });
+        // Whether the start counts on preempting some of the nodes' work by then.
+        let by_preemption = start_at_ms.is_some_and(|start| {
+            nodes.iter().any(|&n| {
+                state.cluster.node(n).tenants.iter().any(|t| {
+                    let hold = &t.hold;
+                    let lent = hold.borrowed.is_some_and(|b| b.reserved_for == holder);
+                    let eligible = may_take(hold.allocation) > level(hold.preemptions);
+                    !lent
+                        && hold.grace_until_ms.is_none()
+                        && eligible
+                        && release_ms(cfg, true, hold, now_ms, backoff) <= start
+                        && hold.ends_ms.is_none_or(|end| end.max(now_ms) > start)
+                })
+            })
+        });
         // A gang's reservation lends nothing: its nodes must all be free at once, and taking
         // borrowers back from several nodes cost more work than the idle GPUs they filled (on
         // the year's trace, a fifth of all workloads restarted, for no more GPU-hours delivered).
@@ -1037,8 +1060,9 @@ impl Deferred<'_> {
         } else {
             scratch.withhold_nodes(&nodes, holder);
         }
-        plan.reservations
-            .push(Reservation::new(state, holder, &nodes, start_at_ms));
+        let mut reservation = Reservation::new(state, holder, &nodes, start_at_ms);
+        reservation.exact = !by_preemption;
+        plan.reservations.push(reservation);
     }
 }
 
