@@ -1037,23 +1037,21 @@ impl Deferred<'_> {
             let eligible = may_take(hold.allocation) > level(hold.preemptions);
             release_ms(cfg, eligible, hold, now_ms, backoff).min(lent)
         });
-        // Whether the start counts on preempting some of the nodes' work by then (read only by
-        // explanations).
-        let by_preemption = cfg.explain
-            && start_at_ms.is_some_and(|start| {
-                nodes.iter().any(|&n| {
-                    state.cluster.node(n).tenants.iter().any(|t| {
-                        let hold = &t.hold;
-                        let lent = hold.borrowed.is_some_and(|b| b.reserved_for == holder);
-                        let eligible = may_take(hold.allocation) > level(hold.preemptions);
-                        !lent
-                            && hold.grace_until_ms.is_none()
-                            && eligible
-                            && release_ms(cfg, true, hold, now_ms, backoff) <= start
-                            && hold.ends_ms.is_none_or(|end| end.max(now_ms) > start)
-                    })
+        // Whether the start counts on preempting some of the nodes' work by then.
+        let by_preemption = start_at_ms.is_some_and(|start| {
+            nodes.iter().any(|&n| {
+                state.cluster.node(n).tenants.iter().any(|t| {
+                    let hold = &t.hold;
+                    let lent = hold.borrowed.is_some_and(|b| b.reserved_for == holder);
+                    let eligible = may_take(hold.allocation) > level(hold.preemptions);
+                    !lent
+                        && hold.grace_until_ms.is_none()
+                        && eligible
+                        && release_ms(cfg, true, hold, now_ms, backoff) <= start
+                        && hold.ends_ms.is_none_or(|end| end.max(now_ms) > start)
                 })
-            });
+            })
+        });
         // A gang's reservation lends nothing: its nodes must all be free at once, and taking
         // borrowers back from several nodes cost more work than the idle GPUs they filled (on
         // the year's trace, a fifth of all workloads restarted, for no more GPU-hours delivered).
