@@ -3,8 +3,9 @@
 //!
 //! One pass walks the pending workloads in the policy's order ([`rank`]), the first
 //! [`PolicyConfig::lookahead`] of them (and, beyond, only work with preemptions under way for
-//! it). Each that fits is started (best-fit, gangs all-or-nothing, see [`placement`]). The first that does not fit gets
-//! the *reservation*: the nodes that free up soonest for it, which later workloads may use if
+//! it). Each that fits is started (best-fit, gangs all-or-nothing, see [`placement`]). The
+//! first that does not fit gets the *reservation*: the nodes that free up soonest for it,
+//! which later workloads may use if
 //! they are expected to end before it starts (backfill) or, one node each and unless it is a
 //! gang, as a *borrowed placement*: the GPUs are lent until a grace period before the
 //! reservation is due (at once when that is not known), so no GPU idles while work that fits
