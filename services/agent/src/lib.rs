@@ -37,11 +37,16 @@ use nix::sys::signal::Signal;
 use uuid::Uuid;
 
 pub mod beats;
+mod error;
 pub mod gpu;
 pub mod http;
 pub mod nats;
 pub mod run;
 pub mod ship;
+#[cfg(test)]
+mod tests;
+
+pub use error::AgentError;
 
 pub use beats::wall_clock_ms;
 use beats::{heartbeats, stored_at, Clock};
@@ -110,51 +115,6 @@ pub enum Telemetry {
     Local(Arc<dyn Fn(&Envelope) + Send + Sync>),
     /// A server's HTTP API, whose answers also set the agent's clock.
     Http(http::HttpLog),
-}
-
-/// Why the agent stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    /// The GPUs could not be read.
-    #[error(transparent)]
-    Gpu(#[from] gpu::GpuError),
-    /// The ledger refused to register the node.
-    #[error("the ledger refused to register node {node:?} (see `fairledger events --kind node_registered`); check --node and this machine's clock")]
-    NotRegistered {
-        /// The node's name.
-        node: String,
-    },
-    /// The node's name is registered with other GPUs than this machine has.
-    #[error("node {node:?} is already registered with {registered_gpus} {registered_model} GPUs, and this machine has {gpus} {model}: pass another --node")]
-    RegisteredOtherwise {
-        /// The node's name.
-        node: String,
-        /// GPUs the ledger holds for it.
-        registered_gpus: u32,
-        /// Their model.
-        registered_model: String,
-        /// GPUs this machine has.
-        gpus: u32,
-        /// Their model.
-        model: String,
-    },
-    /// The ledger could not be reached.
-    #[error("{0}")]
-    Log(String),
-    /// `--run-as-submitter` without root.
-    #[error("--run-as-submitter needs the agent to run as root (it starts each workload as its submitter's Unix user)")]
-    NeedsRoot,
-    /// The run directory could not be made.
-    #[error("cannot create the run directory {}: {source}; pass another --work-dir", path.display())]
-    RunDirectory {
-        /// The directory.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The service no longer takes this agent's credentials.
-    #[error("the server refused this agent's token ({0}): its runs were stopped; give the agent a new token (`fairledger token create --role agent`)")]
-    Refused(String),
 }
 
 /// What the agent keeps of one run.
@@ -1202,56 +1162,5 @@ fn status_of(run: &mut Run) -> run::Status {
     match run::status(&run.dir) {
         run::Status::Lost if run.shim.is_some() || run.relaunch_pending() => run::Status::Running,
         status => status,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use eventlog::embedded::EmbeddedLog;
-
-    /// An agent whose node name the ledger holds with other GPUs stops, saying which and what
-    /// to do, and writes nothing.
-    #[tokio::test]
-    async fn a_node_registered_with_other_gpus_stops_the_agent_with_what_to_do() {
-        let dir = tempfile::tempdir().unwrap();
-        let log = EmbeddedLog::open(&dir.path().join("log")).unwrap();
-        let registered = Envelope::new(
-            uuid::Uuid::now_v7(),
-            1_000,
-            "agent:gpu-1",
-            Event::NodeRegistered(NodeRegistered {
-                node: "gpu-1".into(),
-                gpus: 4,
-                model: "H100".into(),
-                labels: Default::default(),
-            }),
-        );
-        log.append(Append::event(&registered, None, None))
-            .await
-            .unwrap();
-        let before = log.last_seq().await.unwrap();
-        let config = AgentConfig::new("gpu-1", dir.path().join("work"), Vec::new());
-        let gpus = gpu::FakeGpus::new(8, "H100", Vec::new()).unwrap();
-        let agent = Agent::new(
-            log.clone(),
-            Telemetry::Local(Arc::new(|_| {})),
-            Box::new(gpus),
-            config,
-        );
-        let err = agent.run(std::future::pending()).await.unwrap_err();
-        assert!(
-            matches!(
-                &err,
-                AgentError::RegisteredOtherwise {
-                    registered_gpus: 4,
-                    gpus: 8,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        assert!(err.to_string().contains("pass another --node"), "{err}");
-        assert_eq!(log.last_seq().await.unwrap(), before);
     }
 }
