@@ -1029,27 +1029,27 @@ impl Deferred<'_> {
         // A further reservation (not the first) takes the nodes nearest to free now: it drains
         // them for whole-node work, and looking at them alone keeps a pass with several cheap.
         let further = !plan.reservations.is_empty();
-        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, only_leaving, further, |t| {
-            let hold = &t.hold;
-            let lent = hold
-                .borrowed
-                .filter(|b| b.reserved_for == holder)
-                .map_or(u64::MAX, |b| b.until_ms.max(now_ms) + cfg.grace_ms);
+        // When a holder gives its GPUs back, and whether by being preempted for this one: the
+        // GPUs it lent come back on the borrowing's term and grace.
+        let mut release = |hold: &Hold| {
             let eligible = may_take(hold.allocation) > level(hold.preemptions);
-            release_ms(cfg, eligible, hold, now_ms, backoff).min(lent)
+            let (at, by_preemption) = release_ms(cfg, eligible, hold, now_ms, backoff);
+            match hold.borrowed.filter(|b| b.reserved_for == holder) {
+                Some(b) => (at.min(b.until_ms.max(now_ms) + cfg.grace_ms), false),
+                None => (at, by_preemption),
+            }
+        };
+        let (nodes, start_at_ms) = scratch.reserve(state, w, now_ms, only_leaving, further, |t| {
+            release(&t.hold).0
         });
         // Whether the start counts on preempting some of the nodes' work by then.
         let by_preemption = start_at_ms.is_some_and(|start| {
             nodes.iter().any(|&n| {
                 state.cluster.node(n).tenants.iter().any(|t| {
-                    let hold = &t.hold;
-                    let lent = hold.borrowed.is_some_and(|b| b.reserved_for == holder);
-                    let eligible = may_take(hold.allocation) > level(hold.preemptions);
-                    !lent
-                        && hold.grace_until_ms.is_none()
-                        && eligible
-                        && release_ms(cfg, true, hold, now_ms, backoff) <= start
-                        && hold.ends_ms.is_none_or(|end| end.max(now_ms) > start)
+                    let (at, by_preemption) = release(&t.hold);
+                    by_preemption
+                        && at <= start
+                        && t.hold.ends_ms.is_none_or(|end| end.max(now_ms) > start)
                 })
             })
         });
@@ -1104,16 +1104,16 @@ fn start(
 /// When a GPU is expected back from the holder described by `hold`: the end of a preemption's
 /// grace, else its estimated end, or the end of its contract (or of the time unallocated work
 /// is left alone) plus grace if the beneficiary may preempt it (`eligible`), whichever is
-/// sooner; `u64::MAX` if nothing is known.
+/// sooner; `u64::MAX` if nothing is known. And whether that is by a preemption still to come.
 fn release_ms(
     cfg: &PolicyConfig,
     eligible: bool,
     hold: &Hold,
     now_ms: u64,
     backoff: Backoff,
-) -> u64 {
+) -> (u64, bool) {
     if let Some(grace_until_ms) = hold.grace_until_ms {
-        return grace_until_ms.max(now_ms);
+        return (grace_until_ms.max(now_ms), false);
     }
     let ends = hold.ends_ms.map_or(u64::MAX, |e| e.max(now_ms));
     let preempt = if eligible {
@@ -1121,5 +1121,9 @@ fn release_ms(
     } else {
         u64::MAX
     };
-    ends.min(preempt)
+    if preempt < ends {
+        (preempt, true)
+    } else {
+        (ends, false)
+    }
 }
