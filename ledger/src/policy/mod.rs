@@ -374,6 +374,19 @@ impl Plan {
         self.reservations.iter().find(|r| r.workload == holder)
     }
 
+    /// Explains `w`, left waiting for `reason`, next in the queue.
+    fn wait(&mut self, w: &Workload, reason: Blocked, rank: &rank::Rank, policy: &dyn Policy) {
+        self.pending.push(Pending {
+            workload: w.id,
+            position: self.pending.len() as u32 + 1,
+            reason,
+            key: w
+                .allocation
+                .filter(|_| matches!(policy.ranking(), Ranking::Tree))
+                .map(|a| rank.key(a)),
+        });
+    }
+
     /// The start decisions.
     pub fn starts(&self) -> impl Iterator<Item = &Decision> {
         self.decisions
@@ -539,9 +552,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
     let mut rank = rank::Rank::new(state, now_ms, policy, cfg.min_runtime_ms as f64);
     // Shapes asked by the pending workloads this pass has not visited yet.
     let mut asks = state.pending_shapes.clone();
-    // Candidates visited (what the lookahead counts), and those left waiting (their positions).
+    // Candidates visited: what the lookahead counts.
     let mut position = 0u32;
-    let mut waiting = 0u32;
     let mut deferred = Deferred {
         holders: Vec::new(),
         policy,
@@ -593,18 +605,8 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
                     rank.skip_rest_of(leaf);
                 }
             } else {
-                waiting += 1;
-                plan.pending.push(Pending {
-                    workload: id,
-                    position: waiting,
-                    reason: Blocked::BeyondLookahead {
-                        limit: cfg.lookahead,
-                    },
-                    key: w
-                        .allocation
-                        .filter(|_| matches!(policy.ranking(), Ranking::Tree))
-                        .map(|a| rank.key(a)),
-                });
+                let limit = cfg.lookahead;
+                plan.wait(w, Blocked::BeyondLookahead { limit }, &rank, policy);
             }
             continue;
         }
@@ -864,16 +866,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             },
         };
         if cfg.explain {
-            waiting += 1;
-            plan.pending.push(Pending {
-                workload: id,
-                position: waiting,
-                reason: blocked,
-                key: w
-                    .allocation
-                    .filter(|_| matches!(policy.ranking(), Ranking::Tree))
-                    .map(|a| rank.key(a)),
-            });
+            plan.wait(w, blocked, &rank, policy);
             continue;
         }
         if plan.reservations.is_empty() && deferred.holders.is_empty() || !search.exhausted() {
