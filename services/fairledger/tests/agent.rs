@@ -996,23 +996,7 @@ fn with_run_as_submitter_a_job_runs_as_its_submitters_unix_user() {
         let body = json!({"allocation": "lab/a", "gpus_per_node": 1, "command": command});
         let id = common::submit_as(&server, Some(token), &body);
         wait_for(&server, &id, "finished");
-        let out = Command::new(BIN)
-            .args([
-                "logs",
-                "--api",
-                &api,
-                "--token-file",
-                &server.token_file(),
-                &id,
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        common::cli(&server, &["logs", &id]).unwrap()
     };
     assert_eq!(
         ran(&nobody, json!(["sh", "-c", probe])),

@@ -637,20 +637,7 @@ fn the_dashboard_and_the_queue_hold_at_a_thousand_nodes_and_a_hundred_thousand_w
     drop(browser);
 
     // The CLI: the summary at once, then every waiting workload, page after page.
-    let cli = |args: &[&str]| {
-        let out = Command::new(BIN)
-            .args(args)
-            .args(["--api", &format!("http://{}", server.addr)])
-            .args(["--token-file", &server.token_file()])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let cli = |args: &[&str]| cli(&server, args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     let summary = cli(&["queue", "--summary"]);
     let waiting = WAITING + 205;
     assert!(

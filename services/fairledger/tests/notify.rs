@@ -242,25 +242,15 @@ fn a_workloads_events_reach_its_url_signed_in_order_and_again_after_a_failure() 
     );
 
     // An admin changes where notifications may go: this machine no longer, from then on.
-    let out = std::process::Command::new(common::BIN)
-        .args([
+    common::cli(
+        &server,
+        &[
             "settings",
             "set",
             "notify_urls=https://hooks.example.org/,https://ci.example.org/",
-        ])
-        .args([
-            "--api",
-            &format!("http://{}", server.addr),
-            "--token-file",
-            &server.token_file(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        ],
+    )
+    .unwrap();
     let (_, settings) = server.call("GET", "/v1/settings", None);
     assert_eq!(
         settings["settings"]["notify_urls"],

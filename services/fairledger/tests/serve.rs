@@ -12,7 +12,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::{on_nats, wait_for, Server, BIN};
+use common::{cli, on_nats, wait_for, Server, BIN};
 
 #[test]
 fn embedded_submit_run_finish_and_audit_across_a_restart() {
@@ -174,21 +174,6 @@ fn on_nats_a_submission_is_placed() {
             "fairledger.ledger.workload.started.team",
         ]
     );
-}
-
-/// Runs the command-line client against `server`; returns its stdout, or its stderr on failure.
-fn cli(server: &Server, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(BIN)
-        .args(args)
-        .args(["--api", &format!("http://{}", server.addr)])
-        .args(["--token-file", &server.token_file()])
-        .output()
-        .unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8(out.stdout).unwrap())
-    } else {
-        Err(String::from_utf8(out.stderr).unwrap())
-    }
 }
 
 #[test]

@@ -336,3 +336,19 @@ pub fn wait_for_node(server: &Server, node: &str) {
             .is_some_and(|n| n.iter().any(|n| n["node"] == node))
     });
 }
+
+/// Runs the command-line client against `server` with its token; returns its stdout, or its
+/// stderr on failure.
+pub fn cli(server: &Server, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(BIN)
+        .args(args)
+        .args(["--api", &format!("http://{}", server.addr)])
+        .args(["--token-file", &server.token_file()])
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8(out.stderr).unwrap())
+    }
+}
