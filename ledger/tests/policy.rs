@@ -513,18 +513,16 @@ fn defragmentation_moves_only_work_of_allocations_ranked_above() {
     assert!(plan.preemptions().next().is_none());
 }
 
-#[test]
-fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_contract() {
-    // n1 runs a's long job on 4 GPUs; under fifo nothing may be preempted for b's 8-GPU job, so
-    // when its reservation of n1 is due is unknown, and a's next 4-GPU job borrows the other 4
-    // GPUs with a term ending at once and a 4-hour contract. While the long job runs the borrower
-    // stays (the node would not be free anyway); once it has ended, b takes the borrowed GPUs
-    // back: on the borrowing's term, though the contract protects the borrower from any other
-    // preemption.
+/// n1 runs a's long job on 4 GPUs from 0 (`long_estimate_s`: its duration estimate, if any);
+/// at 1 h b asks for the whole node and a for 4 GPUs more. Scheduled by fifo with a 4-hour
+/// contract, so nothing may be preempted for b.
+fn a_may_borrow_from_bs_reservation(long_estimate_s: Option<u64>) -> (Ledger, PolicyConfig) {
     let mut l = cluster(&[("n1", 8, None)]);
     l.alloc(0, "a", 1);
     l.alloc(0, "b", 1);
-    l.submit(0, wid(1), Some("a"), 4, 1);
+    let mut long = submission(wid(1), Some("a"), 4, 1);
+    long.duration_estimate_s = long_estimate_s;
+    l.ok(0, Event::WorkloadSubmitted(long));
     l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
     l.submit(H, wid(2), Some("b"), 8, 1);
     l.submit(H, wid(3), Some("a"), 4, 1);
@@ -533,6 +531,18 @@ fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_con
         min_runtime_ms: 4 * H,
         ..PolicyConfig::default()
     };
+    (l, cfg)
+}
+
+#[test]
+fn the_head_of_the_queue_takes_back_lent_gpus_on_the_borrowings_term_not_the_contract() {
+    // n1 runs a's long job on 4 GPUs; under fifo nothing may be preempted for b's 8-GPU job, so
+    // when its reservation of n1 is due is unknown, and a's next 4-GPU job borrows the other 4
+    // GPUs with a term ending at once and a 4-hour contract. While the long job runs the borrower
+    // stays (the node would not be free anyway); once it has ended, b takes the borrowed GPUs
+    // back: on the borrowing's term, though the contract protects the borrower from any other
+    // preemption.
+    let (mut l, cfg) = a_may_borrow_from_bs_reservation(None);
     let plan = decide(&l.state, H, &cfg);
     assert_eq!(contracts(&plan), vec![(wid(3), 5 * H, Some((wid(2), H)))]);
     l.ok(H, plan.decisions[0].to_event());
@@ -1329,20 +1339,7 @@ fn lent_gpus_are_taken_back_on_the_term_when_the_rest_of_the_node_ends_by_then()
     // period before. On that term the long job has not ended yet, but will by the time the
     // borrower has left: the borrower is taken back then, so b starts when the reservation
     // said, and the long job is no victim.
-    let mut l = cluster(&[("n1", 8, None)]);
-    l.alloc(0, "a", 1);
-    l.alloc(0, "b", 1);
-    let mut long = submission(wid(1), Some("a"), 4, 1);
-    long.duration_estimate_s = Some(3 * 3600);
-    l.ok(0, Event::WorkloadSubmitted(long));
-    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
-    l.submit(H, wid(2), Some("b"), 8, 1);
-    l.submit(H, wid(3), Some("a"), 4, 1);
-    let cfg = PolicyConfig {
-        policy: "fifo",
-        min_runtime_ms: 4 * H,
-        ..PolicyConfig::default()
-    };
+    let (mut l, cfg) = a_may_borrow_from_bs_reservation(Some(3 * 3600));
     let plan = decide(&l.state, H, &cfg);
     assert_eq!(head_reservation(&plan), Some((wid(2), Some(3 * H))));
     let term = 3 * H - cfg.grace_ms;
