@@ -94,8 +94,8 @@ fn budget_text(
             format!(
                 " ({:.2} of owed): {}",
                 delivered / owed,
-                if delivered < owed {
-                    format!("{:.2} GPU-h owed and not yet delivered; its work ranks ahead of allocations delivered more of what they are owed, and the gap closes as its work runs", owed - delivered)
+                if f("owed_not_delivered_gpu_hours") > 0.0 {
+                    format!("{:.2} GPU-h owed and not yet delivered; its work ranks ahead of allocations delivered more of what they are owed, and the gap closes as its work runs", f("owed_not_delivered_gpu_hours"))
                 } else {
                     "delivered all it is owed; allocations delivered less rank ahead of it until their work catches up".to_owned()
                 }
