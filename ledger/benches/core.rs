@@ -16,10 +16,32 @@ const NODES: usize = 2_000;
 const GPUS: u32 = 8;
 
 fn env(seq: u64, t_ms: u64, event: Event) -> (u64, Envelope) {
+    env_as(seq, t_ms, "bench", event)
+}
+
+/// An event written by `actor`: the service's own (`bench`), a submitter (`user:sub`) or a
+/// node's agent (`agent:n7`), each granted in the set-up, so the fold checks every event's
+/// authority as it does in a served log.
+fn env_as(seq: u64, t_ms: u64, actor: &str, event: Event) -> (u64, Envelope) {
     (
         seq,
-        Envelope::new(Uuid::from_u128(u128::from(seq)), t_ms, "bench", event),
+        Envelope::new(Uuid::from_u128(u128::from(seq)), t_ms, actor, event),
     )
+}
+
+fn grant(name: &str, role: Role, allocations: &[&str], node: Option<&str>, n: u64) -> Event {
+    Event::PrincipalGranted(PrincipalGranted {
+        name: name.into(),
+        role,
+        allocations: allocations.iter().map(|a| a.to_string()).collect(),
+        node: node.map(str::to_owned),
+        token_sha256: format!("{n:064x}"),
+        expires_at_ms: None,
+        max_pending: None,
+        rates: None,
+        notify: None,
+        unix_user: None,
+    })
 }
 
 fn submit(id: u128, leaf: &str, gpus_per_node: u32, nodes: u32, priority: i32) -> Event {
@@ -48,9 +70,20 @@ fn leaves() -> Vec<String> {
 }
 
 fn setup(nodes: usize) -> Vec<(u64, Envelope)> {
-    let mut log = Vec::new();
-    let mut seq = 0;
+    // The root of authority, a submitter of every allocation, and each node's agent.
+    let mut log = vec![
+        env(1, 0, grant("bench", Role::Service, &[], None, 1)),
+        env(2, 0, grant("sub", Role::Submitter, &["*"], None, 2)),
+    ];
+    let mut seq = 2;
     for n in 0..nodes {
+        seq += 1;
+        let name = format!("n{n}");
+        log.push(env(
+            seq,
+            0,
+            grant(&name, Role::Agent, &[], Some(&name), 3 + n as u64),
+        ));
         seq += 1;
         let labels = BTreeMap::from([("rack".to_string(), format!("r{}", n / 32))]);
         log.push(env(
@@ -102,11 +135,13 @@ fn stream(workloads: u64, backlog: u64) -> Vec<(u64, Envelope)> {
     }
     for i in 0..workloads {
         let t = i * 1_000;
+        let agent = format!("agent:n{}", (i % slots) / u64::from(GPUS));
         if i >= slots {
             seq += 1;
-            log.push(env(
+            log.push(env_as(
                 seq,
                 t,
+                &agent,
                 Event::WorkloadFinished(WorkloadFinished {
                     workload: Uuid::from_u128(u128::from(i - slots)),
                     exit_code: Some(0),
@@ -116,9 +151,10 @@ fn stream(workloads: u64, backlog: u64) -> Vec<(u64, Envelope)> {
             ));
         }
         seq += 1;
-        log.push(env(
+        log.push(env_as(
             seq,
             t,
+            "user:sub",
             submit(u128::from(i), &leaves[i as usize % leaves.len()], 1, 1, 0),
         ));
         let slot = i % slots;

@@ -30,7 +30,12 @@ pub use crate::identity::{PrincipalGranted, PrincipalRevoked, Role};
 ///   `max_pending_workloads` or `max_pending_gpus`, or past its submitter's cap on waiting
 ///   workloads (the grant's `max_pending`, else [`crate::identity::DEFAULT_MAX_PENDING`] for
 ///   anyone but an admin). Earlier submissions are folded without them.
-pub const SCHEMA_VERSION: u16 = 4;
+/// - 5: authority in the fold. The role `service` (the service's own processes, whose actor is
+///   the bare name: `serve`, `scheduler`); its first grant, written by its holder for itself,
+///   is the log's root, and from it on every event's actor must hold the authority the event
+///   needs by the grants folded before it ([`crate::authority`]). A log without a root folds as
+///   before.
+pub const SCHEMA_VERSION: u16 = 5;
 
 /// The oldest schema version this build folds.
 pub const OLDEST_SCHEMA_VERSION: u16 = 1;

@@ -18,6 +18,10 @@
 //! | `agent` | its node's registration, heartbeats and the ends of runs placed on it; read the events (it launches their commands) |
 //! | `auditor` | every read, the audit and events included |
 //! | `viewer` | read (events without `command`/`env`) |
+//! | `service` | the service's own processes (`serve`, `scheduler`): everything, placing and preempting work included; granted only by the service |
+//!
+//! The fold holds every event's actor to these rules ([`crate::authority`]) from the log's
+//! *root* on: the first grant of the role `service`, which its holder writes for itself.
 
 use std::collections::BTreeMap;
 
@@ -50,10 +54,14 @@ pub enum Role {
     Auditor,
     /// Reads, without submissions' `command` and `env`.
     Viewer,
+    /// The service's own processes (`serve`, `scheduler`): everything, placing and preempting
+    /// work included (schema 5 on). Its actor is its bare name; only the service grants it.
+    Service,
 }
 
 impl Role {
-    /// Every role, in the order of the table above.
+    /// Every role an admin grants, in the order of the table above ([`Role::Service`] is the
+    /// service's own).
     pub const ALL: [Role; 6] = [
         Role::Admin,
         Role::Operator,
@@ -72,6 +80,7 @@ impl Role {
             Role::Agent => "agent",
             Role::Auditor => "auditor",
             Role::Viewer => "viewer",
+            Role::Service => "service",
         }
     }
 
@@ -84,7 +93,11 @@ impl Role {
     pub fn may(self, kind: ActionKind) -> bool {
         use ActionKind::*;
         use Role::*;
+        if self == Service {
+            return true;
+        }
         match kind {
+            Schedule => false,
             WhoAmI => true,
             Read => self != Agent,
             ReadEvents => true,
@@ -104,7 +117,7 @@ impl Role {
     /// auditor and an admin see everything; an agent asks for the command of a run placed on
     /// its node when it launches it, so it never reads another node's).
     pub fn sees_commands(self) -> bool {
-        matches!(self, Role::Admin | Role::Auditor)
+        matches!(self, Role::Admin | Role::Auditor | Role::Service)
     }
 }
 
@@ -165,6 +178,8 @@ pub enum Action<'a> {
         /// The actor who submitted the workload.
         submitter: &'a str,
     },
+    /// Place, preempt and requeue work: the scheduler's decisions.
+    Schedule,
 }
 
 /// The kind of an [`Action`], without its scope: what a route needs before its body is read.
@@ -198,6 +213,8 @@ pub enum ActionKind {
     WhatIf,
     /// [`Action::ReadOutput`].
     ReadOutput,
+    /// [`Action::Schedule`].
+    Schedule,
 }
 
 impl ActionKind {
@@ -225,6 +242,7 @@ impl Action<'_> {
             Action::ReportForNode { .. } => ActionKind::ReportForNode,
             Action::WhatIf { .. } => ActionKind::WhatIf,
             Action::ReadOutput { .. } => ActionKind::ReadOutput,
+            Action::Schedule => ActionKind::Schedule,
         }
     }
 }
@@ -279,7 +297,7 @@ impl Principal {
     pub fn pending_cap(&self) -> Option<u32> {
         match (self.max_pending, self.role) {
             (Some(cap), _) => Some(cap),
-            (None, Role::Admin) => None,
+            (None, Role::Admin | Role::Service) => None,
             (None, _) => Some(DEFAULT_MAX_PENDING),
         }
     }
@@ -289,7 +307,7 @@ impl Principal {
     pub fn rate(&self, kind: RateKind) -> Option<u32> {
         match (self.rates.and_then(|r| r.of(kind)), self.role) {
             (Some(rate), _) => Some(rate),
-            (None, Role::Admin | Role::Agent) => None,
+            (None, Role::Admin | Role::Agent | Role::Service) => None,
             (None, _) => Rates::DEFAULT.of(kind),
         }
     }
@@ -304,8 +322,8 @@ fn under(path: &str, scope: &str) -> bool {
 }
 
 impl Principal {
-    /// The actor of every event this principal causes: `agent:<name>` for agents, else
-    /// `user:<name>`.
+    /// The actor of every event this principal causes: `agent:<name>` for agents, the bare name
+    /// for the service's own, else `user:<name>`.
     pub fn actor(&self) -> String {
         actor_of(self.role, &self.name)
     }
@@ -367,6 +385,12 @@ impl Principal {
             return Ok(());
         }
         let roles: Vec<&str> = kind.roles().iter().map(|r| r.name()).collect();
+        if roles.is_empty() {
+            return Err(Denied(format!(
+                "this is the service's own to do (the scheduler's); {:?} is {}",
+                self.name, self.role
+            )));
+        }
         Err(Denied(format!(
             "this needs the role {}; {:?} is {}",
             roles.join(" or "),
@@ -406,10 +430,14 @@ impl Principal {
 }
 
 /// The actor string of a principal of `role` named `name` (an agent is named after its node, so
-/// its actor is `agent:<node>` over HTTP and NATS alike).
+/// its actor is `agent:<node>` over HTTP and NATS alike; the service's own processes write as
+/// `serve` and `scheduler`, as they always have).
 pub fn actor_of(role: Role, name: &str) -> String {
-    let kind = if role == Role::Agent { "agent" } else { "user" };
-    format!("{kind}:{name}")
+    match role {
+        Role::Agent => format!("agent:{name}"),
+        Role::Service => name.to_owned(),
+        _ => format!("user:{name}"),
+    }
 }
 
 /// A principal was granted a role and a token (of which only the digest is recorded). Who
@@ -527,6 +555,13 @@ pub struct Principals {
     /// Digests of revoked tokens, with their principal's name: a revoked token is told apart
     /// from an unknown one, and never granted again.
     revoked: BTreeMap<String, String>,
+    /// The log's root of authority: the first principal granted the role `service` (by itself),
+    /// from whose grant on the fold holds every event's actor to the rules.
+    #[serde(default)]
+    root: Option<String>,
+    /// The sequence of the root's grant (0 without one).
+    #[serde(default)]
+    root_seq: u64,
 }
 
 impl Principals {
@@ -558,6 +593,27 @@ impl Principals {
             None => Bound::Unbounded,
         };
         self.by_name.range((from, Bound::Unbounded)).map(|(_, p)| p)
+    }
+
+    /// The log's root of authority, once granted: from its grant on, every event's actor must
+    /// hold the authority the event needs ([`crate::authority`]).
+    pub fn root(&self) -> Option<&str> {
+        self.root.as_deref()
+    }
+
+    /// The sequence of the root's grant, once granted: where authority starts.
+    pub fn root_seq(&self) -> Option<u64> {
+        self.root.as_ref().map(|_| self.root_seq)
+    }
+
+    /// Whether a principal named `name` was granted and revoked (and not granted again).
+    pub fn was_revoked(&self, name: &str) -> bool {
+        !self.by_name.contains_key(name) && self.revoked.values().any(|n| n == name)
+    }
+
+    /// Whether only the service's own principals are live: no person or agent yet.
+    pub fn only_service(&self) -> bool {
+        self.by_name.values().all(|p| p.role == Role::Service)
     }
 
     /// How many are live.
@@ -649,10 +705,16 @@ impl Principals {
         Ok(())
     }
 
-    /// The live principal that acts as `actor` (`user:alice`, `agent:gpu-1`).
+    /// The live principal that acts as `actor` (`user:alice`, `agent:gpu-1`, `scheduler`).
     pub fn by_actor(&self, actor: &str) -> Option<&Principal> {
-        let (_, name) = actor.split_once(':')?;
-        self.get(name).filter(|p| p.actor() == actor)
+        match actor.split_once(':') {
+            Some((kind, name)) => self.get(name).filter(|p| match p.role {
+                Role::Agent => kind == "agent",
+                Role::Service => false,
+                _ => kind == "user",
+            }),
+            None => self.get(actor).filter(|p| p.role == Role::Service),
+        }
     }
 
     /// The Unix user the workloads of `actor` run as where agents run them as their
@@ -663,8 +725,13 @@ impl Principals {
             .unwrap_or_else(|| actor.split_once(':').map_or(actor, |(_, n)| n))
     }
 
-    /// Records a checked grant made by `actor` at `now_ms`, sequence `seq`.
+    /// Records a checked grant made by `actor` at `now_ms`, sequence `seq`. The first grant of
+    /// the role `service` becomes the log's root.
     pub fn grant(&mut self, e: &PrincipalGranted, actor: &str, now_ms: u64, seq: u64) {
+        if e.role == Role::Service && self.root.is_none() {
+            self.root = Some(e.name.clone());
+            self.root_seq = seq;
+        }
         self.by_token.insert(e.token_sha256.clone(), e.name.clone());
         self.by_name.insert(
             e.name.clone(),

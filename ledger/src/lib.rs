@@ -55,6 +55,7 @@
 #![deny(missing_docs)]
 
 pub mod alloc;
+pub mod authority;
 pub mod book;
 pub mod chain;
 pub mod cluster;

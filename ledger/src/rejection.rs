@@ -41,6 +41,17 @@ pub enum Rejection {
         /// The version this build writes.
         supported: u16,
     },
+    /// The event's actor holds no authority for it by the grants folded so far: never
+    /// granted, revoked, expired, or out of its role's scope ([`crate::authority`]).
+    #[error("{actor} may not write this {kind}: {reason}")]
+    Unauthorized {
+        /// The envelope's actor.
+        actor: String,
+        /// The event's kind.
+        kind: &'static str,
+        /// What it would need.
+        reason: String,
+    },
     /// A path is not one [`crate::names::path`] accepts.
     #[error("allocation path {path:?} is invalid: {reason}")]
     InvalidAllocationPath {
@@ -332,6 +343,7 @@ impl Rejection {
             Rejection::SequenceNotIncreasing { .. } => "sequence_not_increasing",
             Rejection::TimeWentBackwards { .. } => "time_went_backwards",
             Rejection::UnsupportedSchemaVersion { .. } => "unsupported_schema_version",
+            Rejection::Unauthorized { .. } => "unauthorized",
             Rejection::InvalidAllocationPath { .. } => "invalid_allocation_path",
             Rejection::InvalidField { .. } => "invalid_field",
             Rejection::MustBePositive { .. } => "must_be_positive",

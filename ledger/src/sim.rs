@@ -298,7 +298,10 @@ impl Engine {
                 }
             }
         }
-        let env = Envelope::new(self.next_id(t_ms), t_ms, "sim", event);
+        // The simulator plays the service and the agents: a fork of a ledger with a root of
+        // authority writes as its root, so the fold holds it to what the service may do.
+        let actor = self.state.principals.root().unwrap_or("sim").to_owned();
+        let env = Envelope::new(self.next_id(t_ms), t_ms, actor, event);
         self.seq += 1;
         let outcome = self.state.apply(self.seq, &env);
         if let (Event::SettingsSet(s), Outcome::Applied) = (&env.event, &outcome) {

@@ -704,6 +704,7 @@ impl State {
                 supported: SCHEMA_VERSION,
             });
         }
+        self.authorize(env)?;
         let now = self.now_ms.max(env.occurred_at_ms);
         match &env.event {
             Event::AllocationSet(e) => {
@@ -728,7 +729,7 @@ impl State {
             Event::WorkloadStopped(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
             Event::WorkloadFinished(e) => self.expect_phase(e.workload, Phase::Running).map(drop),
             Event::WorkloadRequeued(e) => self.expect_phase(e.workload, Phase::Stopped).map(drop),
-            Event::PrincipalGranted(e) => self.check_granted(e),
+            Event::PrincipalGranted(e) => self.check_granted(e, &env.actor),
             Event::SettingsSet(e) => self.check_settings(e),
             Event::PrincipalRevoked(e) => self.principals.check_revoke(env.schema_version, &e.name),
         }
@@ -762,6 +763,9 @@ impl State {
                 version: env.schema_version,
                 supported: SCHEMA_VERSION,
             });
+        }
+        if let Err(r) = self.authorize(env) {
+            return self.reject(r);
         }
         let result = match &env.event {
             Event::AllocationSet(e) => self.allocation_set(seq, env.schema_version, e),

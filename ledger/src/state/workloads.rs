@@ -256,15 +256,29 @@ impl State {
         e: &PrincipalGranted,
         actor: &str,
     ) -> Result<Outcome, Rejection> {
-        self.check_granted(e)?;
+        self.check_granted(e, actor)?;
         self.principals.grant(e, actor, self.now_ms, seq);
         Ok(Outcome::Applied)
     }
 
-    /// Whether grant `e` may be folded: the principals' rules, and a default URL for
-    /// notifications the settings allow.
-    pub fn check_granted(&self, e: &PrincipalGranted) -> Result<(), Rejection> {
+    /// Whether grant `e` by `actor` may be folded: the principals' rules, a default URL for
+    /// notifications the settings allow, and the root's grant being its holder's own (the
+    /// first grant of the role `service` is the log's root of authority, [`crate::authority`]).
+    pub fn check_granted(&self, e: &PrincipalGranted, actor: &str) -> Result<(), Rejection> {
         self.principals.check_grant(e, &self.allocations)?;
+        if e.role == crate::identity::Role::Service
+            && self.principals.root().is_none()
+            && actor != e.name
+        {
+            return Err(Rejection::Unauthorized {
+                actor: actor.to_owned(),
+                kind: "principal_granted",
+                reason: format!(
+                    "the first grant of the role service is the log's root of authority, which its holder writes for itself: actor {:?}",
+                    e.name
+                ),
+            });
+        }
         if let Some(url) = &e.notify {
             crate::notify::check_url(&self.settings.notify_urls, "notify", url)?;
         }

@@ -50,11 +50,16 @@ impl Ledger {
     }
 
     pub fn apply(&mut self, t_ms: u64, event: Event) -> Outcome {
+        self.apply_as(t_ms, "test", event)
+    }
+
+    /// Applies an event written by `actor`.
+    pub fn apply_as(&mut self, t_ms: u64, actor: &str, event: Event) -> Outcome {
         self.seq += 1;
         let env = Envelope::new(
             Uuid::from_u128(1 << 64 | u128::from(self.seq)),
             t_ms,
-            "test",
+            actor,
             event,
         );
         self.log.push((self.seq, env.clone()));

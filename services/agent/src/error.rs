@@ -16,6 +16,15 @@ pub enum AgentError {
         /// The node's name.
         node: String,
     },
+    /// The ledger grants this node's agent nothing (never, or no longer): whatever it wrote
+    /// would be refused by the fold.
+    #[error("the ledger holds no live grant for node {node:?}'s agent{}: an admin grants one with `fairledger token create --name {node} --role agent`", if *revoked { " (it was revoked)" } else { "" })]
+    Ungranted {
+        /// The node's name.
+        node: String,
+        /// Whether its grant was revoked.
+        revoked: bool,
+    },
     /// The node's name is registered with other GPUs than this machine has.
     #[error("node {node:?} is already registered with {registered_gpus} {registered_model} GPUs, and this machine has {gpus} {model}: pass another --node")]
     RegisteredOtherwise {

@@ -314,6 +314,14 @@ impl<L: EventLog> Agent<L> {
             .await
             .map_err(|e| AgentError::Log(e.to_string()))?;
         self.fold_until(&mut events, end).await?;
+        // From the ledger's root of authority on, what it writes counts only if granted.
+        let principals = self.state.principals();
+        if principals.root().is_some() && principals.by_actor(&self.config.actor).is_none() {
+            return Err(AgentError::Ungranted {
+                node: self.config.node.clone(),
+                revoked: principals.was_revoked(&self.config.node),
+            });
+        }
         if !self.check_registration(false)? {
             let registered_at = self.register().await?;
             self.fold_until(&mut events, registered_at).await?;

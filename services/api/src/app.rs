@@ -374,6 +374,9 @@ impl App {
             .rejection(ack.seq)
             .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
         match rejection {
+            // Refused by the fold after the check above (a grant revoked in between): forbidden
+            // if for want of authority, else a conflict with what landed first.
+            Some(r) if r.code == "unauthorized" => Err(Some(Problem::forbidden(r.message))),
             Some(r) => Err(Some(Problem::new(StatusCode::CONFLICT, &r.code, r.message))),
             None => Ok(Written::Folded(ack.seq)),
         }

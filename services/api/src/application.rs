@@ -117,7 +117,7 @@ impl LedgerSettings {
             ));
         }
         let at = app
-            .write(ledger::Event::SettingsSet(wanted), None, None, "serve")
+            .write(ledger::Event::SettingsSet(wanted), None, None, SERVE_ACTOR)
             .await
             .map_err(|p| format!("cannot write the settings: {}", p.detail))?;
         if seq > 0 {
@@ -156,6 +156,45 @@ impl Settings {
 
 /// The name of the first admin, created on a ledger without principals.
 pub const FIRST_ADMIN: &str = "admin";
+
+/// The actor of what `serve` itself writes (the settings, the first admin, its agents' grants):
+/// the log's root of authority, which it grants itself when it first opens a log.
+pub const SERVE_ACTOR: &str = "serve";
+
+/// The grants of the service's own principals that `state` lacks, to write as [`SERVE_ACTOR`]:
+/// on a log without a root of authority, `serve`'s own (its root); then the scheduler's. Their
+/// tokens are thrown away: the service signs in to nothing, it writes to the log.
+pub fn service_grants(state: &ledger::State) -> Result<Vec<Event>, String> {
+    let principals = state.principals();
+    let mut wanted = Vec::new();
+    if principals.root().is_none() {
+        wanted.push(SERVE_ACTOR);
+    }
+    if principals
+        .get(scheduler::ACTOR)
+        .is_none_or(|p| p.role != Role::Service)
+    {
+        wanted.push(scheduler::ACTOR);
+    }
+    wanted.into_iter().map(service_grant).collect()
+}
+
+/// The grant of the role `service` to `name`, with a token thrown away.
+pub fn service_grant(name: &str) -> Result<Event, String> {
+    let (_, token_sha256) = crate::auth::new_token()?;
+    Ok(Event::PrincipalGranted(PrincipalGranted {
+        name: name.into(),
+        role: Role::Service,
+        allocations: Vec::new(),
+        node: None,
+        token_sha256,
+        expires_at_ms: None,
+        max_pending: None,
+        rates: None,
+        notify: None,
+        unix_user: None,
+    }))
+}
 
 /// The file in the data directory that holds the first admin's token.
 pub const ADMIN_TOKEN_FILE: &str = "admin.token";
@@ -229,6 +268,9 @@ impl Application {
                     .map_err(|e| e.to_string())
             }));
         }
+        // The service's own principals before anything it writes: from the root on, the fold
+        // holds every event's actor to the grants.
+        grant_service_principals(&app).await?;
         // The log's settings before any decision is taken by them.
         if let Some(ledger_settings) = &settings.ledger_settings {
             ledger_settings.agree(&app).await?;
@@ -339,7 +381,7 @@ impl Application {
         Ok(application)
     }
 
-    /// On a ledger without principals, grants the first admin and writes its token to
+    /// On a ledger without principals but the service's own, grants the first admin and writes its token to
     /// `DATA/admin.token`, readable by its owner only. Of several processes starting at once on
     /// one ledger, the fold lets one grant stand; only that one writes the file.
     async fn first_admin(&self, data: &std::path::Path) -> Result<Option<PathBuf>, String> {
@@ -350,7 +392,7 @@ impl Application {
             .await
             .state()
             .principals()
-            .is_empty()
+            .only_service()
         {
             return Ok(None);
         }
@@ -367,7 +409,7 @@ impl Application {
             notify: None,
             unix_user: None,
         });
-        match self.app.write(grant, None, None, "serve").await {
+        match self.app.write(grant, None, None, SERVE_ACTOR).await {
             Ok(_) => {}
             // Another process granted the first admin meanwhile.
             Err(problem) if problem.status == 409 => return Ok(None),
@@ -514,6 +556,26 @@ async fn tls_config(
 /// A future that resolves once `rx` says stop.
 async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Grants the service's own principals that the log lacks ([`service_grants`]). Of several
+/// processes starting at once on one log, the fold lets one grant of each stand.
+async fn grant_service_principals(app: &App) -> Result<(), String> {
+    let grants = service_grants(app.inner.projection.read().await.state())?;
+    for grant in grants {
+        match app.write(grant, None, None, SERVE_ACTOR).await {
+            Ok(_) => {}
+            // Another process granted it meanwhile.
+            Err(problem) if problem.status == 409 => {}
+            Err(problem) => {
+                return Err(format!(
+                    "cannot grant the service its own principals: {}",
+                    problem.detail
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes `secret` to `path` readable and writable by its owner only (0600), replacing what was

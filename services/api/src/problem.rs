@@ -73,6 +73,10 @@ impl Problem {
     /// The rule the fold would refuse an event by: 422 naming the field when the event is
     /// invalid whatever the state, 409 naming the rule when it does not fit the state now.
     pub fn refused(r: &ledger::Rejection, event: &ledger::Event) -> Self {
+        if matches!(r, ledger::Rejection::Unauthorized { .. }) {
+            // The fold holds the actor to the same table the API's rules are.
+            return Problem::forbidden(r.to_string());
+        }
         if matches!(r, ledger::Rejection::QuotaExceeded { .. }) {
             // Too many waiting: the same request succeeds once some of them start or end.
             return Problem::new(StatusCode::TOO_MANY_REQUESTS, r.code(), r.to_string());

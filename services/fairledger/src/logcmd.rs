@@ -557,6 +557,7 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
             "last_seq": found.last_seq,
             "compared": found.compared,
             "differences": differences,
+            "authority": api::routes::audit::authority_json(&found),
         });
         println!("{out}");
     } else {
@@ -574,6 +575,9 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
                 format!("{} differ", differences.len())
             }
         );
+    }
+    if !args.json {
+        println!("{}", api::routes::audit::authority_line(&found));
     }
     if differences.is_empty() {
         Ok(())

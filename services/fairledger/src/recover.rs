@@ -1,8 +1,10 @@
 //! `fairledger token create --offline`: a grant written straight into the log while the server
 //! is stopped, for when no admin can sign in any more (every admin token lost, revoked or
 //! expired). The log is folded to its end, the grant is checked as the fold would check it, and
-//! appended as an ordinary `principal_granted` event whose actor, `recovery:offline`, says how it
-//! came; the token is shown once, like any other.
+//! appended as an ordinary `principal_granted` event whose actor, `recovery`, says how it came:
+//! a principal of the role `service` that `serve` grants in the same batch when the log has none
+//! (whoever may stop the server and write its log holds the service's authority); the token is
+//! shown once, like any other.
 
 use std::path::Path;
 
@@ -14,7 +16,7 @@ use ledger::Envelope;
 use crate::logcmd::LogArgs;
 
 /// The actor of an offline grant.
-pub const RECOVERY_ACTOR: &str = "recovery:offline";
+pub const RECOVERY_ACTOR: &str = "recovery";
 
 /// What an offline grant gives.
 pub struct Grant {
@@ -81,15 +83,38 @@ pub fn grant_offline(
         let scratch = tempfile::tempdir().map_err(|e| e.to_string())?;
         let p = crate::logcmd::folded_to(&log, &scratch.path().join("projection"), state_config, last)
             .await?;
-        let env = Envelope::new(uuid::Uuid::now_v7(), now.max(p.state().now_ms()), RECOVERY_ACTOR, event);
-        p.state()
-            .check(&env)
-            .map_err(|r| format!("the ledger refuses this grant: {r}"))?;
-        let ack = log
-            .append(Append::event(&env, None, None))
+        // The recovery principal, granted by the service (its root first, on a log without
+        // one), then the grant; each checked against the ledger as the ones before leave it.
+        let mut state = p.state().clone();
+        let principals = state.principals();
+        let mut events = Vec::new();
+        if principals.root().is_none() {
+            let serve = api::application::SERVE_ACTOR;
+            events.push((serve, api::application::service_grant(serve)?));
+        }
+        if principals
+            .get(RECOVERY_ACTOR)
+            .is_none_or(|p| p.role != Role::Service)
+        {
+            let recovery = api::application::service_grant(RECOVERY_ACTOR)?;
+            events.push((api::application::SERVE_ACTOR, recovery));
+        }
+        events.push((RECOVERY_ACTOR, event));
+        let at = now.max(state.now_ms());
+        let mut appends = Vec::new();
+        for (i, (actor, event)) in events.into_iter().enumerate() {
+            let env = Envelope::new(uuid::Uuid::now_v7(), at, actor, event);
+            state
+                .check(&env)
+                .map_err(|r| format!("the ledger refuses this grant: {r}"))?;
+            state.apply(last + 1 + i as u64, &env);
+            appends.push(Append::event(&env, None, None));
+        }
+        let acks = log
+            .append_batch(appends)
             .await
             .map_err(|e| format!("the grant was not written: {e}"))?;
-        Ok::<u64, String>(ack.seq)
+        Ok::<u64, String>(acks.last().expect("one event at least").seq)
     })?;
     let head = format!(
         "{} ({}), granted offline as event {seq}",

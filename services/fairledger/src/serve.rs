@@ -218,15 +218,18 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
         let fresh = log.last_seq().await.map_err(|e| e.to_string())? == 0;
         if fresh && (write_setup || writes_settings) {
             let now = scheduler::wall_clock_ms();
-            // The settings come first, whoever writes the set-up: it is folded by them.
+            // The service's own principals come first (the log's root of authority, then the
+            // scheduler), then the settings, whoever writes the set-up: it is folded by them.
+            let service = api::application::service_grants(&ledger::State::new(Default::default()))?;
             let first = Some(ledger::Event::SettingsSet(wanted.clone()));
             let setup = if write_setup { setup } else { Vec::new() };
-            let appends: Vec<Append> = first
+            let appends: Vec<Append> = service
                 .into_iter()
+                .chain(first)
                 .chain(setup)
                 .map(|e| {
                     Append::event(
-                        &Envelope::new(uuid::Uuid::now_v7(), now, "serve", e),
+                        &Envelope::new(uuid::Uuid::now_v7(), now, api::application::SERVE_ACTOR, e),
                         None,
                         None,
                     )
@@ -407,14 +410,16 @@ async fn local_agent_token(
             name: node.to_owned(),
             reason: Some("the server's own agent lost its token".into()),
         });
-        app.write(revoke, None, None, "serve").await.map_err(|p| {
-            format!(
-                "cannot renew the token of node {node}'s agent: {}",
-                p.detail
-            )
-        })?;
+        app.write(revoke, None, None, api::application::SERVE_ACTOR)
+            .await
+            .map_err(|p| {
+                format!(
+                    "cannot renew the token of node {node}'s agent: {}",
+                    p.detail
+                )
+            })?;
     }
-    app.write(grant, None, None, "serve")
+    app.write(grant, None, None, api::application::SERVE_ACTOR)
         .await
         .map_err(|p| format!("cannot grant node {node}'s agent a token: {}", p.detail))?;
     api::application::write_secret(&path, &token)?;

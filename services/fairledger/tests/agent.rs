@@ -153,6 +153,7 @@ fn a_preempted_process_gets_sigterm_is_requeued_resumes_and_the_audit_matches_it
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     let server = serve_on(&nats, tmp.path(), 2, &[]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     // This machine's clock is a minute behind the server's: the agent must notice and stamp its
     // reports with the server's time, or the ledger would refuse them as too old.
     let agent = Agent::start(
@@ -257,6 +258,7 @@ fn a_failed_gpu_stops_its_workload_without_a_contract_violation() {
     let tmp = tempfile::tempdir().unwrap();
     // A long contract: only a hardware failure may stop the workload.
     let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     // GPU 1 fails 8 s after the agent starts.
     let _agent = Agent::start(
         &nats.url(),
@@ -302,6 +304,7 @@ fn a_restarted_agent_re_adopts_its_runs_and_never_launches_one_twice() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     let work = tmp.path().join("agent");
     let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
     wait_for_node(&server, "gpu-1");
@@ -566,6 +569,7 @@ fn a_dead_agents_node_goes_unhealthy_its_work_is_requeued_and_its_orphan_is_stop
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     let server = serve_on(&nats, tmp.path(), 3600, &["--heartbeat-timeout-s", "2"]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     let work = tmp.path().join("agent");
     let agent = Agent::start(&nats.url(), "gpu-1", &work, &["--fake-gpus", "2"]);
     wait_for_node(&server, "gpu-1");
@@ -615,6 +619,8 @@ fn a_gang_runs_on_two_nodes_and_a_failed_rank_requeues_it() {
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
+    server.grant("gpu-2", "agent", &[], Some("gpu-2"));
     let _a = Agent::start(
         &nats.url(),
         "gpu-1",
@@ -718,6 +724,7 @@ fn on_a_secured_nats_an_agent_reports_through_the_service_for_its_own_node_only(
         3600,
         &["--nats-nkey", &key("fairledger")],
     );
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     let work = tmp.path().join("agent");
     let _agent = Agent::start(
         &nats.url(),
@@ -837,6 +844,8 @@ fn a_gang_rank_its_node_cannot_launch_fails_the_gang_instead_of_requeueing_it() 
     let nats = NatsServer::start();
     let tmp = tempfile::tempdir().unwrap();
     let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
+    server.grant("gpu-2", "agent", &[], Some("gpu-2"));
     let _a = Agent::start(
         &nats.url(),
         "gpu-1",
@@ -1064,4 +1073,30 @@ fn an_agent_on_nats_stops_when_the_ledger_revokes_its_grant() {
         "{:?}",
         lines(&jobs)
     );
+}
+
+/// An agent on NATS writes its events itself, so the ledger must grant it: without a grant it
+/// refuses to start and says how to get one, instead of registering a node the fold would
+/// refuse; an event written under its name anyway changes nothing.
+#[test]
+fn an_agent_on_nats_without_a_grant_refuses_to_start_and_says_how_to_get_one() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve_on(&nats, tmp.path(), 3600, &[]);
+    let work = tmp.path().join("agent");
+    let mut agent = Agent::start(&nats.url(), "gpu-u", &work, &["--fake-gpus", "1"]);
+    wait_until("the agent to stop", 30, || {
+        agent.child.try_wait().unwrap().is_some()
+    });
+    assert!(
+        agent
+            .log()
+            .contains("fairledger token create --name gpu-u --role agent"),
+        "{}",
+        agent.log()
+    );
+    // Granted, it starts and registers its node.
+    server.grant("gpu-u", "agent", &[], Some("gpu-u"));
+    let _agent = Agent::start(&nats.url(), "gpu-u", &work, &["--fake-gpus", "1"]);
+    wait_for_node(&server, "gpu-u");
 }

@@ -214,6 +214,8 @@ fn output_from_anywhere_on_nats_with_an_agent_on_nats() {
         "--config",
         &config,
     ]);
+    // An agent on NATS writes its own events: the ledger must grant it, as over HTTP.
+    server.grant("gpu-1", "agent", &[], Some("gpu-1"));
     let work = tmp.path().join("agent");
     output_from_anywhere(&server, tmp.path(), &|| {
         Agent::start(&url, "gpu-1", &work, &["--fake-gpus", "1"])

@@ -48,7 +48,12 @@ fn settings_are_the_logs_and_every_folder_follows_them() {
     let (status, s) = server.call("GET", "/v1/settings", None);
     assert_eq!(status, 200, "{s}");
     assert_eq!(s["source"], "log", "{s}");
-    assert_eq!(s["seq"], 1, "the settings are the log's first event: {s}");
+    // After the service's own grants (the root `serve`, then `scheduler`), before anything
+    // they rule.
+    assert_eq!(
+        s["seq"], 3,
+        "the settings are the log's first event but the service's: {s}"
+    );
     assert_eq!(s["settings"]["max_min_runtime_s"], 43200, "{s}");
     // 10 h of protection: over the default cap, within the log's. The node's agent, which
     // folds the log itself, launches it and reports its end.
@@ -142,4 +147,70 @@ fn settings_are_the_logs_and_every_folder_follows_them() {
         out.contains("all agree") && !out.contains("compared 0 "),
         "{out}"
     );
+    // Authority held from the root `serve` wrote for itself, the log's first event.
+    assert!(
+        out.contains("authority: from event 1 (the root, \"serve\") on, every event applied was written by a principal holding the authority it needed; 0 refused"),
+        "{out}"
+    );
+}
+
+/// Authority is the log's too: an `allocation_set` written into a served log by hand, under a
+/// name nobody granted, is refused by the fold when the server next folds it (and by every
+/// refold after), while the same change by the granted admin, imported the same way, applies.
+#[test]
+fn an_event_imported_under_a_name_nobody_granted_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        "[[nodes]]\ncount = 1\ngpus = 2\nmodel = \"A100\"\n\
+         [[allocations]]\npath = \"lab/x\"\nweight = 1\n",
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let (config_arg, data_arg) = (config.to_str().unwrap(), data.to_str().unwrap());
+    let server = Server::start(&["--config", config_arg, "--data", data_arg]);
+    server.stop();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let forged = |actor: &str, weight: u32| {
+        serde_json::json!({
+            "id": uuid::Uuid::now_v7(), "schema_version": ledger::event::SCHEMA_VERSION,
+            "occurred_at_ms": now, "actor": actor, "type": "allocation_set",
+            "payload": {"path": "lab/x", "weight": weight},
+        })
+        .to_string()
+    };
+    let file = dir.path().join("forged.jsonl");
+    std::fs::write(
+        &file,
+        format!(
+            "{}\n{}\n",
+            forged("user:admin", 3),
+            forged("user:mallory", 99)
+        ),
+    )
+    .unwrap();
+    let (ok, _, err) = run(&["log", "import", "--data", data_arg, file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let server = Server::start(&["--data", data_arg]);
+    let (status, all) = server.call("GET", "/v1/allocations", None);
+    assert_eq!(status, 200, "{all}");
+    let a = all["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "lab/x")
+        .unwrap_or_else(|| panic!("{all}"));
+    assert_eq!(
+        a["weight"], 3,
+        "mallory's weight 99 was refused, the admin's 3 applied: {a}"
+    );
+    server.stop();
+    // An offline refold says where authority started and that it refused one event.
+    let (ok, out, err) = run(&["audit", "verify", "--data", data_arg]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("1 refused for want of it"), "{out}");
 }

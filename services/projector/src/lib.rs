@@ -78,13 +78,13 @@ pub const CHECKPOINT_EVERY: u64 = 100_000;
 const LAST_SEQ: &[u8] = b"m/last_seq";
 const CONFIG: &[u8] = b"m/config";
 /// The rows' format, and the fold's: a projection built with another is rebuilt from the log
-/// (19: quotas: the fold counts waiting work by submitter and the GPUs waiting in each leaf,
+/// (21: principals name the log's root of authority; 19: quotas: the fold counts waiting work by submitter and the GPUs waiting in each leaf,
 /// and allocations and principals carry their caps on it; 18: what preemptions cost among the kept figures, the log's head in the book and its rows,
 /// and the settings folded from the log; 17: defragmentation among the kept preemptions; 16: the fold indexes borrowed placements by
 /// term and nodes with work leaving; 15: no index of submissions (14 had one); 14: workload rows
 /// carry their name, run time and last nodes; 13: borrowed placements, and reclaims among the kept preemptions; 12: idempotency keys have
 /// rows; 11: version-1 events are folded by the names rules of their day again).
-const FORMAT: u32 = 20;
+const FORMAT: u32 = 21;
 const STATS: &[u8] = b"m/stats";
 const CHECKPOINT_SEQ: &[u8] = b"seq";
 const CHECKPOINT_STATE: &[u8] = b"state";

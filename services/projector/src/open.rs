@@ -34,15 +34,16 @@ impl Projector {
         config: Option<StateConfig>,
         log: &L,
     ) -> Result<Self, ProjectionError> {
-        // A log that sets its settings in its first event folds alike whatever configuration
-        // the fold starts from: a projection built from another one is the same projection.
-        let settles_itself = match log.read(1, 1).await?.first() {
-            Some(e) => matches!(
-                decode(&e.payload).map(|env| env.event),
-                Ok(Event::SettingsSet(_))
-            ),
-            None => false,
-        };
+        // A log that sets its settings before anything they rule (after the service's own
+        // grants, which no setting touches) folds alike whatever configuration the fold starts
+        // from: a projection built from another one is the same projection.
+        let settles_itself = log
+            .read(1, 4)
+            .await?
+            .iter()
+            .map(|e| decode(&e.payload).map(|env| env.event))
+            .find(|event| !matches!(event, Ok(Event::PrincipalGranted(_))))
+            .is_some_and(|event| matches!(event, Ok(Event::SettingsSet(_))));
         let mut p = Self::open_stored(dir, config, settles_itself)?;
         let log_last = log.last_seq().await?;
         if p.last_seq > log_last {

@@ -59,6 +59,11 @@ pub struct Verification {
     pub compared: u64,
     /// Rows that differ.
     pub differences: Vec<Difference>,
+    /// Where the refold's authority started: the root's name and the sequence of its grant;
+    /// `None` for a log without a root (its events folded as their writers' claims).
+    pub root: Option<(String, u64)>,
+    /// Events the refold rejected because their actors lacked the authority they needed.
+    pub unauthorized: u64,
 }
 
 /// The rows of every period still open in `book`, read at `state`'s clock (its last event):
@@ -147,10 +152,17 @@ pub async fn verify<L: EventLog>(
             refold: Some(row),
         });
     }
+    let principals = state.principals();
+    let root = principals
+        .root()
+        .zip(principals.root_seq())
+        .map(|(name, seq)| (name.to_owned(), seq));
     Ok(Verification {
         last_seq: up_to,
         compared,
         differences,
+        root,
+        unauthorized: state.rejections().get("unauthorized").copied().unwrap_or(0),
     })
 }
 

@@ -21,6 +21,10 @@ use uuid::Uuid;
 
 pub use ledger::health::{self, HealthMonitor};
 
+/// The actor of the scheduler's decisions: a principal of the role `service` that `serve`
+/// grants in the log when it first opens it.
+pub const ACTOR: &str = "scheduler";
+
 /// The key-value bucket of the scheduler's lease (see [`eventlog::lease`]), and its key.
 pub const LEASE_BUCKET: &str = "fairledger_scheduler";
 /// The key of the scheduler's lease.
@@ -304,7 +308,7 @@ pub async fn step<L: EventLog>(
         }
         // Recorded once the starts land.
         let waits = first_start_waits(state, &events, now_ms);
-        (appends(state, events, now_ms, "scheduler", fence), waits)
+        (appends(state, events, now_ms, ACTOR, fence), waits)
     };
     let n = appends.len();
     match log.append_batch(appends).await {

@@ -496,6 +496,32 @@ pub(crate) async fn audit_verify(
         "last_seq": found.last_seq,
         "compared": found.compared,
         "differences": found.differences.iter().map(difference_json).collect::<Vec<_>>(),
+        "authority": authority_json(&found),
     }))
     .into_response())
+}
+
+/// What a verification's refold says of authority: where it started (the root's grant), and how
+/// many events it refused for want of it; every other event it applied had it.
+pub fn authority_json(found: &projector::verify::Verification) -> serde_json::Value {
+    match &found.root {
+        Some((root, seq)) => json!({
+            "root": root,
+            "from_seq": seq,
+            "unauthorized_refused": found.unauthorized,
+            "every_applied_event_authorized": true,
+        }),
+        None => json!({"root": null, "every_applied_event_authorized": null}),
+    }
+}
+
+/// [`authority_json`] as a sentence.
+pub fn authority_line(found: &projector::verify::Verification) -> String {
+    match &found.root {
+        Some((root, seq)) => format!(
+            "authority: from event {seq} (the root, {root:?}) on, every event applied was written by a principal holding the authority it needed; {} refused for want of it",
+            found.unauthorized
+        ),
+        None => "authority: this log has no root of authority (written before schema 5, or by a simulation): its events are folded as their writers' claims".to_owned(),
+    }
 }

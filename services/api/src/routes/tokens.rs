@@ -84,6 +84,7 @@ fn refused(r: Rejection) -> Problem {
         Rejection::InvalidGrant { field, reason } | Rejection::InvalidField { field, reason } => {
             Problem::invalid(field, reason)
         }
+        Rejection::Unauthorized { .. } => Problem::forbidden(r.to_string()),
         Rejection::PrincipalExists { .. } => {
             Problem::new(StatusCode::CONFLICT, "principal_exists", r.to_string())
         }
@@ -146,7 +147,9 @@ pub(crate) async fn create(
     {
         let p = app.inner.projection.read().await;
         let state = p.state();
-        state.check_granted(&grant).map_err(refused)?;
+        state
+            .check_granted(&grant, &caller.actor())
+            .map_err(refused)?;
     }
     let seq = app
         .write(

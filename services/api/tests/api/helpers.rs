@@ -27,8 +27,9 @@ pub struct Fixture {
     pub admin: String,
 }
 
-/// The events the fixture's log starts with.
-pub const SETUP_EVENTS: u64 = 4;
+/// The events the fixture's log starts with: its set-up (4), then the service's own grants (the
+/// root `serve`, then `scheduler`); the first admin's grant follows.
+pub const SETUP_EVENTS: u64 = 6;
 
 /// Two nodes of 8 GPUs and allocations `a/x` (weight 1) and `b` (weight 1); the scheduler runs
 /// when `scheduler_on` (every 50 ms), else only the API and the projector do.

@@ -1158,7 +1158,10 @@ async fn health_readiness_and_metrics() {
     );
     assert!(text.trim_end().ends_with("# EOF"), "{text}");
     assert!(
-        text.contains("fairledger_projection_events_total{outcome=\"applied\"} 5"),
+        text.contains(&format!(
+            "fairledger_projection_events_total{{outcome=\"applied\"}} {}",
+            SETUP_EVENTS + 1
+        )),
         "{text}"
     );
     // The dashboard's files: no token needed (they hold no data), nothing inline allowed.
@@ -1256,7 +1259,7 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
         .unwrap();
     assert_eq!(
         sse_events(res.into_body(), 1).await,
-        vec![(6, "allocation_set".to_owned())]
+        vec![(SETUP_EVENTS + 2, "allocation_set".to_owned())]
     );
     let (status, _, problem) = call(
         &f,
@@ -1829,7 +1832,8 @@ async fn nodes_and_tokens_page() {
         };
         let (status, _, page) = call(&f, "GET", &uri, None, &[]).await;
         assert_eq!(status, StatusCode::OK, "{page}");
-        assert_eq!(page["total"], 4, "{page}");
+        // And the service's own, `serve` and `scheduler`.
+        assert_eq!(page["total"], 6, "{page}");
         names.extend(
             page["tokens"]
                 .as_array()
@@ -1842,7 +1846,10 @@ async fn nodes_and_tokens_page() {
             break;
         }
     }
-    assert_eq!(names, ["admin", "bob", "carol", "dave"]);
+    assert_eq!(
+        names,
+        ["admin", "bob", "carol", "dave", "scheduler", "serve"]
+    );
 }
 
 /// A dry run answers what the real submission then meets: the same refusal, word for word; or,

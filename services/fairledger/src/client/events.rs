@@ -200,7 +200,7 @@ pub struct TokenCreate {
     pub out: Option<PathBuf>,
     /// With the server stopped, grant it straight into the log (`--data DIR`, or `--nats`
     /// with the service's credentials): how to get an admin back when none can sign in.
-    /// The grant is an event like any other, its actor `recovery:offline`.
+    /// The grant is an event like any other, its actor `recovery`.
     #[arg(long)]
     pub offline: bool,
     #[command(flatten)]
