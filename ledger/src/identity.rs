@@ -550,7 +550,10 @@ pub struct PrincipalRevoked {
 /// The live principals, by name and by token digest, and the digests of revoked tokens.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Principals {
-    by_name: BTreeMap<String, Principal>,
+    /// By name, hashed: the fold looks every event's actor up here.
+    by_name: rustc_hash::FxHashMap<String, Principal>,
+    /// The same names, in order, for listings.
+    names: std::collections::BTreeSet<String>,
     by_token: BTreeMap<String, String>,
     /// Digests of revoked tokens, with their principal's name: a revoked token is told apart
     /// from an unknown one, and never granted again.
@@ -582,7 +585,7 @@ impl Principals {
 
     /// Every live principal, by name.
     pub fn iter(&self) -> impl Iterator<Item = &Principal> {
-        self.by_name.values()
+        self.names.iter().map(|n| &self.by_name[n])
     }
 
     /// The live principals named after `name`, by name (all of them without one).
@@ -592,7 +595,9 @@ impl Principals {
             Some(n) => Bound::Excluded(n.to_owned()),
             None => Bound::Unbounded,
         };
-        self.by_name.range((from, Bound::Unbounded)).map(|(_, p)| p)
+        self.names
+            .range((from, Bound::Unbounded))
+            .map(|n| &self.by_name[n])
     }
 
     /// The log's root of authority, once granted: from its grant on, every event's actor must
@@ -733,6 +738,7 @@ impl Principals {
             self.root_seq = seq;
         }
         self.by_token.insert(e.token_sha256.clone(), e.name.clone());
+        self.names.insert(e.name.clone());
         self.by_name.insert(
             e.name.clone(),
             Principal {
@@ -785,6 +791,7 @@ impl Principals {
     pub fn revoke(&mut self, schema_version: u16, name: &str) -> Result<(), Rejection> {
         self.check_revoke(schema_version, name)?;
         let p = self.by_name.remove(name).expect("checked above");
+        self.names.remove(name);
         self.by_token.remove(&p.token_sha256);
         self.revoked.insert(p.token_sha256, p.name);
         Ok(())
