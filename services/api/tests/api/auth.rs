@@ -244,6 +244,30 @@ async fn a_submitter_acts_within_its_scope_only_and_events_carry_who_acted() {
         detail.contains("\"b\"") && detail.contains("\"a\""),
         "{detail}"
     );
+    // The refusal is the fold's: what it would answer to the same event, word for word; the
+    // dry run says the same.
+    let event = ledger::Event::WorkloadSubmitted(ledger::event::WorkloadSubmitted::new(
+        uuid::Uuid::now_v7(),
+        Some("b".into()),
+        1,
+        1,
+    ));
+    let env = ledger::Envelope::new(uuid::Uuid::now_v7(), f.app.now_ms(), "user:alice", event);
+    let folds = f.projection.read().await.state().check(&env).unwrap_err();
+    assert_eq!(folds.code(), "unauthorized");
+    assert_eq!(detail, folds.to_string());
+    let (status, _, dry) = call_as(
+        &f,
+        Some(&alice),
+        "POST",
+        "/v1/workloads?dry_run=true",
+        Some(r#"{"allocation":"b","gpus_per_node":1}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{dry}");
+    assert_eq!(dry["detail"], folds.to_string());
+    assert_eq!(f.log.last_seq().await.unwrap(), before, "nothing written");
     let (status, _, problem) = call_as(
         &f,
         Some(&alice),
