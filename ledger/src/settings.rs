@@ -44,6 +44,8 @@ pub struct Settings {
     pub preemptors_per_pass: u32,
     /// The most pending workloads a pass considers, in the policy's order; 0: every one.
     pub lookahead: u32,
+    /// The most times the policy preempts one workload; then it runs to its end. 0: no limit.
+    pub max_preemptions: u32,
     /// Assemble whole nodes for the multi-GPU work of under-served allocations.
     pub defragment: bool,
     /// The node label whose equal values mean "close" for gang placement.
@@ -86,6 +88,7 @@ impl Settings {
             reservations: policy.reservations_max,
             preemptors_per_pass: policy.preemptors_per_pass_max,
             lookahead: policy.lookahead,
+            max_preemptions: policy.max_preemptions,
             defragment: policy.defragment,
             topology_label: policy.topology_label.clone(),
             heartbeat_timeout_s: heartbeat_ms.div_ceil(1000),
@@ -110,7 +113,7 @@ impl Settings {
             );
         }
         // Whole numbers within bounds, in the order they are checked; a bound's gloss follows it.
-        let bounded: [(&'static str, u64, u64, u64, &str); 10] = [
+        let bounded: [(&'static str, u64, u64, u64, &str); 11] = [
             (
                 "window_s",
                 self.window_s,
@@ -154,6 +157,13 @@ impl Settings {
                 0,
                 1_000_000,
                 " (0 considers every pending workload)",
+            ),
+            (
+                "max_preemptions",
+                self.max_preemptions.into(),
+                0,
+                1_000,
+                " (0 for no limit)",
             ),
             (
                 "heartbeat_timeout_s",
@@ -237,6 +247,7 @@ impl Settings {
             explain: local.explain,
             reversal_window_ms: self.reversal_window_s * 1000,
             lookahead: self.lookahead,
+            max_preemptions: self.max_preemptions,
         }
     }
 

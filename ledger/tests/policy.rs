@@ -1356,3 +1356,67 @@ fn lent_gpus_are_taken_back_on_the_term_when_the_rest_of_the_node_ends_by_then()
         Blocked::WaitingForPreemption { until_ms, .. } if *until_ms == 3 * H
     ));
 }
+
+#[test]
+fn work_preempted_max_preemptions_times_runs_to_its_end() {
+    // b's 8-GPU job has held n1 for days while a's waits: a is owed half and got nothing, so
+    // fair share takes b's job, past its contract. Preempted three times already (the default
+    // limit), it runs to its end; without a limit it would be taken a fourth time.
+    let mut l = cluster(&[("n1", 8, None)]);
+    l.alloc(0, "a", 1);
+    l.alloc(0, "b", 1);
+    let all: &[u32] = &[0, 1, 2, 3, 4, 5, 6, 7];
+    l.submit(0, wid(1), Some("b"), 8, 1);
+    l.submit(0, wid(2), Some("a"), 8, 1);
+    let mut t = 0;
+    for _ in 0..3 {
+        l.start(t, wid(1), &[("n1", all)], t + 2 * H);
+        t += 10 * H;
+        preempt_and_requeue(&mut l, t, wid(1), Some(wid(2)));
+    }
+    l.start(t, wid(1), &[("n1", all)], t + 2 * H);
+    let later = t + 10 * H;
+    let cfg = PolicyConfig::default();
+    assert_eq!(cfg.max_preemptions, 3);
+    let plan = decide(&l.state, later, &cfg);
+    assert!(preempted(&plan).is_empty(), "{:?}", plan.decisions);
+    let unlimited = PolicyConfig {
+        max_preemptions: 0,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(
+        preempted(&decide(&l.state, later, &unlimited)),
+        vec![wid(1)]
+    );
+}
+
+#[test]
+fn work_preempted_max_preemptions_times_borrows_no_gpus() {
+    // Under fifo b's 8-GPU job holds n1's reservation while a's long job holds half of it; c's
+    // 4-GPU job would borrow the free half, to be taken back on the term. Preempted three
+    // times already, it could not be taken back: it waits instead.
+    let mut l = cluster(&[("n1", 8, None)]);
+    for path in ["a", "b", "c"] {
+        l.alloc(0, path, 1);
+    }
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], H);
+    l.submit(0, wid(2), Some("b"), 8, 1);
+    l.submit(0, wid(3), Some("c"), 4, 1);
+    for k in 0..3 {
+        l.start(k * 10 * S, wid(3), &[("n1", &[4, 5, 6, 7])], k * 10 * S);
+        preempt_and_requeue(&mut l, k * 10 * S + S, wid(3), Some(wid(2)));
+    }
+    let fifo = |max_preemptions| PolicyConfig {
+        policy: "fifo",
+        min_runtime_ms: 4 * H,
+        max_preemptions,
+        ..PolicyConfig::default()
+    };
+    assert!(contracts(&decide(&l.state, H, &fifo(3))).is_empty());
+    let borrowed: Vec<_> = contracts(&decide(&l.state, H, &fifo(0)))
+        .into_iter()
+        .map(|(w, _, borrowed)| (w, borrowed))
+        .collect();
+    assert_eq!(borrowed, vec![(wid(3), Some((wid(2), H)))]);
+}

@@ -406,7 +406,8 @@ fn run_seed(seed: u64) {
             // on reserved GPUs borrows them, so it waits behind a reservation only where the
             // GPUs are gathered from workloads leaving for it or for a gang (they are not lent),
             // or where it may not borrow: its allocation got more than it was owed over the
-            // window.
+            // window, or it was preempted as often as the policy preempts one workload (it
+            // could not be taken back).
             let fairshare = ledger::policy::by_name(policy.policy).expect("a known policy");
             let rank = ledger::policy::rank::Rank::new(state, t, fairshare, 0.0);
             for p in &explained.pending {
@@ -414,7 +415,8 @@ fn run_seed(seed: u64) {
                     continue;
                 };
                 let w = &state.workloads()[&p.workload];
-                let may_borrow = w.allocation.is_none_or(|a| !rank.over_served(a));
+                let capped = policy.max_preemptions > 0 && w.preemptions >= policy.max_preemptions;
+                let may_borrow = w.allocation.is_none_or(|a| !rank.over_served(a)) && !capped;
                 if w.nodes == 1 && state.workloads()[&holder].nodes == 1 && may_borrow {
                     let theirs = explained.pending.iter().find(|q| q.workload == holder);
                     assert!(

@@ -154,6 +154,12 @@ pub struct PolicyConfig {
     /// over-served sibling ranked far below it. Work with preemptions under way for it is
     /// considered wherever it stands, so the GPUs leaving for it stay held.
     pub lookahead: u32,
+    /// The most times the policy preempts one workload (Slurm's `PreemptExemptTime`, counted in
+    /// preemptions rather than time); 0 for no limit. Preempted this often (for fair share, a
+    /// reclaim, defragmentation or its hardware), a workload runs to its end: the policy no
+    /// longer takes it, and lends it no GPUs (a loan is taken back). Only its owner's cancel or
+    /// a hardware failure stops it.
+    pub max_preemptions: u32,
 }
 
 impl Default for PolicyConfig {
@@ -170,9 +176,14 @@ impl Default for PolicyConfig {
             explain: true,
             reversal_window_ms: 24 * 3_600_000,
             lookahead: LOOKAHEAD,
+            max_preemptions: MAX_PREEMPTIONS,
         }
     }
 }
+
+/// The default [`PolicyConfig::max_preemptions`]: the most a researcher is asked to restart
+/// one job; see BENCHMARKS ("A limit on preemptions per workload") for what it costs the split.
+pub const MAX_PREEMPTIONS: u32 = 3;
 
 /// The default [`PolicyConfig::lookahead`]. On the three-team benchmark (`ops/bench/churn.sh`,
 /// seeds 1–3) the under-served `a/y` got 0.937, 0.925 and 0.918 of owed over the submission
@@ -656,6 +667,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
             // then, if it needs them.
             // (Work preempted as often as it may be could not give them back.)
             if w.nodes == 1
+                && !victims::exempt(w.preemptions, cfg.max_preemptions)
                 && scratch.free_total() >= u64::from(w.gpus_per_node)
                 && w.allocation.is_none_or(|a| !rank.over_served(a))
             {

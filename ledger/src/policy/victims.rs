@@ -350,13 +350,16 @@ fn lent_due(h: &Hold, lender: WorkloadId, now_ms: u64) -> bool {
             .is_some_and(|b| b.reserved_for == lender && b.until_ms <= now_ms)
 }
 
-/// How long unallocated work preempted before is left alone once it runs again.
+/// How long work preempted before is left alone once it runs again: unallocated work for a
+/// while, any work for good once preempted [`PolicyConfig::max_preemptions`] times.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Backoff {
     /// A grace period: after its first preemption, one; then two, four…
     pub(super) grace_ms: u64,
     /// At most this (the default contract).
     pub(super) cap_ms: u64,
+    /// Preempted this often, work is not preempted again (0: no limit).
+    pub(super) max_preemptions: u32,
 }
 
 impl Backoff {
@@ -364,8 +367,14 @@ impl Backoff {
         Backoff {
             grace_ms: cfg.grace_ms,
             cap_ms: cfg.min_runtime_ms,
+            max_preemptions: cfg.max_preemptions,
         }
     }
+}
+
+/// Whether work preempted `preemptions` times runs to its end: at the limit (0: none).
+pub(super) fn exempt(preemptions: u32, max_preemptions: u32) -> bool {
+    max_preemptions > 0 && preemptions >= max_preemptions
 }
 
 /// Preemptible at all: not leaving already, and past its contract. Unallocated work has none
@@ -374,7 +383,9 @@ impl Backoff {
 /// work that then could not start, it was otherwise taken again every grace period, for as
 /// long as that work waited.
 fn preemptible(h: &Hold, now_ms: u64, backoff: Backoff) -> bool {
-    h.grace_until_ms.is_none() && now_ms >= left_alone_until(h, backoff)
+    h.grace_until_ms.is_none()
+        && now_ms >= left_alone_until(h, backoff)
+        && !exempt(h.preemptions, backoff.max_preemptions)
 }
 
 /// Until when the holder described by `h` may not be preempted: the end of its contract, or
