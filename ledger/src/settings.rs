@@ -44,7 +44,8 @@ pub struct Settings {
     pub preemptors_per_pass: u32,
     /// The most pending workloads a pass considers, in the policy's order; 0: every one.
     pub lookahead: u32,
-    /// The most times the policy preempts one workload; then it runs to its end. 0: no limit.
+    /// The most times the policy preempts one workload; then it is left alone for the usage
+    /// window past its contract. 0: no limit.
     pub max_preemptions: u32,
     /// Assemble whole nodes for the multi-GPU work of under-served allocations.
     pub defragment: bool,

@@ -1358,10 +1358,11 @@ fn lent_gpus_are_taken_back_on_the_term_when_the_rest_of_the_node_ends_by_then()
 }
 
 #[test]
-fn work_preempted_max_preemptions_times_runs_to_its_end() {
+fn work_preempted_max_preemptions_times_is_left_alone_for_a_window() {
     // b's 8-GPU job has held n1 for days while a's waits: a is owed half and got nothing, so
     // fair share takes b's job, past its contract. Preempted three times already (the default
-    // limit), it runs to its end; without a limit it would be taken a fourth time.
+    // limit), it is left alone for the usage window past its contract; without a limit it would
+    // be taken a fourth time at once.
     let mut l = cluster(&[("n1", 8, None)]);
     l.alloc(0, "a", 1);
     l.alloc(0, "b", 1);
@@ -1386,6 +1387,13 @@ fn work_preempted_max_preemptions_times_runs_to_its_end() {
     };
     assert_eq!(
         preempted(&decide(&l.state, later, &unlimited)),
+        vec![wid(1)]
+    );
+    // A window past its contract, fair share may take it again.
+    let window = l.state.config().window_ms;
+    assert!(preempted(&decide(&l.state, t + 2 * H + window - 1, &cfg)).is_empty());
+    assert_eq!(
+        preempted(&decide(&l.state, t + 2 * H + window, &cfg)),
         vec![wid(1)]
     );
 }

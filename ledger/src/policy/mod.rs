@@ -154,11 +154,12 @@ pub struct PolicyConfig {
     /// over-served sibling ranked far below it. Work with preemptions under way for it is
     /// considered wherever it stands, so the GPUs leaving for it stay held.
     pub lookahead: u32,
-    /// The most times the policy preempts one workload (Slurm's `PreemptExemptTime`, counted in
-    /// preemptions rather than time); 0 for no limit. Preempted this often (for fair share, a
-    /// reclaim, defragmentation or its hardware), a workload runs to its end: the policy no
-    /// longer takes it, and lends it no GPUs (a loan is taken back). Only its owner's cancel or
-    /// a hardware failure stops it.
+    /// The most times the policy preempts one workload within a usage window (Slurm's
+    /// `PreemptExemptTime`, counted in restarts); 0 for no limit. Preempted this often (for fair
+    /// share, a reclaim, defragmentation or its hardware), a workload is left alone for the
+    /// usage window past its contract, and lent no GPUs (a loan is taken back); only its
+    /// owner's cancel or a hardware failure stops it meanwhile. Bounded, not for good: a job
+    /// that runs for months does not keep its GPUs from fair share for months.
     pub max_preemptions: u32,
 }
 
@@ -181,8 +182,18 @@ impl Default for PolicyConfig {
     }
 }
 
+impl PolicyConfig {
+    /// Whether work preempted `preemptions` times is left alone for the usage window past its
+    /// contract: preempted as often as the policy preempts one workload
+    /// ([`PolicyConfig::max_preemptions`]).
+    pub fn left_alone_for_a_window(&self, preemptions: u32) -> bool {
+        victims::exempt(preemptions, self.max_preemptions)
+    }
+}
+
 /// The default [`PolicyConfig::max_preemptions`]: the most a researcher is asked to restart
-/// one job; see BENCHMARKS ("A limit on preemptions per workload") for what it costs the split.
+/// one job in a week; see BENCHMARKS ("A limit on preemptions per workload") for what it costs
+/// the split.
 pub const MAX_PREEMPTIONS: u32 = 3;
 
 /// The default [`PolicyConfig::lookahead`]. On the three-team benchmark (`ops/bench/churn.sh`,
@@ -548,7 +559,7 @@ pub fn decide(state: &State, now_ms: u64, cfg: &PolicyConfig) -> Plan {
         failed: Vec::new(),
         takes: FxHashMap::default(),
         defragmented: false,
-        backoff: Backoff::of(cfg),
+        backoff: Backoff::of(state, cfg),
     };
     for id in failed {
         plan.decisions.push(Decision::Preempt {
@@ -1019,7 +1030,7 @@ impl Deferred<'_> {
         let w = &state.workloads[&holder];
         // The nodes where it could start soonest, from when each holder gives its GPUs back.
         let mut may_take = may_take_from(state, rank, self.policy, cfg, w.allocation);
-        let backoff = Backoff::of(cfg);
+        let backoff = Backoff::of(state, cfg);
         // Whether only the GPUs of workloads already leaving have a known return: no running
         // work has an estimate, and the holder may preempt none of the work running.
         // (Borrowed placements count as leaving: the holder may take back those it lent.)

@@ -351,28 +351,33 @@ fn lent_due(h: &Hold, lender: WorkloadId, now_ms: u64) -> bool {
 }
 
 /// How long work preempted before is left alone once it runs again: unallocated work for a
-/// while, any work for good once preempted [`PolicyConfig::max_preemptions`] times.
+/// while, any work for a usage window past its contract once preempted
+/// [`PolicyConfig::max_preemptions`] times.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Backoff {
     /// A grace period: after its first preemption, one; then two, four…
     pub(super) grace_ms: u64,
     /// At most this (the default contract).
     pub(super) cap_ms: u64,
-    /// Preempted this often, work is not preempted again (0: no limit).
+    /// Preempted this often, work is left alone for [`Backoff::exempt_ms`] (0: no limit).
     pub(super) max_preemptions: u32,
+    /// How long past its contract: the usage window.
+    pub(super) exempt_ms: u64,
 }
 
 impl Backoff {
-    pub(super) fn of(cfg: &PolicyConfig) -> Backoff {
+    pub(super) fn of(state: &State, cfg: &PolicyConfig) -> Backoff {
         Backoff {
             grace_ms: cfg.grace_ms,
             cap_ms: cfg.min_runtime_ms,
             max_preemptions: cfg.max_preemptions,
+            exempt_ms: state.config().window_ms,
         }
     }
 }
 
-/// Whether work preempted `preemptions` times runs to its end: at the limit (0: none).
+/// Whether work preempted `preemptions` times is left alone for a usage window past its
+/// contract: at the limit (0: none).
 pub(super) fn exempt(preemptions: u32, max_preemptions: u32) -> bool {
     max_preemptions > 0 && preemptions >= max_preemptions
 }
@@ -383,14 +388,15 @@ pub(super) fn exempt(preemptions: u32, max_preemptions: u32) -> bool {
 /// work that then could not start, it was otherwise taken again every grace period, for as
 /// long as that work waited.
 fn preemptible(h: &Hold, now_ms: u64, backoff: Backoff) -> bool {
-    h.grace_until_ms.is_none()
-        && now_ms >= left_alone_until(h, backoff)
-        && !exempt(h.preemptions, backoff.max_preemptions)
+    h.grace_until_ms.is_none() && now_ms >= left_alone_until(h, backoff)
 }
 
 /// Until when the holder described by `h` may not be preempted: the end of its contract, or
 /// for unallocated work (whose contract ends as it starts) of the time it is left alone.
 pub(super) fn left_alone_until(h: &Hold, backoff: Backoff) -> u64 {
+    if exempt(h.preemptions, backoff.max_preemptions) {
+        return h.protected_until_ms.saturating_add(backoff.exempt_ms);
+    }
     match (h.allocation, h.preemptions) {
         (Some(_), _) | (None, 0) => h.protected_until_ms,
         (None, n) => h.protected_until_ms.saturating_add(

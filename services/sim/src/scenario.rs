@@ -15,7 +15,7 @@
 //! topology_label = "rack"   # nodes with equal values of this label are close for gangs
 //! preemptors_per_pass = 16  # blocked workloads a pass lets look for victims
 //! lookahead = 128           # pending workloads a pass considers, in policy order (0: all)
-//! max_preemptions = 3       # preempted this often, a workload runs to its end (0: no limit)
+//! max_preemptions = 3       # preempted this often, left alone a usage window (0: no limit)
 //!
 //! [[nodes]]                 # a group of identical nodes; repeat for more groups
 //! count = 16

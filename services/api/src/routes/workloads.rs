@@ -551,6 +551,8 @@ pub(crate) async fn explain(
     let state = p.state();
     let w = live(state, id)?;
     if w.phase == Phase::Running {
+        let cfg = state.policy_config(&app.inner.policy);
+        let left_alone = cfg.left_alone_for_a_window(w.preemptions);
         return Ok(Json(json!({
             "id": id,
             "phase": "running",
@@ -558,8 +560,11 @@ pub(crate) async fn explain(
             "protected_until_ms": w.protected_until_ms,
             "preempting": w.preempting.is_some(),
             "preemptions": w.preemptions,
+            "left_alone_until_ms": left_alone.then(|| w.protected_until_ms.saturating_add(state.config().window_ms)),
             "detail": if w.preemptions == 0 {
                 "running; it cannot be preempted before protected_until_ms except for a hardware failure".to_owned()
+            } else if left_alone {
+                format!("running; preempted {} time(s) before, as often as the policy preempts one workload (the setting max_preemptions): it is left alone until left_alone_until_ms (the usage window past its contract), unless its hardware fails or it is cancelled", w.preemptions)
             } else {
                 format!("running; preempted {} time(s) before, so its contract was doubled as often (up to the cap), and fair share takes it only for work ranked below it by the margin doubled as often: it cannot be preempted before protected_until_ms except for a hardware failure", w.preemptions)
             },

@@ -754,12 +754,22 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
     let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {
         if v["phase"] == "running" {
+            let protected = if v["left_alone_until_ms"].is_u64() {
+                format!(
+                    "as often as the policy preempts one workload: left alone until {}",
+                    when(&v["left_alone_until_ms"])
+                )
+            } else {
+                format!(
+                    "protected from preemption until {}",
+                    when(&v["protected_until_ms"])
+                )
+            };
             return format!(
-                "{} is running since {}{}, protected from preemption until {}{}\n",
+                "{} is running since {}{}, {protected}{}\n",
                 text(&v["id"]),
                 when(&v["started_at_ms"]),
                 preempted_before(v),
-                when(&v["protected_until_ms"]),
                 if v["preempting"] == true {
                     "; it is being asked to stop"
                 } else {
