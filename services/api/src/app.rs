@@ -374,10 +374,13 @@ impl App {
             .rejection(ack.seq)
             .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
         match rejection {
-            // Refused by the fold after the check above (a grant revoked in between): forbidden
-            // if for want of authority, else a conflict with what landed first.
-            Some(r) if r.code == "unauthorized" => Err(Some(Problem::forbidden(r.message))),
-            Some(r) => Err(Some(Problem::new(StatusCode::CONFLICT, &r.code, r.message))),
+            // Refused by the fold after the check above (what landed in between changed the
+            // verdict): answered as the same rule is before the fold.
+            Some(r) => Err(Some(Problem::of_rule(
+                &r.code,
+                r.message,
+                r.field.as_deref(),
+            ))),
             None => Ok(Written::Folded(ack.seq)),
         }
     }

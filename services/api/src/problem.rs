@@ -71,19 +71,23 @@ impl Problem {
     }
 
     /// The rule the fold would refuse an event by: 422 naming the field when the event is
-    /// invalid whatever the state, 409 naming the rule when it does not fit the state now.
+    /// invalid whatever the state, 409 naming the rule when it does not fit the state now, 403
+    /// when its actor lacks the authority, 429 past a quota.
     pub fn refused(r: &ledger::Rejection, event: &ledger::Event) -> Self {
-        if matches!(r, ledger::Rejection::Unauthorized { .. }) {
+        Problem::of_rule(r.code(), r.to_string(), r.field_in(event))
+    }
+
+    /// The answer to a rule broken, by its code, message and field at fault: the same whether
+    /// the rule refused a request before the fold ([`Problem::refused`]) or the fold rejected
+    /// the event after it was written (the projection's row).
+    pub fn of_rule(code: &str, message: String, field: Option<&str>) -> Self {
+        match (code, field) {
             // The fold holds the actor to the same table the API's rules are.
-            return Problem::forbidden(r.to_string());
-        }
-        if matches!(r, ledger::Rejection::QuotaExceeded { .. }) {
+            ("unauthorized", _) => Problem::forbidden(message),
             // Too many waiting: the same request succeeds once some of them start or end.
-            return Problem::new(StatusCode::TOO_MANY_REQUESTS, r.code(), r.to_string());
-        }
-        match r.field_in(event) {
-            Some(field) => Problem::invalid(field, r.to_string()),
-            None => Problem::new(StatusCode::CONFLICT, r.code(), r.to_string()),
+            ("quota_exceeded", _) => Problem::new(StatusCode::TOO_MANY_REQUESTS, code, message),
+            (_, Some(field)) => Problem::invalid(field, message),
+            (_, None) => Problem::new(StatusCode::CONFLICT, code, message),
         }
     }
 
@@ -168,7 +172,102 @@ pub fn field_of_serde_error(message: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{field_of_serde_error, json_error};
+    use super::{field_of_serde_error, json_error, Problem};
+    use ledger::event::*;
+    use ledger::{Envelope, Outcome, State};
+
+    /// A rule answers the same whether it refuses a request before the fold or the fold
+    /// rejects the written event after it (from the row the projection keeps): 422 naming the
+    /// field, 409, 403 and 429 alike.
+    #[test]
+    fn a_rule_answers_the_same_before_the_fold_and_after_it() {
+        let mut state = State::new(Default::default());
+        let mut seq = 0;
+        let mut fold = |state: &mut State, actor: &str, event: Event| {
+            seq += 1;
+            let env = Envelope::new(uuid::Uuid::from_u128(seq.into()), 0, actor, event);
+            (state.check(&env), state.apply(seq, &env))
+        };
+        let grant = |name: &str, role, n: u8| {
+            Event::PrincipalGranted(PrincipalGranted {
+                name: name.into(),
+                role,
+                allocations: if role == Role::Submitter {
+                    vec!["a".into()]
+                } else {
+                    vec![]
+                },
+                node: None,
+                token_sha256: format!("{n:02x}").repeat(32),
+                expires_at_ms: None,
+                max_pending: None,
+                rates: None,
+                notify: None,
+                unix_user: None,
+            })
+        };
+        let applied = (Ok(()), Outcome::Applied);
+        assert_eq!(
+            fold(&mut state, "serve", grant("serve", Role::Service, 1)),
+            applied
+        );
+        let alloc = |path: &str, max_pending_workloads| {
+            Event::AllocationSet(AllocationSet {
+                path: path.into(),
+                weight: 1,
+                max_gpus: None,
+                max_pending_workloads,
+                max_pending_gpus: None,
+            })
+        };
+        let node = Event::NodeRegistered(NodeRegistered {
+            node: "n1".into(),
+            gpus: 8,
+            model: "H100".into(),
+            labels: Default::default(),
+        });
+        assert_eq!(fold(&mut state, "serve", node), applied);
+        assert_eq!(fold(&mut state, "serve", alloc("a", Some(1))), applied);
+        assert_eq!(fold(&mut state, "serve", alloc("b", None)), applied);
+        let alice = grant("alice", Role::Submitter, 2);
+        assert_eq!(fold(&mut state, "serve", alice), applied);
+        let submit = |n: u128, path: &str, gpus| {
+            Event::WorkloadSubmitted(WorkloadSubmitted::new(
+                uuid::Uuid::from_u128(n),
+                Some(path.into()),
+                gpus,
+                1,
+            ))
+        };
+        assert_eq!(fold(&mut state, "user:alice", submit(1, "a", 1)), applied);
+        let cases = [
+            ("user:alice", submit(2, "a", 0), 422),
+            ("user:alice", submit(3, "a", 1), 429),
+            ("user:alice", submit(4, "b", 1), 403),
+            (
+                "user:alice",
+                Event::WorkloadCancelled(WorkloadCancelled {
+                    workload: uuid::Uuid::from_u128(99),
+                    reason: None,
+                }),
+                409,
+            ),
+        ];
+        for (actor, event, status) in cases {
+            let (checked, outcome) = fold(&mut state, actor, event.clone());
+            let before = Problem::refused(&checked.unwrap_err(), &event);
+            let Outcome::Rejected(r) = outcome else {
+                panic!("{event:?} applied")
+            };
+            // As the projection keeps it, and reads it back.
+            let row = projector::RejectedRow::of(&r, &event);
+            let row: projector::RejectedRow =
+                serde_json::from_value(serde_json::to_value(&row).unwrap()).unwrap();
+            let after = Problem::of_rule(&row.code, row.message, row.field.as_deref());
+            assert_eq!(before, after, "{event:?}");
+            assert_eq!(before.status, status, "{before:?}");
+        }
+    }
 
     #[test]
     fn a_json_error_names_the_field_or_says_it_is_not_json() {

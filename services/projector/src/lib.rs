@@ -295,6 +295,23 @@ pub struct RejectedRow {
     pub code: String,
     /// Why.
     pub message: String,
+    /// The event's field at fault when the event is invalid whatever the state
+    /// ([`ledger::Rejection::field_in`]): what a request carrying it is answered by, before the
+    /// fold or after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+impl RejectedRow {
+    /// The row of `event`, rejected by the fold as `r`.
+    pub fn of(r: &ledger::Rejection, event: &ledger::Event) -> Self {
+        RejectedRow {
+            kind: Some(event.kind().to_owned()),
+            code: r.code().to_owned(),
+            message: r.to_string(),
+            field: r.field_in(event).map(str::to_owned),
+        }
+    }
 }
 
 /// Why the projection could not be opened or written.

@@ -58,6 +58,7 @@ impl Projector {
                         kind: None,
                         code: undecodable.code().into(),
                         message: reason.clone(),
+                        field: None,
                     };
                     batch.insert(rejection_key(e.seq).to_vec(), json(&row));
                     self.last_malformed = Some((e.seq, reason));
@@ -148,11 +149,7 @@ impl Projector {
                         Outcome::Duplicate { .. } => self.stats.duplicates += 1,
                         Outcome::Rejected(r) => {
                             self.stats.rejected += 1;
-                            let row = RejectedRow {
-                                kind: Some(env.event.kind().to_owned()),
-                                code: r.code().to_owned(),
-                                message: r.to_string(),
-                            };
+                            let row = RejectedRow::of(&r, &env.event);
                             batch.insert(rejection_key(e.seq).to_vec(), json(&row));
                             if let Some(id) = about {
                                 self.note_rejected(id, e.seq, &mut rows)?;
