@@ -16,6 +16,38 @@ use tokio::sync::{watch, RwLock};
 
 use crate::App;
 
+/// Why an application could not be built: each step of [`Application::build`] that can fail,
+/// with what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The certificate or key for HTTPS.
+    #[error("{0}")]
+    Tls(String),
+    /// The projection could not be opened, rebuilt or caught up.
+    #[error(transparent)]
+    Projection(#[from] projector::ProjectionError),
+    /// The listener could not bind.
+    #[error("cannot listen on {listen}: {source}; pass another --listen")]
+    Listen {
+        /// The address asked for.
+        listen: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The log, or a store beside it (output, heartbeats, leases), could not be opened.
+    #[error("{0}")]
+    Log(String),
+    /// The settings given and the log's do not agree, or could not be written.
+    #[error("{0}")]
+    Settings(String),
+    /// The service's own principals or the first admin could not be granted.
+    #[error("{0}")]
+    Grants(String),
+    /// A secret (the notification key, a token file) could not be made, read or written.
+    #[error("{0}")]
+    Secret(String),
+}
+
 /// What a process serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Serving {
@@ -215,17 +247,16 @@ impl Application {
     /// Opens (or rebuilds) the projection of `log` in `DATA/projection`, catches up, starts the
     /// projector and (unless serving the API only) the scheduler, binds the listener, and on a
     /// ledger without principals creates the first admin.
-    pub async fn build(settings: Settings, log: AnyLog) -> Result<Application, String> {
+    pub async fn build(settings: Settings, log: AnyLog) -> Result<Application, BuildError> {
         let tls = match &settings.tls {
             None => None,
-            Some((cert, key)) => Some(tls_config(cert, key).await?),
+            Some((cert, key)) => Some(tls_config(cert, key).await.map_err(BuildError::Tls)?),
         };
         let dir = settings.data.join("projection");
         let mut projection = Projector::open_or_rebuild(&dir, settings.state_config, &log)
-            .await
-            .map_err(|e| e.to_string())?
+            .await?
             .checkpoint_at_most_every(settings.checkpoint_gap);
-        projection.catch_up(&log).await.map_err(|e| e.to_string())?;
+        projection.catch_up(&log).await?;
         let (applied_tx, applied) = watch::channel(projection.last_seq());
         let projection = Arc::new(RwLock::new(projection));
         let app = App::with_clock(
@@ -238,23 +269,22 @@ impl Application {
         app.set_heartbeat_timeout(settings.heartbeat_timeout_ms);
         app.set_output(match &log {
             AnyLog::Embedded(l) => eventlog::output::AnyOutput::Embedded(
-                l.output(settings.output).map_err(|e| e.to_string())?,
+                l.output(settings.output)
+                    .map_err(|e| BuildError::Log(e.to_string()))?,
             ),
             AnyLog::JetStream(js) => eventlog::output::AnyOutput::JetStream(
                 js.output(&settings.output)
                     .await
-                    .map_err(|e| e.to_string())?,
+                    .map_err(|e| BuildError::Log(e.to_string()))?,
             ),
         });
         app.set_ready();
 
         let listener = tokio::net::TcpListener::bind(&settings.listen)
             .await
-            .map_err(|e| {
-                format!(
-                    "cannot listen on {}: {e}; pass another --listen",
-                    settings.listen
-                )
+            .map_err(|source| BuildError::Listen {
+                listen: settings.listen.clone(),
+                source,
             })?;
 
         let (stop, stop_rx) = watch::channel(false);
@@ -270,10 +300,15 @@ impl Application {
         }
         // The service's own principals before anything it writes: from the root on, the fold
         // holds every event's actor to the grants.
-        grant_service_principals(&app).await?;
+        grant_service_principals(&app)
+            .await
+            .map_err(BuildError::Grants)?;
         // The log's settings before any decision is taken by them.
         if let Some(ledger_settings) = &settings.ledger_settings {
-            ledger_settings.agree(&app).await?;
+            ledger_settings
+                .agree(&app)
+                .await
+                .map_err(BuildError::Settings)?;
         }
         if settings.serving.scheduler() {
             let config = SchedulerConfig {
@@ -293,7 +328,8 @@ impl Application {
                         Duration::from_secs(10),
                         settings.replicas,
                     )
-                    .await?,
+                    .await
+                    .map_err(BuildError::Log)?,
                 ),
                 AnyLog::Embedded(_) => None,
             };
@@ -307,7 +343,10 @@ impl Application {
             // Heartbeats published on NATS (by agents, or by API replicas) reach the
             // scheduler's health monitor through the telemetry stream.
             if let AnyLog::JetStream(js) = &log {
-                let heartbeats = js.heartbeats().await.map_err(|e| e.to_string())?;
+                let heartbeats = js
+                    .heartbeats()
+                    .await
+                    .map_err(|e| BuildError::Log(e.to_string()))?;
                 let (projection, monitor) = (projection.clone(), app.health());
                 let stop_signal = stopped(stop_rx.clone());
                 tasks.push(tokio::spawn(async move {
@@ -322,10 +361,11 @@ impl Application {
             .notify_key_file
             .clone()
             .unwrap_or_else(|| settings.data.join("notify.key"));
-        let key = crate::notify::load_or_make_key(&key_file)?;
+        let key = crate::notify::load_or_make_key(&key_file).map_err(BuildError::Secret)?;
         let _ = app.inner.notify_key.set(key);
         if settings.serving.scheduler() {
-            let notifier = crate::notify::Notifier::open(&settings.data.join("notify"), key)?;
+            let notifier = crate::notify::Notifier::open(&settings.data.join("notify"), key)
+                .map_err(BuildError::Log)?;
             let _ = app.inner.notifier.set(notifier.clone());
             for deliver in [false, true] {
                 let (notifier, app) = (notifier.clone(), app.clone());
@@ -354,7 +394,8 @@ impl Application {
                 eventlog::lease::AGENTS_TTL,
                 settings.replicas,
             )
-            .await?;
+            .await
+            .map_err(BuildError::Log)?;
         }
         let router = if settings.serving.api() {
             crate::router(app.clone())
@@ -376,7 +417,10 @@ impl Application {
             limits: settings.limits.fitted(),
         };
         if settings.serving.api() {
-            application.admin_token = application.first_admin(&settings.data).await?;
+            application.admin_token = application
+                .first_admin(&settings.data)
+                .await
+                .map_err(BuildError::Grants)?;
         }
         Ok(application)
     }

@@ -270,7 +270,9 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             },
             ..api::Settings::new(&args.listen, args.log.data.clone())
         };
-        let application = api::Application::build(settings, log.clone()).await?;
+        let application = api::Application::build(settings, log.clone())
+            .await
+            .map_err(|e| e.to_string())?;
         if let Some(path) = application.admin_token_file() {
             eprintln!(
                 "created the first admin token in {} (readable by you only; the fairledger commands on this machine read it by themselves)",

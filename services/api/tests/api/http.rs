@@ -1561,6 +1561,27 @@ async fn said_before_closing(
     }
 }
 
+/// A build that cannot listen says which address and what to do, as a typed error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_on_an_address_in_use_says_so() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let log = AnyLog::Embedded(EmbeddedLog::open(&dir.path().join("log")).unwrap());
+    let settings = api::Settings {
+        serving: api::Serving::Api,
+        ..api::Settings::new(&listen, dir.path().join("data"))
+    };
+    let Err(e) = api::Application::build(settings, log).await else {
+        panic!("built on an address in use")
+    };
+    assert!(
+        matches!(&e, api::application::BuildError::Listen { listen: l, .. } if *l == listen),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("pass another --listen"), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_slow_and_surplus_connections_are_cut_off_and_the_server_answers_on() {
     use tokio::io::AsyncWriteExt;
