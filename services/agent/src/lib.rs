@@ -43,6 +43,27 @@ pub mod http;
 pub mod nats;
 pub mod run;
 pub mod ship;
+/// The command and environment of workload `id`, read from its submission at `seq` in `log`.
+async fn submitted_spec(
+    log: &impl EventLog,
+    seq: Option<u64>,
+    id: WorkloadId,
+) -> Result<(Vec<String>, BTreeMap<String, String>), String> {
+    let Some(seq) = seq else {
+        // Not submitted in what this agent folded: nothing to read, the run gets no command.
+        return Ok(Default::default());
+    };
+    let stored = log.read(seq, 1).await.map_err(|e| e.to_string())?;
+    let env = stored
+        .first()
+        .filter(|s| s.seq == seq)
+        .and_then(|s| serde_json::from_slice::<Envelope>(&s.payload).ok());
+    match env.map(|e| e.event) {
+        Some(Event::WorkloadSubmitted(s)) if s.workload == id => Ok((s.command, s.env)),
+        _ => Err(format!("event {seq} is not the submission of {id}")),
+    }
+}
+
 #[cfg(test)]
 mod tests;
 
@@ -215,17 +236,19 @@ pub struct Agent<L> {
     /// The first event of each report sent, by envelope id, and the run it reports: a report
     /// the fold refuses is sent again.
     sent: BTreeMap<Uuid, (WorkloadId, u64)>,
-    /// Command and environment of each live workload, from its submission.
+    /// Command and environment of the runs placed here, read once each is placed.
     specs: BTreeMap<WorkloadId, (Vec<String>, BTreeMap<String, String>)>,
+    /// Where each live workload's submission stands in the log: an agent that reads the ledger
+    /// whole reads the command of a run placed here from there, and keeps no other node's.
+    submitted: BTreeMap<WorkloadId, u64>,
     /// Runs found in the run directory that the ledger does not place here.
     orphans: BTreeMap<PathBuf, Run>,
     runs_dir: PathBuf,
     /// Where runs' output is shipped.
     shipping: ship::Shipping,
     /// Where the commands of runs placed here are asked for, when the events leave them out
-    /// (an agent over HTTP); the workloads whose command was asked.
+    /// (an agent over HTTP).
     specs_from: Option<http::HttpLog>,
-    fetched: std::collections::BTreeSet<WorkloadId>,
     /// Says why once the service refuses this agent's credentials.
     refused: Option<tokio::sync::watch::Receiver<Option<String>>>,
     /// Why this agent must stop: the ledger revoked its grant.
@@ -251,12 +274,12 @@ impl<L: EventLog> Agent<L> {
             state: State::new(StateConfig::default()),
             runs: BTreeMap::new(),
             specs: BTreeMap::new(),
+            submitted: BTreeMap::new(),
             sent: BTreeMap::new(),
             orphans: BTreeMap::new(),
             runs_dir,
             shipping: ship::Shipping::Off,
             specs_from: None,
-            fetched: Default::default(),
             refused: None,
             revoked_self: None,
         }
@@ -508,8 +531,7 @@ impl<L: EventLog> Agent<L> {
                         ));
                     }
                     Event::WorkloadSubmitted(s) if applied => {
-                        self.specs
-                            .insert(s.workload, (s.command.clone(), s.env.clone()));
+                        self.submitted.insert(s.workload, stored.seq);
                     }
                     Event::WorkloadFinished(_)
                     | Event::WorkloadCancelled(_)
@@ -524,7 +546,7 @@ impl<L: EventLog> Agent<L> {
                             .is_none_or(|w| matches!(w.phase, Phase::Finished | Phase::Cancelled))
                         {
                             self.specs.remove(&id);
-                            self.fetched.remove(&id);
+                            self.submitted.remove(&id);
                         }
                     }
                     _ => {}
@@ -663,27 +685,28 @@ impl<L: EventLog> Agent<L> {
         out
     }
 
-    /// Asks for the command of every run placed here not asked for yet (agents over HTTP);
-    /// answers the workloads whose command is still unknown.
+    /// Reads the command of every run placed here not read yet: asked of the API by an agent
+    /// over HTTP (its events leave commands out), read from the submission in the log by one
+    /// that reads the ledger whole; answers the workloads whose command is still unknown.
     async fn fetch_specs(
         &mut self,
         placed: &BTreeMap<(WorkloadId, u64), Vec<u32>>,
     ) -> std::collections::BTreeSet<WorkloadId> {
         let mut unknown = std::collections::BTreeSet::new();
-        let Some(api) = self.specs_from.clone() else {
-            return unknown;
-        };
         for (id, _) in placed.keys() {
-            if self.fetched.contains(id) {
+            if self.specs.contains_key(id) {
                 continue;
             }
-            match api.run_spec(*id).await {
+            let spec = match &self.specs_from {
+                Some(api) => api.run_spec(*id).await.map_err(|e| e.to_string()),
+                None => submitted_spec(&self.log, self.submitted.get(id).copied(), *id).await,
+            };
+            match spec {
                 Ok(spec) => {
                     self.specs.insert(*id, spec);
-                    self.fetched.insert(*id);
                 }
                 Err(e) => {
-                    tracing::warn!(workload = %id, error = %e, "cannot ask for the command of a run placed here; asking again");
+                    tracing::warn!(workload = %id, error = %e, "cannot read the command of a run placed here; reading it again");
                     unknown.insert(*id);
                 }
             }
