@@ -5,24 +5,12 @@
 //! with the next. One batch at most is being written: before a batch's own reads of the tree
 //! (packing, rewriting packs) the fold waits for the one before. Meanwhile the fold's lookups
 //! of its own rows (an ended workload, a used key) find that batch's rows and keys in an
-//! [`Overlay`] before the tree, so the fold sees exactly what it would had the batch been
+//! [`Overlay`](crate::pack::Overlay) before the tree, so the fold sees exactly what it would had the batch been
 //! written at once. A checkpoint taken meanwhile waits for the batches it follows before it is
 //! written, so a stored checkpoint is never ahead of the stored rows.
 
-use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-
-use ledger::WorkloadId;
-
-use crate::pack::Place;
-
-/// The rows and keys of the batch being written, as the fold would read them from the tree.
-#[derive(Default)]
-pub(crate) struct Overlay {
-    pub(crate) rows: HashMap<WorkloadId, (Vec<u8>, Place)>,
-    pub(crate) keys: HashMap<Vec<u8>, Vec<u8>>,
-}
 
 /// How far the writer has written: the last sequence of the last batch it wrote, or why it
 /// stopped.

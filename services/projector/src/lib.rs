@@ -472,7 +472,7 @@ struct RowArchive {
     /// Where packing has reached: rows past it are not looked for in packs.
     through: std::sync::Arc<std::sync::Mutex<Option<WorkloadId>>>,
     /// What the batch being written behind a catching-up fold holds: read before the tree.
-    overlay: std::sync::Mutex<behind::Overlay>,
+    overlay: std::sync::Mutex<pack::Overlay>,
     /// The greatest id with a row: ids are mostly submitted in order, and a new one past it is
     /// not looked for in the tree.
     newest: std::sync::Arc<std::sync::Mutex<Option<WorkloadId>>>,
@@ -490,7 +490,7 @@ impl RowArchive {
         })
     }
 
-    fn overlay(&self) -> std::sync::MutexGuard<'_, behind::Overlay> {
+    fn overlay(&self) -> std::sync::MutexGuard<'_, pack::Overlay> {
         self.overlay.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -798,7 +798,7 @@ impl Projector {
         }
         reader.abort();
         let written = self.writer.take().map_or(Ok(()), behind::Writer::finish);
-        *self.archive.overlay() = behind::Overlay::default();
+        *self.archive.overlay() = pack::Overlay::default();
         self.keys.clear();
         if let Err(reason) = written {
             let failed = self.behind_failed(reason);

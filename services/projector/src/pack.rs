@@ -19,13 +19,21 @@
 //! removal of the singles it takes and the new position, so a crash leaves each row in exactly
 //! one place.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Bound;
 
 use ledger::WorkloadId;
 use serde::{Deserialize, Serialize};
 
 use crate::{Fault, WorkloadRow};
+
+/// The rows and keys of the batch being written behind the fold ([`crate::behind`]), as the fold
+/// would read them from the tree.
+#[derive(Default)]
+pub(crate) struct Overlay {
+    pub(crate) rows: HashMap<WorkloadId, (Vec<u8>, Place)>,
+    pub(crate) keys: HashMap<Vec<u8>, Vec<u8>>,
+}
 
 /// Prefix of single rows.
 pub(crate) const SINGLE: &[u8] = b"w/";
@@ -347,7 +355,7 @@ impl Gathering<'_> {
         &mut self,
         batch: &mut sled::Batch,
         taken: &mut Vec<WorkloadId>,
-        overlay: Option<&mut crate::behind::Overlay>,
+        overlay: Option<&mut Overlay>,
     ) {
         let gathered = std::mem::take(self);
         let key = packed_key(gathered.ids[0]);
@@ -413,7 +421,7 @@ pub(crate) fn gather(
     at: At,
     fresh: &mut BTreeMap<WorkloadId, Fresh>,
     batch: &mut sled::Batch,
-    mut overlay: Option<&mut crate::behind::Overlay>,
+    mut overlay: Option<&mut Overlay>,
 ) -> Result<Option<Packing>, Fault> {
     let At {
         through,

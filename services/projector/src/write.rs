@@ -233,7 +233,7 @@ impl Projector {
             }
         }
         // What this batch writes, for the fold's lookups while it is written behind.
-        let mut overlay = self.writer.as_ref().map(|_| behind::Overlay {
+        let mut overlay = self.writer.as_ref().map(|_| pack::Overlay {
             keys: std::mem::take(&mut self.keys).into_iter().collect(),
             ..Default::default()
         });
