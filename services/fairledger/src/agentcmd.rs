@@ -10,7 +10,7 @@ use std::time::Duration;
 use agent::{AgentConfig, FakeGpus, Fault, GpuSource, Nvml, Telemetry};
 use eventlog::jetstream::JetStreamOptions;
 
-use crate::logcmd::{runtime, shutdown_signal};
+use crate::common::{runtime, shutdown_signal};
 
 /// Settings of `agent`.
 #[derive(clap::Args, Debug)]
@@ -70,7 +70,7 @@ pub struct AgentArgs {
     #[arg(long, env = "FAIRLEDGER_REPLICAS", default_value_t = 1)]
     pub replicas: usize,
     #[command(flatten)]
-    pub credentials: crate::logcmd::NatsArgs,
+    pub credentials: crate::common::NatsArgs,
     /// List the GPUs with their readings and exit.
     #[arg(long)]
     pub discover: bool,
@@ -203,7 +203,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
     config.run_as_submitter = args.run_as_submitter;
     if let Some(api) = args.api.clone() {
         let token = match &args.token_file {
-            Some(path) => crate::client::read_token_file(path)?,
+            Some(path) => crate::common::read_token_file(path)?,
             None => std::env::var("FAIRLEDGER_TOKEN")
                 .ok()
                 .filter(|t| !t.trim().is_empty())
@@ -211,7 +211,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                     format!("an agent over --api needs this node's agent token: pass --token-file (make one with `fairledger token create --name {node} --role agent --out FILE`) or set FAIRLEDGER_TOKEN")
                 })?,
         };
-        crate::client::warn_if_clear(&api, true);
+        crate::common::warn_if_clear(&api, true);
         // The work directory is this agent's alone, and names it: restarted on it (after a
         // crash, say), the agent is the same holder and drives its node again at once.
         let (_lock, holder) = work_dir_identity(&args.work_dir)?;
@@ -248,7 +248,7 @@ pub fn agent(args: AgentArgs) -> Result<(), String> {
                 .auth(Some(eventlog::access::inbox_prefix(&node)))?,
             ..Default::default()
         };
-        let js = crate::logcmd::connect_waiting(&url, options, args.nats_wait_s).await?;
+        let js = crate::common::connect_waiting(&url, options, args.nats_wait_s).await?;
         // The node's name is this agent's while it renews the lease: a second agent for the
         // same node is refused until this one has been silent for the lease's lifetime (the
         // bucket's, as whoever created it chose).

@@ -11,6 +11,7 @@
 
 mod agentcmd;
 mod client;
+mod common;
 mod demo;
 mod logcmd;
 mod natsauth;
@@ -87,7 +88,7 @@ enum Command {
         /// The events file.
         events: Option<PathBuf>,
         #[command(flatten)]
-        log: logcmd::LogArgs,
+        log: common::LogArgs,
         /// Build the replayed projection here instead of in a temporary directory.
         #[arg(long)]
         projection: Option<PathBuf>,
@@ -102,7 +103,7 @@ enum Command {
     /// SIGTERM; print its digest on the way out.
     Project {
         #[command(flatten)]
-        log: logcmd::LogArgs,
+        log: common::LogArgs,
         /// The projection directory (default: DATA/projection).
         #[arg(long)]
         projection: Option<PathBuf>,
@@ -291,7 +292,7 @@ enum LogCommand {
         /// The events file.
         events: PathBuf,
         #[command(flatten)]
-        log: logcmd::LogArgs,
+        log: common::LogArgs,
         /// Events per atomic batch (1 to 1000).
         #[arg(long, default_value_t = 500)]
         batch: usize,
@@ -300,7 +301,7 @@ enum LogCommand {
     /// `log import` reads, and whose chain of heads is the log's.
     Export {
         #[command(flatten)]
-        log: logcmd::LogArgs,
+        log: common::LogArgs,
         /// Only events after this sequence.
         #[arg(long, default_value_t = 0)]
         after: u64,

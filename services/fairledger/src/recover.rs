@@ -13,7 +13,7 @@ use ledger::event::{Event, PrincipalGranted};
 use ledger::identity::Role;
 use ledger::Envelope;
 
-use crate::logcmd::LogArgs;
+use crate::common::LogArgs;
 
 /// The actor of an offline grant.
 pub const RECOVERY_ACTOR: &str = "recovery";
@@ -68,8 +68,8 @@ pub fn grant_offline(
         notify: None,
         unix_user: None,
     });
-    let (state_config, _, _, _) = crate::serve::settings(None, None)?;
-    let seq = crate::logcmd::runtime()?.block_on(async {
+    let (state_config, _, _, _) = crate::common::settings(None, None)?;
+    let seq = crate::common::runtime()?.block_on(async {
         let log = log_args.open().await.map_err(|e| {
             if e.contains("in use") {
                 format!(

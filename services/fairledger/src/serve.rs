@@ -1,11 +1,10 @@
 //! `fairledger serve`: the API, the projector and the scheduler in one process.
 
 use eventlog::{Append, EventLog};
-use ledger::policy::{self, PolicyConfig};
 use ledger::settings::Settings;
-use ledger::{Envelope, StateConfig};
+use ledger::Envelope;
 
-use crate::logcmd::{runtime, shutdown_signal, LogArgs};
+use crate::common::{runtime, settings, shutdown_signal, LogArgs};
 
 /// The least time between two checkpoints of the projection: each pauses the fold while it
 /// serializes the state, so under a heavy stream they are spaced out (a restart refolds at most
@@ -96,51 +95,6 @@ pub struct ServeArgs {
 /// waiting (background compaction off), 16 MiB left it at 196 MB resident, 32 MiB at
 /// 207–209 MB and 128 MiB at 220 MB, taking submissions as fast (see BENCHMARKS.md).
 pub const SERVE_CACHE_MB: u64 = 32;
-
-/// The cluster's settings and set-up events: from the scenario file `config`, else the demo's;
-/// `policy` names the policy over the config's. Also the config's heartbeat timeout, if any.
-pub fn settings(
-    config: Option<&std::path::Path>,
-    policy: Option<&str>,
-) -> Result<(StateConfig, PolicyConfig, Vec<ledger::Event>, Option<u64>), String> {
-    Ok(match config {
-        Some(path) => {
-            let scenario = sim::scenario::Scenario::load(path).map_err(|e| e.to_string())?;
-            let prepared = scenario
-                .prepare_cluster(policy, false)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
-            // A live cluster's writers have clocks of their own: tolerate their skew as the
-            // default does (a simulation's events are exact).
-            let state_config = StateConfig {
-                clock_skew_tolerance_ms: StateConfig::default().clock_skew_tolerance_ms,
-                ..prepared.state_config
-            };
-            (
-                state_config,
-                prepared.policy,
-                prepared.setup,
-                Some(prepared.heartbeat_timeout_ms),
-            )
-        }
-        None => {
-            let name = policy.unwrap_or("fairshare");
-            let name = policy::POLICY_NAMES
-                .iter()
-                .find(|p| **p == name)
-                .ok_or_else(|| {
-                    format!(
-                        "unknown policy {name:?}; use one of {}",
-                        policy::POLICY_NAMES.join(", ")
-                    )
-                })?;
-            let policy = PolicyConfig {
-                policy: name,
-                ..PolicyConfig::default()
-            };
-            (StateConfig::default(), policy, crate::demo::cluster(), None)
-        }
-    })
-}
 
 pub fn serve(args: ServeArgs) -> Result<(), String> {
     let (state_config, policy, setup, configured_timeout_ms) =

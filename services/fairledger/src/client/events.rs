@@ -204,7 +204,7 @@ pub struct TokenCreate {
     #[arg(long)]
     pub offline: bool,
     #[command(flatten)]
-    pub log: Box<crate::logcmd::LogArgs>,
+    pub log: Box<crate::common::LogArgs>,
 }
 
 /// `fairledger token …`.

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use crate::common::{is_local, read_token_file, warn_if_clear};
+
 mod audit;
 mod budget;
 mod events;
@@ -41,51 +43,6 @@ pub struct ClientArgs {
     /// Print the API's JSON instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
-}
-
-/// Reads a token from `path`: its first line, trimmed.
-pub fn read_token_file(path: &Path) -> Result<String, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        if let Ok(meta) = std::fs::metadata(path) {
-            if meta.permissions().mode() & 0o077 != 0 {
-                eprintln!(
-                    "warning: the token file {} can be read by others; chmod 600 it",
-                    path.display()
-                );
-            }
-        }
-    }
-    let token = text.lines().next().unwrap_or("").trim().to_owned();
-    if token.is_empty() {
-        return Err(format!("the token file {} is empty", path.display()));
-    }
-    Ok(token)
-}
-
-/// Warns, once, that a token is about to cross a network in clear.
-pub fn warn_if_clear(api: &str, with_token: bool) {
-    if with_token && api.starts_with("http://") && !is_local(api) {
-        eprintln!(
-            "warning: sending a token to {api} over plain HTTP: anyone on the way can read it; serve with --tls-cert and use https://"
-        );
-    }
-}
-
-/// Whether `api` is a server on this machine.
-fn is_local(api: &str) -> bool {
-    let host = api
-        .split("://")
-        .nth(1)
-        .unwrap_or(api)
-        .split(['/', '?'])
-        .next()
-        .unwrap_or("");
-    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
-    matches!(host, "127.0.0.1" | "localhost" | "[::1]")
 }
 
 /// The token to send: `--token-file`, else `FAIRLEDGER_TOKEN`, else, for a server on this

@@ -45,7 +45,7 @@ pub struct WhatIfArgs {
     #[arg(long, value_name = "FILE")]
     pub html: Option<PathBuf>,
     #[command(flatten)]
-    pub log: crate::logcmd::LogArgs,
+    pub log: crate::common::LogArgs,
 }
 
 /// `k=v,k=v` as pairs; `what` names the flag for the error.
