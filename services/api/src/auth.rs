@@ -129,7 +129,7 @@ pub fn authenticate(state: &ledger::State, token: &str, now_ms: u64) -> Result<C
         return Err(Problem::unauthenticated(format!(
             "the token of {:?} expired at {}; ask an admin for a new one",
             p.name,
-            crate::routes::date(p.expires_at_ms.unwrap_or(0)),
+            crate::period::date(p.expires_at_ms.unwrap_or(0)),
         )));
     }
     Ok(Caller(Arc::new(p.clone())))

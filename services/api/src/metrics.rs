@@ -22,8 +22,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::App;
-
 type Labels = Vec<(String, String)>;
 
 /// The histograms kept across scrapes.
@@ -215,7 +213,11 @@ fn allocation_figures(registry: &mut Registry, state: &ledger::State) {
 
 /// Times every request, labelled by method, the route the router matched (`unmatched` for none:
 /// never the raw path, whose ids would make a series each) and status.
-pub(crate) async fn track(State(app): State<App>, request: Request, next: Next) -> Response {
+pub(crate) async fn track(
+    State(metrics): State<Metrics>,
+    request: Request,
+    next: Next,
+) -> Response {
     let started = std::time::Instant::now();
     let method = request.method().as_str().to_owned();
     let route = request
@@ -224,8 +226,7 @@ pub(crate) async fn track(State(app): State<App>, request: Request, next: Next) 
         .map_or("unmatched", MatchedPath::as_str)
         .to_owned();
     let response = next.run(request).await;
-    app.inner
-        .metrics
+    metrics
         .http
         .get_or_create(&vec![
             ("method".into(), method),

@@ -310,7 +310,7 @@ impl Notifier {
                     "seq": seq,
                     "type": event.kind(),
                     "workload": w,
-                    "occurred_at": crate::routes::date(env.occurred_at_ms),
+                    "occurred_at": crate::period::date(env.occurred_at_ms),
                     "event": env,
                 });
                 let now = app.now_ms();

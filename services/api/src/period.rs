@@ -37,10 +37,30 @@ pub fn parse_instant(text: &str) -> Result<u64, String> {
 
 /// A time in RFC 3339, in UTC, to the second (or finer when it has a fraction).
 pub fn format_instant(ms: u64) -> String {
-    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    t.format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
+    rfc3339(ms, false)
+}
+
+/// An instant for people: RFC 3339 in UTC, to the second (`2026-12-03T16:31:57Z`).
+pub fn date(ms: u64) -> String {
+    rfc3339(ms, true)
+}
+
+fn rfc3339(ms: u64, to_the_second: bool) -> String {
+    let nanos = i128::from(ms) * 1_000_000;
+    time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+        .ok()
+        .and_then(|t| {
+            if to_the_second {
+                t.replace_nanosecond(0).ok()
+            } else {
+                Some(t)
+            }
+        })
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| format!("{ms} ms after the epoch"))
 }
 
 /// The query parameter `field` read as a time, or a problem naming it.

@@ -71,8 +71,8 @@ impl Problem {
     }
 
     /// The rule the fold would refuse an event by: 422 naming the field when the event is
-    /// invalid whatever the state, 409 naming the rule when it does not fit the state now, 403
-    /// when its actor lacks the authority, 429 past a quota.
+    /// invalid whatever the state, 409 naming the rule when it does not fit the state now, 404
+    /// when what it names is not there, 403 when its actor lacks the authority, 429 past a quota.
     pub fn refused(r: &ledger::Rejection, event: &ledger::Event) -> Self {
         Problem::of_rule(r.code(), r.to_string(), r.field_in(event))
     }
@@ -86,6 +86,11 @@ impl Problem {
             ("unauthorized", _) => Problem::forbidden(message),
             // Too many waiting: the same request succeeds once some of them start or end.
             ("quota_exceeded", _) => Problem::new(StatusCode::TOO_MANY_REQUESTS, code, message),
+            // What the request names is not there: the same 404 whoever finds out.
+            (
+                "unknown_allocation" | "unknown_node" | "unknown_workload" | "unknown_principal",
+                None,
+            ) => Problem::new(StatusCode::NOT_FOUND, code, message),
             (_, Some(field)) => Problem::invalid(field, message),
             (_, None) => Problem::new(StatusCode::CONFLICT, code, message),
         }
@@ -250,6 +255,11 @@ mod tests {
                     workload: uuid::Uuid::from_u128(99),
                     reason: None,
                 }),
+                404,
+            ),
+            (
+                "serve",
+                Event::AllocationRemoved(ledger::event::AllocationRemoved { path: "a".into() }),
                 409,
             ),
         ];

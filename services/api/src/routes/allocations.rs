@@ -234,18 +234,7 @@ pub(crate) async fn remove_allocation(
     Path(path): Path<String>,
 ) -> Result<Response, Problem> {
     let path = allocation_path(&uri, path)?;
-    if app
-        .inner
-        .projection
-        .read()
-        .await
-        .state()
-        .allocations()
-        .get(&path)
-        .is_none()
-    {
-        return Err(Problem::not_found(format!("no allocation {path:?}")));
-    }
+    // An allocation that is not there is the fold's 404 (unknown_allocation).
     let event = Event::AllocationRemoved(AllocationRemoved { path: path.clone() });
     let seq = app.write(event, None, None, &caller.actor()).await?;
     Ok(Json(json!({"path": path, "seq": seq, "removed": true})).into_response())

@@ -255,7 +255,7 @@ pub fn router(app: App) -> Router {
         .fallback(|| async { Problem::not_found("no such route; see /openapi.json") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn_with_state(
-            app.clone(),
+            app.inner.metrics.clone(),
             crate::metrics::track,
         ))
         .with_state(app)
@@ -273,23 +273,10 @@ pub fn health_router(app: App) -> Router {
             )
         })
         .layer(axum::middleware::from_fn_with_state(
-            app.clone(),
+            app.inner.metrics.clone(),
             crate::metrics::track,
         ))
         .with_state(app)
-}
-
-/// An instant for people: RFC 3339 in UTC, to the second (`2026-12-03T16:31:57Z`).
-pub fn date(ms: u64) -> String {
-    let nanos = i128::from(ms) * 1_000_000;
-    time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
-        .ok()
-        .and_then(|t| t.replace_nanosecond(0).ok())
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_else(|| format!("{ms} ms after the epoch"))
 }
 
 /// A query string that did not parse.

@@ -254,16 +254,6 @@ pub(crate) struct DrainBody {
     reason: Option<String>,
 }
 
-/// The node named `node` as registered: 404 otherwise.
-fn registered(state: &ledger::State, node: &str) -> Result<(), Problem> {
-    match state.cluster().get(node) {
-        Some(_) => Ok(()),
-        None => Err(Problem::not_found(format!(
-            "node {node:?} is not registered"
-        ))),
-    }
-}
-
 #[utoipa::path(post, path = "/v1/nodes/{node}/drain", tag = "nodes",
     params(("node" = String, Path, description = "node name")),
     request_body = DrainBody,
@@ -287,8 +277,8 @@ pub(crate) async fn drain(
             .map_err(|e| problem::json_error(&e))?
             .reason
     };
-    // The route's rule lets admins and operators only; the fold checks it again.
-    registered(app.inner.projection.read().await.state(), &node)?;
+    // The route's rule lets admins and operators only; the fold checks it again, and answers
+    // 404 for a node that is not registered (unknown_node).
     let event = Event::NodeDrained(NodeDrained {
         node: node.clone(),
         reason,
@@ -310,8 +300,8 @@ pub(crate) async fn resume(
     Path(node): Path<String>,
 ) -> Result<Response, Problem> {
     node_name("node", &node)?;
-    // The route's rule lets admins and operators only; the fold checks it again.
-    registered(app.inner.projection.read().await.state(), &node)?;
+    // The route's rule lets admins and operators only; the fold checks it again, and answers
+    // 404 for a node that is not registered (unknown_node).
     let event = Event::NodeResumed(NodeResumed { node: node.clone() });
     let seq = app.write(event, None, None, &caller.actor()).await?;
     Ok(Json(json!({"node": node, "draining": false, "seq": seq})).into_response())

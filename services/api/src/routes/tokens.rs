@@ -13,8 +13,9 @@ use ledger::Rejection;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{bad_body, date};
+use super::bad_body;
 use crate::auth::{new_token, Caller};
+use crate::period::date;
 use crate::{problem, App, Problem};
 
 /// The body of `POST /v1/tokens`.
@@ -238,20 +239,7 @@ pub(crate) async fn revoke(
     Path(name): Path<String>,
 ) -> Result<Response, Problem> {
     ledger::names::principal(&name).map_err(|r| Problem::invalid("name", r))?;
-    let known = app
-        .inner
-        .projection
-        .read()
-        .await
-        .state()
-        .principals()
-        .get(&name)
-        .is_some();
-    if !known {
-        return Err(Problem::not_found(format!(
-            "no live principal is named {name:?}"
-        )));
-    }
+    // A principal that is not there is the fold's 404 (unknown_principal).
     let event = Event::PrincipalRevoked(PrincipalRevoked {
         name: name.clone(),
         reason: None,

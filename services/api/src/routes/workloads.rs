@@ -279,7 +279,7 @@ async fn dry_run(
     let state = &state;
     let mut answer = json!({"dry_run": true, "as_of_seq": state.last_seq()});
     let start_at = |answer: &mut serde_json::Value, at_ms: u64| {
-        answer["would_start_at"] = json!(super::date(at_ms));
+        answer["would_start_at"] = json!(crate::period::date(at_ms));
         answer["would_start_at_ms"] = json!(at_ms);
     };
     match said {
@@ -743,7 +743,7 @@ fn alternatives_json(found: &[ledger::dryrun::Alternative]) -> serde_json::Value
                 "change": change,
                 "what": what,
                 "would": would,
-                "estimated_start": at.map(super::date),
+                "estimated_start": at.map(crate::period::date),
                 "estimated_start_ms": at,
                 "exact": exact,
             })
