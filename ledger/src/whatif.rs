@@ -307,20 +307,9 @@ pub fn what_if(
                         .name();
                 }
                 if let Some(margin) = p.margin {
-                    if !(margin.is_finite() && margin >= 0.0) {
-                        return Err(refused(format!("margin {margin} must be 0 or more")));
-                    }
                     changed_policy.margin = margin;
                 }
                 if let Some(ms) = p.min_runtime_ms {
-                    let cap = state.config().min_runtime_cap_ms;
-                    if ms > cap {
-                        return Err(refused(format!(
-                            "min_runtime_s {} is over the ledger's cap of {} s",
-                            ms / 1000,
-                            cap / 1000
-                        )));
-                    }
                     changed_policy.min_runtime_ms = ms;
                 }
                 if let Some(ms) = p.grace_ms {
@@ -332,6 +321,19 @@ pub fn what_if(
                 if let Some(on) = p.defragment {
                     changed_policy.defragment = on;
                 }
+                // Held to the bounds of the ledger's settings, as a real change would be.
+                crate::settings::Settings::from_configs(
+                    state.config(),
+                    &changed_policy,
+                    state.settings().heartbeat_timeout_ms(),
+                )
+                .check()
+                .map_err(|r| match r {
+                    crate::Rejection::InvalidField { field, reason } => {
+                        refused(format!("policy.{field}: {reason}"))
+                    }
+                    other => refused(other.to_string()),
+                })?;
             }
             Change::AddNodes {
                 count,

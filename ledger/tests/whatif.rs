@@ -204,6 +204,50 @@ fn changes_the_ledger_would_refuse_are_refused_naming_the_change() {
     assert!(message.contains("fairshare"), "{message}");
     let (field, _) = refused(vec![Change::RemoveNodes(vec!["n9".into()])]);
     assert_eq!(field, "changes[0]");
+    // A policy change is held to the bounds the ledger's settings are: the same as `PUT
+    // /v1/settings` would answer, whichever parameter is out of them.
+    let out_of_bounds = [
+        (
+            PolicyChange {
+                margin: Some(10.0),
+                ..Default::default()
+            },
+            "policy.margin",
+        ),
+        (
+            PolicyChange {
+                reservations_max: Some(0),
+                ..Default::default()
+            },
+            "policy.reservations",
+        ),
+        (
+            PolicyChange {
+                grace_ms: Some(2 * 86_400_000),
+                ..Default::default()
+            },
+            "policy.grace_s",
+        ),
+        (
+            PolicyChange {
+                min_runtime_ms: Some(31 * 86_400_000),
+                ..Default::default()
+            },
+            "policy.min_runtime_s",
+        ),
+    ];
+    for (change, named) in out_of_bounds {
+        let (field, message) = refused(vec![Change::Policy(change)]);
+        assert_eq!(field, "changes[0]");
+        assert!(message.starts_with(named), "{message}");
+    }
+    let within = PolicyChange {
+        margin: Some(0.1),
+        reservations_max: Some(8),
+        grace_ms: Some(600_000),
+        ..Default::default()
+    };
+    run(&l, &ask(vec![Change::Policy(within)], HOUR)).expect("within bounds");
 }
 
 #[test]

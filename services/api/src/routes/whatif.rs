@@ -161,15 +161,7 @@ fn change(i: usize, v: &Value) -> Result<Change, Problem> {
             name: c.policy.name,
             margin: c.policy.margin,
             min_runtime_ms: c.policy.min_runtime_s.map(|s| s.saturating_mul(1000)),
-            grace_ms: match c.policy.grace_s {
-                Some(s) if s > 86_400 => {
-                    return Err(Problem::invalid(
-                        &field,
-                        "policy.grace_s must be at most a day",
-                    ))
-                }
-                s => s.map(|s| s * 1000),
-            },
+            grace_ms: c.policy.grace_s.map(|s| s.saturating_mul(1000)),
             reservations_max: c.policy.reservations_max,
             defragment: c.policy.defragment,
         })
