@@ -128,9 +128,10 @@ pub struct WorkloadRow {
     pub allocation: Option<String>,
     /// Who submitted it: the actor of its submission (`user:alice`).
     pub user: String,
-    /// `pending`, `running`, `stopped`, `finished` or `cancelled` (`ended` where the fold has no
-    /// record of how it ended, which a consistent projection never shows).
-    pub phase: String,
+    /// Where it is in its life; stored and answered by name (`pending`, `running`, `stopped`,
+    /// `finished` or `cancelled`).
+    #[serde(with = "phase_name")]
+    pub phase: Phase,
     /// GPUs per node.
     pub gpus_per_node: u32,
     /// Nodes in the gang.
@@ -197,8 +198,8 @@ impl WorkloadRow {
     /// Time on GPUs over all its runs as of `now_ms`, the current one included.
     pub fn run_ms_at(&self, now_ms: u64) -> u64 {
         self.run_ms
-            + match (self.phase.as_str(), self.started_at_ms) {
-                ("running", Some(at)) => now_ms.saturating_sub(at),
+            + match (self.phase, self.started_at_ms) {
+                (Phase::Running, Some(at)) => now_ms.saturating_sub(at),
                 _ => 0,
             }
     }
@@ -208,19 +209,18 @@ impl WorkloadRow {
     /// requeued, `CD` finished with exit code 0, `F` finished otherwise (an exit code, a signal,
     /// or a node that could not launch it), `CA` cancelled.
     pub fn state_code(&self) -> &'static str {
-        match self.phase.as_str() {
-            "pending" => "PD",
-            "running" if self.preempting => "CG",
-            "running" => "R",
-            "stopped" => "RQ",
-            "finished"
+        match self.phase {
+            Phase::Pending => "PD",
+            Phase::Running if self.preempting => "CG",
+            Phase::Running => "R",
+            Phase::Stopped => "RQ",
+            Phase::Finished
                 if self.exit_code == Some(0) && self.signal.is_none() && self.error.is_none() =>
             {
                 "CD"
             }
-            "finished" => "F",
-            "cancelled" => "CA",
-            _ => "?",
+            Phase::Finished => "F",
+            Phase::Cancelled => "CA",
         }
     }
 
@@ -533,9 +533,7 @@ impl ledger::Archive for RowArchive {
         if row.ended_at_ms.is_none() || row.last_seq > as_of {
             return None;
         }
-        // A row that ended without a known phase (which a consistent projection never shows)
-        // is still ended.
-        Some(Phase::of_name(&row.phase).unwrap_or(Phase::Finished))
+        Some(row.phase)
     }
 
     fn idempotent(&self, key: &str, as_of: u64) -> Option<WorkloadId> {
@@ -815,7 +813,7 @@ impl Projector {
             id,
             allocation: self.state.allocation_path(w).map(str::to_owned),
             user: self.state.submitter(w).to_owned(),
-            phase: w.phase.name().to_owned(),
+            phase: w.phase,
             gpus_per_node: w.gpus_per_node,
             nodes: w.nodes,
             priority: w.priority,
@@ -972,8 +970,8 @@ fn postcard_row(row: &Row) -> Vec<u8> {
 /// Which workloads a listing wants; every condition given must hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WorkloadFilter {
-    /// In any of these phases ([`Phase::name`]); all phases when empty.
-    pub phases: Vec<String>,
+    /// In any of these phases; all phases when empty.
+    pub phases: Vec<Phase>,
     /// Charged to this allocation or one under it.
     pub allocation: Option<String>,
     /// Submitted by this principal: its name (`alice`) or actor (`user:alice`).
@@ -1146,4 +1144,20 @@ fn prefixed(prefix: &[u8], rest: &[u8]) -> Vec<u8> {
 
 fn u64_of(v: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
+/// A row's phase stored and answered by its name ([`Phase::name`]), as rows always were.
+mod phase_name {
+    use ledger::Phase;
+
+    pub fn serialize<S: serde::Serializer>(phase: &Phase, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(phase.name())
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Phase, D::Error> {
+        let name = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
+        // A row ended without a known phase (`ended`, which a consistent projection never
+        // wrote) is still ended.
+        Ok(Phase::of_name(&name).unwrap_or(Phase::Finished))
+    }
 }

@@ -117,7 +117,7 @@ impl Projector {
                                         let mut row = before.ok_or_else(|| {
                                             self.corrupt("an ending applied to an unknown workload")
                                         })?;
-                                        row.phase = phase.map_or("ended", Phase::name).to_owned();
+                                        row.phase = phase.unwrap_or(Phase::Finished);
                                         row.placement.clear();
                                         row.preempting = false;
                                         row.protected_until_ms = None;
@@ -131,7 +131,7 @@ impl Projector {
                                     }
                                 };
                                 if let Some(since) = running_since {
-                                    if row.phase != Phase::Running.name() {
+                                    if row.phase != Phase::Running {
                                         trail.run_ms += self.state.now_ms().saturating_sub(since);
                                     }
                                 }

@@ -192,7 +192,7 @@ async fn rows_answer_for_workloads_and_allocations() {
         })
         .unwrap();
     let row = p.workload(finished).unwrap().unwrap();
-    assert_eq!(row.phase, "finished");
+    assert_eq!(row.phase, ledger::Phase::Finished);
     assert!(row.starts >= 1 && row.placement.is_empty());
     let last_about = events
         .iter()
@@ -473,7 +473,7 @@ async fn a_running_workload_cancelled_by_its_agents_stop_report_keeps_its_row() 
     p.catch_up(&log).await.unwrap();
     assert_eq!(p.last_seq(), 6);
     let row = p.workload(id).unwrap().unwrap();
-    assert_eq!(row.phase, "cancelled");
+    assert_eq!(row.phase, ledger::Phase::Cancelled);
     assert_eq!(row.ended_at_ms, Some(5_000));
     assert!(row.placement.is_empty());
 }
@@ -544,7 +544,7 @@ async fn refused_events_stay_on_the_row_however_the_batches_fall() {
             p.apply(chunk).unwrap();
         }
         let row = p.workload(id).unwrap().unwrap();
-        assert_eq!(row.phase, "finished");
+        assert_eq!(row.phase, ledger::Phase::Finished);
         assert_eq!(row.history, vec![3, 5, 6], "batches of {split}");
         assert_eq!(row.rejected, vec![4, 7, 8], "batches of {split}");
         digests.push(p.digest().unwrap());
@@ -700,7 +700,7 @@ async fn workloads_are_listed_newest_first_in_pages_with_their_runs() {
         p.catch_up(&log).await.unwrap();
         assert_eq!(p.stats().rejected, 0, "{:?}", p.rejected().unwrap());
         let row = p.workload(a).unwrap().unwrap();
-        assert_eq!((row.phase.as_str(), row.run_ms), ("stopped", 1_000));
+        assert_eq!((row.phase, row.run_ms), (ledger::Phase::Stopped, 1_000));
         assert_eq!(row.state_code(), "RQ");
     }
     // Reopened, the rest folds onto what the stored row carries.
@@ -733,7 +733,7 @@ async fn workloads_are_listed_newest_first_in_pages_with_their_runs() {
     let second = kept.workloads(&all, first.next, 2, 100).unwrap();
     assert_eq!((ids(&second), second.next), (vec![a], None));
     let finished = WorkloadFilter {
-        phases: vec!["finished".into()],
+        phases: vec![ledger::Phase::Finished],
         ..Default::default()
     };
     // A budget of one row read answers an empty page that says where to go on.
@@ -801,7 +801,7 @@ fn same_rows(a: &Projector, b: &Projector, ids: &[uuid::Uuid], how: &str) {
     let filters = [
         WorkloadFilter::default(),
         WorkloadFilter {
-            phases: vec!["finished".into(), "pending".into()],
+            phases: vec![ledger::Phase::Finished, ledger::Phase::Pending],
             ..Default::default()
         },
         WorkloadFilter {
@@ -990,7 +990,7 @@ async fn a_long_wait_holds_packing_back_only_so_long() {
         "{singles} singles, {packs} packs"
     );
     let row = passed.workload(waiting).unwrap().unwrap();
-    assert_eq!(row.phase, "pending");
+    assert_eq!(row.phase, ledger::Phase::Pending);
     same_rows(&plain, &held, &ids, "held back");
     same_rows(&plain, &passed, &ids, "passed");
     for p in [&mut plain, &mut held, &mut passed] {
@@ -998,7 +998,7 @@ async fn a_long_wait_holds_packing_back_only_so_long() {
     }
     assert_eq!(
         passed.workload(waiting).unwrap().unwrap().phase,
-        "cancelled"
+        ledger::Phase::Cancelled
     );
     same_rows(&plain, &passed, &ids, "the long wait ended");
     // An event about a packed workload is refused and noted on its row, which stays in its

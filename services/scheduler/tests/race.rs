@@ -165,7 +165,7 @@ async fn fences<L: EventLog>(log: &L, dir: &std::path::Path) {
     assert_eq!(rejected[0].1.code, "wrong_phase");
     assert!(rejected[0].1.message.contains(&five.to_string()));
     let row = p.workload(five).unwrap().unwrap();
-    assert_eq!(row.phase, "cancelled");
+    assert_eq!(row.phase, ledger::Phase::Cancelled);
     // Something on the starts subjects that is not a start the state can fold: the starts
     // fence can never hold again, and the loop's fallback (the log's fence) does.
     log.append(submission(6)).await.unwrap();

@@ -550,7 +550,7 @@ impl History {
                 // A row last changed after the fork may not be read as it was then: its run time
                 // is not counted (its submission is, the same as it ever was).
                 let settled = row.last_seq <= up_to_seq;
-                if settled && row.phase == "finished" && row.run_ms > 0 {
+                if settled && row.phase == ledger::Phase::Finished && row.run_ms > 0 {
                     if let Some(a) = &row.allocation {
                         runs.entry(a.clone()).or_default().push(row.run_ms);
                     }
@@ -576,8 +576,8 @@ impl History {
                 gpus_per_node: r.gpus_per_node,
                 nodes: r.nodes,
                 priority: r.priority,
-                work_ms: match (r.phase.as_str(), r.run_ms) {
-                    ("finished", ms) if ms > 0 && r.last_seq <= up_to_seq => ms,
+                work_ms: match (r.phase, r.run_ms) {
+                    (ledger::Phase::Finished, ms) if ms > 0 && r.last_seq <= up_to_seq => ms,
                     _ => r
                         .allocation
                         .as_ref()

@@ -212,7 +212,7 @@ pub(crate) async fn submit(
             let mut applied = app.inner.applied.clone();
             loop {
                 if let Ok(Some(row)) = app.inner.projection.read().await.workload(id) {
-                    if row.phase != Phase::Pending.name() {
+                    if row.phase != Phase::Pending {
                         return row;
                     }
                 }
@@ -823,7 +823,7 @@ pub(crate) async fn list(
                 format!("{name:?} is not a phase; use pending, running, stopped, finished or cancelled, comma-separated"),
             )
         })?;
-        phases.push(phase.name().to_owned());
+        phases.push(phase);
     }
     let limit = query.limit.unwrap_or(100);
     if !(1..=1_000).contains(&limit) {

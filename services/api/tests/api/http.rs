@@ -1370,9 +1370,9 @@ async fn cancel_racing_start_never_contradicts_the_ledger() {
     for (id, action) in &outcomes {
         let row = p.workload(id.parse().unwrap()).unwrap().unwrap();
         match action.as_str() {
-            "cancelled" => assert_eq!(row.phase, "cancelled", "{id}"),
+            "cancelled" => assert_eq!(row.phase, ledger::Phase::Cancelled, "{id}"),
             "stop_requested" => {
-                assert_eq!(row.phase, "running", "{id}");
+                assert_eq!(row.phase, ledger::Phase::Running, "{id}");
                 assert!(row.preempting, "{id}");
             }
             other => panic!("{other}"),
