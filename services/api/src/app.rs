@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use eventlog::{AnyLog, Append, EventLog};
 use ledger::policy::PolicyConfig;
-use ledger::{Envelope, Event};
+use ledger::{Envelope, Event, WorkloadId};
 use projector::Projector;
 use tokio::sync::{watch, RwLock};
 use uuid::Uuid;
@@ -294,6 +294,7 @@ impl App {
         match self.write_durable(event, allocation, key, actor).await? {
             Written::Folded(seq) => Ok(seq),
             Written::Durable(seq) => Err(not_folded(seq)),
+            Written::Duplicate(original) => Err(duplicate(original)),
         }
     }
 
@@ -313,6 +314,7 @@ impl App {
         {
             Written::Folded(seq) => Ok(seq),
             Written::Durable(seq) => Err(Some(not_folded(seq))),
+            Written::Duplicate(original) => Err(Some(duplicate(original))),
         }
     }
 
@@ -340,14 +342,18 @@ impl App {
         fence: Option<eventlog::Expect>,
     ) -> Result<Written, Option<Problem>> {
         let env = Envelope::new(Uuid::now_v7(), self.now_ms(), actor, event);
-        // Refused means nothing written: what the fold would reject now is not appended.
-        self.inner
-            .projection
-            .read()
-            .await
-            .state()
-            .check(&env)
-            .map_err(|r| Some(Problem::refused(&r, &env.event)))?;
+        {
+            let p = self.inner.projection.read().await;
+            let state = p.state();
+            // A key the ledger already holds is that submission again: nothing is appended.
+            if let Some(original) = key.and_then(|k| state.idempotent(k)) {
+                return Ok(Written::Duplicate(original));
+            }
+            // Refused means nothing written: what the fold would reject now is not appended.
+            state
+                .check(&env)
+                .map_err(|r| Some(Problem::refused(&r, &env.event)))?;
+        }
         let mut append = Append::event(&env, allocation, key);
         let fenced = fence.is_some();
         if let Some(fence) = fence {
@@ -366,11 +372,8 @@ impl App {
             );
             return Ok(Written::Durable(ack.seq));
         }
-        let rejection = self
-            .inner
-            .projection
-            .read()
-            .await
+        let p = self.inner.projection.read().await;
+        let rejection = p
             .rejection(ack.seq)
             .map_err(|e| Some(Problem::unavailable(e.to_string())))?;
         match rejection {
@@ -381,7 +384,14 @@ impl App {
                 r.message,
                 r.field.as_deref(),
             ))),
-            None => Ok(Written::Folded(ack.seq)),
+            None => {
+                // A retry whose first attempt landed after the check above: the log (within its
+                // duplicate window) or the fold (after it) took it as that submission again.
+                let original = key
+                    .and_then(|k| p.state().idempotent(k))
+                    .filter(|&original| Some(original) != env.event.workload());
+                Ok(original.map_or(Written::Folded(ack.seq), Written::Duplicate))
+            }
         }
     }
 }
@@ -398,7 +408,16 @@ fn not_folded(seq: u64) -> Problem {
     )
 }
 
-/// An event appended to the log.
+/// A write whose key the ledger already holds, for a caller that wanted a new sequence.
+fn duplicate(original: Uuid) -> Problem {
+    Problem::new(
+        StatusCode::CONFLICT,
+        "duplicate",
+        format!("this key was used already, by {original}: nothing was written"),
+    )
+}
+
+/// An event appended to the log, or found there already.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Written {
     /// Durable and folded at this sequence: what it does is in every read from now on.
@@ -406,6 +425,10 @@ pub(crate) enum Written {
     /// Durable at this sequence, but the projection did not fold it in time: it takes effect
     /// when the projection catches up.
     Durable(u64),
+    /// Not written again: its key is the submission of this workload's, which the ledger holds
+    /// (decided here once for the whole path: before appending, or by the log or the fold when a
+    /// first attempt landed meanwhile).
+    Duplicate(WorkloadId),
 }
 
 #[cfg(test)]

@@ -132,13 +132,6 @@ pub(crate) async fn submit(
     };
     // Whether the caller may submit there is the fold's to say (`State::check`, for the dry run
     // too): the API authenticates, the ledger authorizes.
-    {
-        let p = app.inner.projection.read().await;
-        let state = p.state();
-        if let Some(id) = key.as_deref().and_then(|k| state.idempotent(k)) {
-            return Ok((StatusCode::OK, Json(json!({"id": id, "duplicate": true}))).into_response());
-        }
-    }
     if query.dry_run == Some(true) && wait_placed {
         return Err(Problem::invalid(
             "wait",
@@ -165,6 +158,12 @@ pub(crate) async fn submit(
         )
     };
     if query.dry_run == Some(true) {
+        // A key already used would be that submission again, as the real one answers.
+        if let Some(k) = key.as_deref() {
+            if let Some(original) = app.inner.projection.read().await.state().idempotent(k) {
+                return Ok(duplicate(original));
+            }
+        }
         return dry_run(&app, &caller, submitted).await;
     }
     let allocation = request.allocation.clone();
@@ -178,6 +177,7 @@ pub(crate) async fn submit(
         .await?;
     let seq = match written {
         crate::app::Written::Folded(seq) => seq,
+        crate::app::Written::Duplicate(original) => return Ok(duplicate(original)),
         // Written, but not folded in time: accepted all the same, and said so (a retry with the
         // same Idempotency-Key finds it instead of submitting it twice).
         crate::app::Written::Durable(seq) => {
@@ -191,21 +191,6 @@ pub(crate) async fn submit(
                 .into_response());
         }
     };
-    // A retry whose first attempt landed between the check above and the append (the log or
-    // the fold answered it with the original workload): the original, said to be one.
-    let original = {
-        let p = app.inner.projection.read().await;
-        key.as_ref()
-            .and_then(|k| p.state().idempotent(k))
-            .filter(|&original| original != id)
-    };
-    if let Some(original) = original {
-        return Ok((
-            StatusCode::OK,
-            Json(json!({"id": original, "duplicate": true})),
-        )
-            .into_response());
-    }
     if wait_placed {
         let timeout = Duration::from_secs(query.timeout_s.unwrap_or(30).min(300));
         let placed = async {
@@ -234,6 +219,15 @@ pub(crate) async fn submit(
         Json(json!({"id": id, "seq": seq, "phase": "pending"})),
     )
         .into_response())
+}
+
+/// The answer to a submission whose Idempotency-Key is the caller's submission of `original`.
+fn duplicate(original: Uuid) -> Response {
+    (
+        StatusCode::OK,
+        Json(json!({"id": original, "duplicate": true})),
+    )
+        .into_response()
 }
 
 /// `POST /v1/workloads?dry_run=true`: what `submitted` would meet now; nothing is written.

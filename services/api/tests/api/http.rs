@@ -6,7 +6,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use eventlog::{AnyLog, EmbeddedLog, EventLog};
 use http_body_util::BodyExt;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::time::Duration;
 use tower::ServiceExt;
 
@@ -208,6 +208,33 @@ async fn an_idempotency_key_returns_the_same_workload() {
         seq,
         "a retry writes nothing"
     );
+    // A dry run with the key answers as the real submission does.
+    let (s3, _, dry) = call(&f, "POST", "/v1/workloads?dry_run=true", Some(body), &key).await;
+    assert_eq!(
+        (s3, &dry["id"], &dry["duplicate"]),
+        (StatusCode::OK, &first["id"], &json!(true))
+    );
+    // Retries racing the first attempt: one workload, whichever of them landed first.
+    let racing = [("idempotency-key", "racing")];
+    let answers = futures::future::join_all(
+        (0..8).map(|_| call(&f, "POST", "/v1/workloads", Some(body), &racing)),
+    )
+    .await;
+    let ids: std::collections::BTreeSet<String> = answers
+        .iter()
+        .map(|(status, _, v)| {
+            assert!(
+                *status == StatusCode::ACCEPTED || *status == StatusCode::OK,
+                "{status} {v}"
+            );
+            v["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "{answers:?}");
+    let fresh = answers
+        .iter()
+        .filter(|(s, _, _)| *s == StatusCode::ACCEPTED);
+    assert_eq!(fresh.count(), 1, "{answers:?}");
 }
 
 /// Method, URI, body, the status wanted and the field it must name.
