@@ -6,7 +6,8 @@
 //! built from that table and the authorization matrix test walks it. What each takes and answers
 //! is in the OpenAPI document (`GET /openapi.json`, checked in as `schemas/openapi.json`) and in
 //! the README. Every parameter that takes a time reads a date (`2026-11-01`), an RFC 3339
-//! date-time or milliseconds since the epoch ([`period`]).
+//! date-time, milliseconds since the epoch or a span before now by the server's clock (`2h`)
+//! ([`period`]).
 //!
 //! Every route but the open ones (the dashboard's files, `/healthz`, `/readyz`, `/metrics`,
 //! `/openapi.json`) needs `Authorization: Bearer <token>`: a missing, unknown, revoked or expired

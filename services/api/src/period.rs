@@ -1,24 +1,31 @@
 //! Times and periods as people write them: every query parameter and CLI flag that takes a
 //! time reads a date (`2026-11-01`, midnight UTC), an RFC 3339 date-time
-//! (`2026-11-01T08:00:00Z`, `2026-11-01T09:00:00+01:00`) or milliseconds since the epoch.
+//! (`2026-11-01T08:00:00Z`, `2026-11-01T09:00:00+01:00`), milliseconds since the epoch, or a
+//! span (`2h`, `90m`, `1d 12h`) meaning that long before now by the server's clock, so a client
+//! never needs its own.
 
 use ledger::book::Granularity;
 
 use crate::Problem;
 
 /// What a time may look like, for error messages.
-pub const INSTANT_FORMS: &str = "a date (2026-11-01), an RFC 3339 date-time (2026-11-01T08:00:00Z) or milliseconds since the epoch";
+pub const INSTANT_FORMS: &str = "a date (2026-11-01), an RFC 3339 date-time (2026-11-01T08:00:00Z), milliseconds since the epoch or a span before now (2h, 1d 12h)";
 
-/// Reads a time: see the [module](self) documentation.
-pub fn parse_instant(text: &str) -> Result<u64, String> {
+/// Reads a time, a span being that long before `now_ms`: see the [module](self) documentation.
+pub fn parse_instant(text: &str, now_ms: u64) -> Result<u64, String> {
     let text = text.trim();
     let bad = || format!("{text:?} is not {INSTANT_FORMS}");
+    // Bare digits are milliseconds since the epoch (a span needs its unit).
     if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
         return text
             .parse()
             .ok()
             .filter(|&ms| ms <= ledger::book::MAX_TIME_MS)
             .ok_or_else(|| format!("{text:?} is not {INSTANT_FORMS} before the year 10000"));
+    }
+    if let Ok(span) = humantime::parse_duration(text) {
+        let ms = u64::try_from(span.as_millis()).unwrap_or(u64::MAX);
+        return Ok(now_ms.saturating_sub(ms));
     }
     let nanos = if text.len() == 10 {
         let date = time::Date::parse(
@@ -63,10 +70,14 @@ fn rfc3339(ms: u64, to_the_second: bool) -> String {
         .unwrap_or_else(|| format!("{ms} ms after the epoch"))
 }
 
-/// The query parameter `field` read as a time, or a problem naming it.
-pub fn instant_param(field: &str, value: Option<&str>) -> Result<Option<u64>, Problem> {
+/// The query parameter `field` read as a time (a span before `now_ms`), or a problem naming it.
+pub fn instant_param(
+    field: &str,
+    value: Option<&str>,
+    now_ms: u64,
+) -> Result<Option<u64>, Problem> {
     value
-        .map(|v| parse_instant(v).map_err(|e| Problem::invalid(field, e)))
+        .map(|v| parse_instant(v, now_ms).map_err(|e| Problem::invalid(field, e)))
         .transpose()
 }
 
@@ -80,8 +91,8 @@ pub fn period(
     align: Granularity,
     now: u64,
 ) -> Result<(u64, u64), Problem> {
-    let to_asked = instant_param("to", to)?;
-    let from_asked = instant_param("from", from)?;
+    let to_asked = instant_param("to", to, now)?;
+    let from_asked = instant_param("from", from, now)?;
     if let (Some(f), Some(t)) = (from_asked, to_asked) {
         if t <= f {
             return Err(Problem::invalid(
@@ -115,17 +126,30 @@ mod tests {
 
     #[test]
     fn times_read_as_people_write_them() {
-        assert_eq!(parse_instant("2026-11-01"), Ok(1_793_491_200_000));
-        assert_eq!(parse_instant("2026-11-01T08:00:00Z"), Ok(1_793_520_000_000));
+        assert_eq!(parse_instant("2026-11-01", 0), Ok(1_793_491_200_000));
         assert_eq!(
-            parse_instant("2026-11-01T09:00:00+01:00"),
+            parse_instant("2026-11-01T08:00:00Z", 0),
             Ok(1_793_520_000_000)
         );
         assert_eq!(
-            parse_instant("2026-11-01T08:00:00.250Z"),
+            parse_instant("2026-11-01T09:00:00+01:00", 0),
+            Ok(1_793_520_000_000)
+        );
+        assert_eq!(
+            parse_instant("2026-11-01T08:00:00.250Z", 0),
             Ok(1_793_520_000_250)
         );
-        assert_eq!(parse_instant("1793520000000"), Ok(1_793_520_000_000));
+        assert_eq!(parse_instant("1793520000000", 0), Ok(1_793_520_000_000));
+        assert_eq!(
+            parse_instant("0", 5),
+            Ok(0),
+            "digits are milliseconds, not a span"
+        );
+        // A span is that long before now, by the server's clock.
+        let now = 1_793_520_000_000;
+        assert_eq!(parse_instant("2h", now), Ok(now - 7_200_000));
+        assert_eq!(parse_instant("1d 12h", now), Ok(now - 129_600_000));
+        assert_eq!(parse_instant("90m", 1_000), Ok(0), "not before the epoch");
         for bad in [
             "",
             "yesterday",
@@ -134,7 +158,7 @@ mod tests {
             "-5",
             "2026-11-1",
         ] {
-            let e = parse_instant(bad).unwrap_err();
+            let e = parse_instant(bad, 0).unwrap_err();
             assert!(e.contains("RFC 3339"), "{bad:?}: {e}");
         }
         assert_eq!(format_instant(1_793_520_000_000), "2026-11-01T08:00:00Z");
@@ -142,10 +166,10 @@ mod tests {
 
     #[test]
     fn periods_align_to_calendar_boundaries_and_stop_at_now() {
-        let now = parse_instant("2026-11-04T13:25:00Z").unwrap();
+        let now = parse_instant("2026-11-04T13:25:00Z", 0).unwrap();
         let (from, to) =
             period(Some("2026-11-01T05:10:00Z"), None, 0, Granularity::Day, now).unwrap();
-        assert_eq!(from, parse_instant("2026-11-01").unwrap());
+        assert_eq!(from, parse_instant("2026-11-01", 0).unwrap());
         assert_eq!(to, now);
         let (from, to) = period(
             Some("2026-11-02T05:00:00Z"),
@@ -155,8 +179,8 @@ mod tests {
             now,
         )
         .unwrap();
-        assert_eq!(from, parse_instant("2026-11-02T05:00:00Z").unwrap());
-        assert_eq!(to, parse_instant("2026-11-02T08:00:00Z").unwrap());
+        assert_eq!(from, parse_instant("2026-11-02T05:00:00Z", 0).unwrap());
+        assert_eq!(to, parse_instant("2026-11-02T08:00:00Z", 0).unwrap());
         let e = period(Some("2026-11-05"), None, 0, Granularity::Day, now).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("from"));
         let e = period(Some("soon"), None, 0, Granularity::Day, now).unwrap_err();

@@ -347,9 +347,11 @@ pub fn verify(args: &VerifyArgs) -> Result<(), String> {
     if let Some(head) = &args.head {
         return verify_head(args, head);
     }
+    // Offline, this command is the application: a span is before its own clock.
+    let now = scheduler::wall_clock_ms();
     let instant = |flag: &str, v: &Option<String>| {
         v.as_deref()
-            .map(|t| api::period::parse_instant(t).map_err(|e| format!("--{flag}: {e}")))
+            .map(|t| api::period::parse_instant(t, now).map_err(|e| format!("--{flag}: {e}")))
             .transpose()
     };
     let scope = projector::verify::Scope {

@@ -156,7 +156,8 @@ pub(crate) async fn allocations(
 #[serde(deny_unknown_fields)]
 pub(crate) struct AllocationsQuery {
     /// Also owed and delivered GPU-hours from this time: a date (`2026-11-01`), an RFC 3339
-    /// date-time or ms since the epoch, moved back to its hour (default a week before `to`).
+    /// date-time, ms since the epoch or a span before now (`7d`), moved back to its hour
+    /// (default a week before `to`).
     from: Option<String>,
     /// Up to this time, moved on to the end of its hour (default, and at most, now).
     to: Option<String>,

@@ -27,7 +27,8 @@ const DAY_MS: u64 = 86_400_000;
 pub(crate) struct AuditQuery {
     /// Only this allocation and those below it.
     allocation: Option<String>,
-    /// Start: a date (`2026-11-01`), an RFC 3339 date-time or ms since the epoch; moved back to
+    /// Start: a date (`2026-11-01`), an RFC 3339 date-time, ms since the epoch or a span before
+    /// now (`7d`); moved back to
     /// the start of its period (default a week before `to`).
     from: Option<String>,
     /// End, the same forms; moved on to the end of its period (default, and at most, now).
@@ -341,7 +342,8 @@ pub(crate) async fn audit_workload(
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PeriodQuery {
-    /// Start: a date, an RFC 3339 date-time or ms since the epoch, moved back to its hour
+    /// Start: a date, an RFC 3339 date-time, ms since the epoch or a span before now (`6h`),
+    /// moved back to its hour
     /// (default a day before `to`).
     from: Option<String>,
     /// End, the same forms, moved on to the end of its hour (default, and at most, now).
@@ -424,7 +426,8 @@ pub(crate) async fn audit_head(State(app): State<App>) -> Response {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct VerifyQuery {
-    /// Only periods starting at or after this time (a date, an RFC 3339 date-time or ms).
+    /// Only periods starting at or after this time (a date, an RFC 3339 date-time, ms or a span
+    /// before now).
     from: Option<String>,
     /// Only periods starting before this time.
     to: Option<String>,
@@ -462,8 +465,8 @@ pub(crate) async fn audit_verify(
 ) -> Result<Response, Problem> {
     let Query(q) = query.map_err(bad_query)?;
     let scope = projector::verify::Scope {
-        from_ms: instant_param("from", q.from.as_deref())?,
-        to_ms: instant_param("to", q.to.as_deref())?,
+        from_ms: instant_param("from", q.from.as_deref(), app.now_ms())?,
+        to_ms: instant_param("to", q.to.as_deref(), app.now_ms())?,
         allocation: q.allocation.clone(),
     };
     known_allocation(&app, q.allocation.as_deref()).await?;

@@ -788,8 +788,8 @@ pub(crate) struct ListQuery {
     allocation: Option<String>,
     /// Only workloads this principal submitted: its name (`alice`) or actor (`user:alice`).
     user: Option<String>,
-    /// Only workloads live at this time or ended since: a date, an RFC 3339 date-time or
-    /// milliseconds since the epoch.
+    /// Only workloads live at this time or ended since: a date, an RFC 3339 date-time,
+    /// milliseconds since the epoch or a span before now (`1h`).
     since: Option<String>,
     /// Only workloads submitted before this time.
     until: Option<String>,
@@ -827,8 +827,8 @@ pub(crate) async fn list(
         phases,
         allocation: query.allocation.clone(),
         user: query.user.clone(),
-        since_ms: instant_param("since", query.since.as_deref())?,
-        until_ms: instant_param("until", query.until.as_deref())?,
+        since_ms: instant_param("since", query.since.as_deref(), app.now_ms())?,
+        until_ms: instant_param("until", query.until.as_deref(), app.now_ms())?,
     };
     let before = query
         .before

@@ -20,11 +20,16 @@ pub fn audit(
         ledger::names::path(a).map_err(|r| format!("--allocation: {r}"))?;
         path += &format!("&allocation={a}");
     }
-    // Times go over the wire as milliseconds: nothing to escape.
+    // Times go as written: the server reads them (a span by its own clock) and names the flag
+    // it cannot read.
     for (flag, value) in [("from", from), ("to", to)] {
         if let Some(v) = value {
-            let ms = api::period::parse_instant(v).map_err(|e| format!("--{flag}: {e}"))?;
-            path += &format!("&{flag}={ms}");
+            path += &format!(
+                "&{}",
+                form_urlencoded::Serializer::new(String::new())
+                    .append_pair(flag, v)
+                    .finish()
+            );
         }
     }
     let v = Api::new(args)?.call("GET", &path, None)?;

@@ -15,8 +15,8 @@ pub fn show(args: &ClientArgs, path: &str) -> Result<(), String> {
         .find(|a| a["path"] == path)
         .cloned()
         .ok_or_else(|| format!("no allocation {path:?}; `fairledger alloc` lists them"))?;
-    let week_ago = scheduler::wall_clock_ms().saturating_sub(7 * 86_400_000);
-    let usage = api.call("GET", &format!("/v1/usage?from={week_ago}"), None)?;
+    // The last 7 days by the server's clock.
+    let usage = api.call("GET", "/v1/usage?from=7d", None)?;
     // Day by day: the hours' average GPUs held and owed by the leaves under the path.
     let under = |leaf: &str| leaf == path || leaf.starts_with(&format!("{path}/"));
     let mut days: std::collections::BTreeMap<String, (f64, f64)> = Default::default();

@@ -258,7 +258,6 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
         "REASON",
     ];
     let mut listing = Listing::new(args, "pending", &header);
-    let now = scheduler::wall_clock_ms();
     let more = print_pages(
         &api,
         &mut listing,
@@ -274,9 +273,9 @@ pub fn queue(args: &ClientArgs, which: &QueueArgs) -> Result<(), String> {
                 text(&p["allocation"]),
                 text(&p["user"]),
                 format!("{}x{}", text(&p["nodes"]), text(&p["gpus_per_node"])),
-                p["submitted_at_ms"]
-                    .as_u64()
-                    .map_or("-".into(), |t| span(now.saturating_sub(t) / 1000)),
+                (p["submitted_at_ms"].as_u64())
+                    .zip(super::server_now_ms())
+                    .map_or("-".into(), |(t, now)| span(now.saturating_sub(t) / 1000)),
                 text(&p["reason"]["code"]),
             ]
         },
@@ -356,17 +355,6 @@ pub struct JobsArgs {
     pub limit: usize,
 }
 
-/// A time flag as the API reads it: a span (`2h`, `90m`, `1d 12h`) is that long ago; anything
-/// else (a date, a date-time, milliseconds) goes as it is and the API says what is wrong with it.
-fn time_flag(text: &str) -> String {
-    match humantime::parse_duration(text.trim()) {
-        Ok(d) => scheduler::wall_clock_ms()
-            .saturating_sub(d.as_millis() as u64)
-            .to_string(),
-        Err(_) => text.to_owned(),
-    }
-}
-
 pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
     let api = Api::new(args)?;
     let mut query = Vec::new();
@@ -380,10 +368,10 @@ pub fn jobs(args: &ClientArgs, filter: &JobsArgs) -> Result<(), String> {
         query.push(("user", u));
     }
     if let Some(t) = &filter.since {
-        query.push(("since", time_flag(t)));
+        query.push(("since", t.clone()));
     }
     if let Some(t) = &filter.until {
-        query.push(("until", time_flag(t)));
+        query.push(("until", t.clone()));
     }
     let limit = if filter.limit == 0 {
         usize::MAX

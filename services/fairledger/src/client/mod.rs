@@ -70,6 +70,16 @@ pub fn token(api: &str, token_file: Option<&Path>) -> Result<Option<String>, Str
     Ok(None)
 }
 
+/// The server's clock at its latest answer (its `Date` header, to the second), in ms since the
+/// epoch; 0 before any. Relative times ("in 42m", how long work has waited) are read against
+/// it: the client never reads its own machine's clock, which may be off from the ledger's.
+static SERVER_NOW_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The server's clock as of its latest answer; `None` before any answer carried one.
+fn server_now_ms() -> Option<u64> {
+    Some(SERVER_NOW_MS.load(std::sync::atomic::Ordering::Relaxed)).filter(|&ms| ms > 0)
+}
+
 /// A thin HTTP client that turns problem+json answers into one-line errors.
 struct Api {
     base: String,
@@ -128,6 +138,13 @@ impl Api {
             _ => unreachable!("{method} with {body:?}"),
         };
         let mut response = sent.map_err(|e| unreachable(&self.base, &e))?;
+        let date = (response.headers().get("date"))
+            .and_then(|d| httpdate::parse_http_date(d.to_str().ok()?).ok())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        if let Some(since_epoch) = date {
+            let ms = u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX);
+            SERVER_NOW_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
+        }
         let status = response.status().as_u16();
         let text = response
             .body_mut()
@@ -1002,14 +1019,16 @@ fn key(v: &Value) -> String {
     }
 }
 
-/// A time as people read it: the UTC date-time to the second, and how far it is from now
-/// ("2026-12-05 19:20:07 UTC (in 42m)"); "-" when there is none.
+/// A time as people read it: the UTC date-time to the second, and how far it is from the
+/// server's now ("2026-12-05 19:20:07 UTC (in 42m)"); "-" when there is none.
 fn when(ms: &Value) -> String {
     let Some(ms) = ms.as_u64() else {
         return "-".into();
     };
     let day_and_time = date_time(&Value::from(ms));
-    let now = scheduler::wall_clock_ms();
+    let Some(now) = server_now_ms() else {
+        return format!("{day_and_time} UTC");
+    };
     let relative = if ms >= now {
         format!("in {}", span((ms - now) / 1000))
     } else {
