@@ -21,33 +21,9 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// How long a write waits for the projection to fold it.
 const FOLD_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The clock the API reads: milliseconds since the epoch. The application injects it (the wall
-/// clock unless a test drives its own), so no handler reads the machine's clock itself.
-#[derive(Clone)]
-pub struct Clock(Arc<dyn Fn() -> u64 + Send + Sync>);
-
-impl Clock {
-    /// A clock that reads `now`.
-    pub fn new(now: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
-        Clock(Arc::new(now))
-    }
-
-    /// The machine's clock.
-    pub fn wall() -> Self {
-        Clock::new(scheduler::wall_clock_ms)
-    }
-
-    /// The time now, milliseconds since the epoch.
-    pub fn now_ms(&self) -> u64 {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for Clock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Clock({} ms)", self.now_ms())
-    }
-}
+/// The clock the API reads: the application injects it (the machine's unless a test drives
+/// its own), so no handler reads the machine's clock itself; the scheduler reads the same.
+pub use scheduler::Clock;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -170,6 +146,11 @@ impl App {
             .leases
             .claim(node, holder, true)
             .map_err(|p| p.detail)
+    }
+
+    /// The application's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.inner.clock
     }
 
     /// The time by the application's clock, milliseconds since the epoch.

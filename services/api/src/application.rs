@@ -317,6 +317,7 @@ impl Application {
                 health: Some(app.health()),
                 stuck: app.inner.stuck.clone(),
                 metrics: app.inner.metrics.scheduler.clone(),
+                clock: settings.clock.clone(),
             };
             let lease = match &log {
                 AnyLog::JetStream(js) => Some(
@@ -348,10 +349,16 @@ impl Application {
                     .await
                     .map_err(|e| BuildError::Log(e.to_string()))?;
                 let (projection, monitor) = (projection.clone(), app.health());
-                let stop_signal = stopped(stop_rx.clone());
+                let (clock, stop_signal) = (settings.clock.clone(), stopped(stop_rx.clone()));
                 tasks.push(tokio::spawn(async move {
-                    scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop_signal)
-                        .await;
+                    scheduler::watch_heartbeats(
+                        heartbeats,
+                        &projection,
+                        &monitor,
+                        &clock,
+                        stop_signal,
+                    )
+                    .await;
                     Ok(())
                 }));
             }

@@ -257,10 +257,10 @@ pub fn serve(args: ServeArgs) -> Result<(), String> {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Envelope>();
             let heartbeats = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
             let projection = app.projection().clone();
-            let monitor = app.health();
+            let (monitor, clock) = (app.health(), app.clock().clone());
             let stop = application.stopping();
             agent_tasks.push(tokio::spawn(async move {
-                scheduler::watch_heartbeats(heartbeats, &projection, &monitor, stop).await;
+                scheduler::watch_heartbeats(heartbeats, &projection, &monitor, &clock, stop).await;
                 Ok(())
             }));
             let shim = crate::agentcmd::shim()?;

@@ -43,6 +43,43 @@ pub struct SchedulerConfig {
     pub stuck: std::sync::Arc<Stuck>,
     /// How long passes take and how long started work waited.
     pub metrics: SchedulerMetrics,
+    /// The clock passes and heartbeats are read by (the machine's unless a test drives time).
+    pub clock: Clock,
+}
+
+/// A clock in milliseconds since the epoch. The application injects one into the API and the
+/// scheduler (the machine's, [`Clock::wall`], unless a test drives its own), so no handler or
+/// pass reads the machine's clock itself.
+#[derive(Clone)]
+pub struct Clock(std::sync::Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl Clock {
+    /// A clock that reads `now`.
+    pub fn new(now: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        Clock(std::sync::Arc::new(now))
+    }
+
+    /// The machine's clock.
+    pub fn wall() -> Self {
+        Clock::new(wall_clock_ms)
+    }
+
+    /// The time now, milliseconds since the epoch.
+    pub fn now_ms(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::wall()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock({} ms)", self.now_ms())
+    }
 }
 
 /// What the loop measures, for `/metrics`: clones share their figures.
@@ -175,6 +212,7 @@ impl Default for SchedulerConfig {
             health: None,
             stuck: Default::default(),
             metrics: Default::default(),
+            clock: Clock::wall(),
         }
     }
 }
@@ -373,7 +411,7 @@ pub async fn run<L: EventLog>(
             continue;
         }
         let fence = Fence::after_conflicts(conflicts);
-        match step(log, projection, config, wall_clock_ms(), fence).await {
+        match step(log, projection, config, config.clock.now_ms(), fence).await {
             Ok(Passed {
                 last_seq: Some(seq),
                 ..
@@ -409,6 +447,7 @@ pub async fn watch_heartbeats(
     heartbeats: impl futures::Stream<Item = Envelope>,
     projection: &RwLock<Projector>,
     monitor: &std::sync::Mutex<HealthMonitor>,
+    clock: &Clock,
     stop: impl std::future::Future<Output = ()>,
 ) {
     use futures::StreamExt;
@@ -432,7 +471,7 @@ pub async fn watch_heartbeats(
             monitor
                 .lock()
                 .expect("the health monitor is never poisoned")
-                .heartbeat(p.state(), hb, env.occurred_at_ms, wall_clock_ms())
+                .heartbeat(p.state(), hb, env.occurred_at_ms, clock.now_ms())
         };
         let before = told.entry(hb.node.clone()).or_default();
         for problem in &problems {
