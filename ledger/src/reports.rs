@@ -2,10 +2,45 @@
 //! An agent does not decide why work stops: it may say a run was lost (its process vanished) at
 //! any time, and otherwise only that it stopped as the preemption under way asked. So an agent
 //! cannot charge a contract violation, end another node's work, or end work as cancelled that
-//! nobody cancelled. The API applies this to every report before the fold's own rules.
+//! nobody cancelled. [`State::check_reports`] judges a batch of reports by these rules, the
+//! sender and its clock, and the fold's own, however the batch reaches the ledger.
 
 use crate::event::{Event, PreemptionReason, StopReason, WorkloadStopped};
 use crate::state::{Phase, State};
+use crate::{Envelope, Rejection};
+
+/// Why a batch of an agent's reports is refused: what is wrong with one of them.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BatchRefusal {
+    /// Stamped with another actor than its sender's.
+    #[error(
+        "a report is made by its sender: this one claims {claimed:?}, and its sender is {sender:?}"
+    )]
+    NotTheSender {
+        /// The actor the report names.
+        claimed: String,
+        /// Its sender.
+        sender: String,
+    },
+    /// Stamped further ahead of the ledger's clock than its skew tolerance.
+    #[error("{:.1} s ahead of the server's clock: fix the node's clock (NTP)", *ahead_ms as f64 / 1000.0)]
+    Ahead {
+        /// How far ahead.
+        ahead_ms: u64,
+    },
+    /// Not the agent's to report ([`State::node_may_report`]).
+    #[error(transparent)]
+    Report(#[from] ReportRefusal),
+    /// What the fold would reject.
+    #[error(transparent)]
+    Rejected(Rejection),
+    /// A second report about a run an earlier report of the batch already ends.
+    #[error("events[{earlier}] already reports this run's end: a batch reports a run once (a stop may be followed by its requeue)")]
+    AlreadyReported {
+        /// The earlier report's index.
+        earlier: usize,
+    },
+}
 
 /// Why an agent may not report an event.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -69,6 +104,55 @@ impl State {
                 node: node.to_owned(),
             })
         }
+    }
+
+    /// Judges a batch of reports sent by `sender`, the agent of `node`, received at `now_ms`:
+    /// each is stamped with the sender's actor and no further ahead than the skew tolerance,
+    /// is the node's to report, and is what the fold would take. The batch is not folded yet:
+    /// a report is judged against the ledger as it stands, except a requeue following its run's
+    /// stop (judged with the stop); anything else after a report about the same run would be
+    /// judged against a run the batch has already ended. The first refusal, with its index.
+    pub fn check_reports(
+        &self,
+        node: &str,
+        sender: &str,
+        reports: &[&Envelope],
+        now_ms: u64,
+    ) -> Result<(), (usize, BatchRefusal)> {
+        for (i, env) in reports.iter().enumerate() {
+            let refuse = |r: BatchRefusal| Err((i, r));
+            if env.actor != sender {
+                return refuse(BatchRefusal::NotTheSender {
+                    claimed: env.actor.clone(),
+                    sender: sender.to_owned(),
+                });
+            }
+            let ahead_ms = env.occurred_at_ms.saturating_sub(now_ms);
+            if ahead_ms > self.config().clock_skew_tolerance_ms {
+                return refuse(BatchRefusal::Ahead { ahead_ms });
+            }
+            if let Err(r) = self.node_may_report(node, &env.event) {
+                return refuse(r.into());
+            }
+            let run = env.event.workload();
+            let earlier = reports[..i]
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| run.is_some() && r.event.workload() == run)
+                .map(|(j, r)| (j, &r.event))
+                .collect::<Vec<_>>();
+            match (&env.event, earlier.as_slice()) {
+                (_, []) => {
+                    if let Err(r) = self.check(env) {
+                        return refuse(BatchRefusal::Rejected(r));
+                    }
+                }
+                (Event::WorkloadRequeued(_), [(_, Event::WorkloadStopped(stop))])
+                    if stop.reason != StopReason::Cancelled => {}
+                (_, [.., (j, _)]) => return refuse(BatchRefusal::AlreadyReported { earlier: *j }),
+            }
+        }
+        Ok(())
     }
 
     /// A run stops lost any time; otherwise only as the preemption under way asked: a cancel

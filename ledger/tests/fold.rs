@@ -684,6 +684,85 @@ fn a_node_reports_its_own_runs_and_stops_only_as_asked() {
     );
 }
 
+/// A batch of an agent's reports is judged whole by the ledger: its sender's actor, its clock,
+/// the node's own runs, the fold's rules, and one end per run (a stop may be followed by its
+/// requeue); the first refusal names the report.
+#[test]
+fn a_batch_of_reports_is_judged_whole() {
+    use ledger::event::WorkloadRequeued;
+    use ledger::reports::{BatchRefusal, ReportRefusal};
+    let mut l = two_teams();
+    l.submit(0, wid(1), Some("a"), 4, 1);
+    assert_eq!(
+        l.start(0, wid(1), &[("n1", &[0, 1, 2, 3])], 0),
+        Outcome::Applied
+    );
+    let now = 10_000;
+    let report = |at: u64, actor: &str, event: Event| {
+        Envelope::new(wid(900 + u128::from(at)), at, actor, event)
+    };
+    let lost = Event::WorkloadStopped(WorkloadStopped {
+        workload: wid(1),
+        reason: StopReason::Lost,
+    });
+    let requeued = Event::WorkloadRequeued(WorkloadRequeued {
+        workload: wid(1),
+        work_lost_s: 0,
+    });
+    let finished = Event::WorkloadFinished(WorkloadFinished {
+        workload: wid(1),
+        exit_code: Some(0),
+        signal: None,
+        error: None,
+    });
+    let me = "agent:n1";
+    let judge = |batch: &[Envelope]| {
+        let refs: Vec<&Envelope> = batch.iter().collect();
+        l.state.check_reports("n1", me, &refs, now)
+    };
+    // A stop and its requeue, together.
+    assert_eq!(
+        judge(&[
+            report(now, me, lost.clone()),
+            report(now, me, requeued.clone())
+        ]),
+        Ok(())
+    );
+    // A run ended twice in one batch.
+    assert_eq!(
+        judge(&[
+            report(now, me, lost.clone()),
+            report(now, me, finished.clone())
+        ]),
+        Err((1, BatchRefusal::AlreadyReported { earlier: 0 }))
+    );
+    // Another's actor, a clock too far ahead, another node's run, what the fold rejects.
+    assert!(matches!(
+        judge(&[report(now, "agent:n2", finished.clone())]),
+        Err((0, BatchRefusal::NotTheSender { .. }))
+    ));
+    let tolerance = l.state.config().clock_skew_tolerance_ms;
+    assert_eq!(
+        judge(&[report(now + tolerance + 1, me, finished.clone())]),
+        Err((
+            0,
+            BatchRefusal::Ahead {
+                ahead_ms: tolerance + 1
+            }
+        ))
+    );
+    let refs = [report(now, "agent:n2", finished.clone())];
+    assert!(matches!(
+        l.state
+            .check_reports("n2", "agent:n2", &refs.iter().collect::<Vec<_>>(), now),
+        Err((0, BatchRefusal::Report(ReportRefusal::NotYours { .. })))
+    ));
+    assert!(matches!(
+        judge(&[report(now, me, requeued)]),
+        Err((0, BatchRefusal::Rejected(_)))
+    ));
+}
+
 #[test]
 fn settings_take_effect_at_their_position_in_the_log() {
     use ledger::settings::Settings;

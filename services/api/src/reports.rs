@@ -7,9 +7,8 @@ use std::sync::Arc;
 
 use eventlog::{Append, AppendError, Appended, EventLog, LogError, Stored};
 use futures::stream::BoxStream;
-use ledger::event::StopReason;
 use ledger::identity::Action;
-use ledger::{Envelope, Event};
+use ledger::Envelope;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -50,10 +49,9 @@ pub async fn append(app: &App, appends: Vec<Append>) -> Result<serde_json::Value
     }
 }
 
-/// Checks the reports of `node`'s agent, whose events must name `actor` as theirs, against the
-/// state: only its registration and the ends of runs placed on it, never stamped further ahead
-/// of the server's clock (`now_ms`) than the ledger's skew tolerance. Answers the appends, each
-/// keyed by the agent's own idempotency key.
+/// Checks the reports of `node`'s agent, whose events must name `actor` as theirs, by the
+/// ledger's rules for a batch of reports ([`ledger::State::check_reports`]), received at
+/// `now_ms`. Answers the appends, each keyed by the agent's own idempotency key.
 pub fn check(
     state: &ledger::State,
     node: &str,
@@ -67,19 +65,7 @@ pub fn check(
             format!("1 to {NODE_EVENTS_MAX} reports"),
         ));
     }
-    let mut appends = Vec::with_capacity(reports.len());
     for (i, report) in reports.iter().enumerate() {
-        let field = format!("events[{i}].envelope");
-        let env = &report.envelope;
-        if env.actor != actor {
-            return Err(Problem {
-                field: Some(format!("{field}.actor")),
-                ..Problem::forbidden(format!(
-                    "a report is made by its sender: this one claims {:?}, and its sender is {actor:?}",
-                    env.actor
-                ))
-            });
-        }
         let key = &report.idempotency_key;
         // It becomes a NATS header: printable ASCII only.
         let printable = key.bytes().all(|b| (b' '..=b'~').contains(&b));
@@ -89,79 +75,64 @@ pub fn check(
                 "1 to 128 printable ASCII characters",
             ));
         }
-        let ahead = env.occurred_at_ms.saturating_sub(now_ms);
-        if ahead > state.config().clock_skew_tolerance_ms {
-            return Err(Problem::invalid(
-                &format!("{field}.occurred_at_ms"),
-                format!(
-                    "{:.1} s ahead of the server's clock: fix the node's clock (NTP)",
-                    ahead as f64 / 1000.0
-                ),
-            ));
-        }
-        // What an agent may report at all (the core's rule), then what the fold would take.
-        if let Err(refusal) = state.node_may_report(node, &env.event) {
-            use ledger::reports::ReportRefusal;
-            return Err(match refusal {
-                ReportRefusal::NotAReport { .. } => {
-                    Problem::invalid(&format!("{field}.type"), refusal.to_string())
-                }
-                ReportRefusal::NotYours { .. } => Problem {
-                    field: Some(field),
-                    ..Problem::forbidden(refusal.to_string())
-                },
-                ReportRefusal::StopNotAsked { .. } => Problem {
-                    field: Some(format!("{field}.payload.reason")),
-                    ..Problem::forbidden(refusal.to_string())
-                },
-            });
-        }
-        // What the fold would reject is refused, not appended. The batch is not folded yet:
-        // a report is judged against the ledger as it stands, except a requeue following its
-        // run's stop (judged with the stop above); anything else after a report about the same
-        // run would be judged against a run that the batch has already ended.
-        let run = env.event.workload();
-        let earlier: Vec<(usize, &Event)> = reports[..i]
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| run.is_some() && r.envelope.event.workload() == run)
-            .map(|(j, r)| (j, &r.envelope.event))
-            .collect();
-        match (&env.event, earlier.as_slice()) {
-            (_, []) => state.check(env).map_err(|r| {
-                let problem = Problem::refused(&r, &env.event);
-                Problem {
-                    field: Some(match &problem.field {
-                        Some(f) => format!("{field}.payload.{f}"),
-                        None => field.clone(),
-                    }),
-                    ..problem
-                }
-            })?,
-            (Event::WorkloadRequeued(_), [(_, Event::WorkloadStopped(stop))])
-                if stop.reason != StopReason::Cancelled => {}
-            (_, [.., (j, _)]) => {
-                return Err(Problem {
-                    field: Some(field),
-                    ..Problem::new(
-                        axum::http::StatusCode::CONFLICT,
-                        "already_reported",
-                        format!(
-                            "events[{j}] already reports this run's end: a batch reports a run once (a stop may be followed by its requeue)"
-                        ),
-                    )
-                })
-            }
-        }
-        let allocation = state.allocation_of(&env.event);
-        // Keys are the sender's own: another principal's equal key is another report.
-        appends.push(Append::event(
-            env,
-            allocation,
-            Some(&format!("{actor}/{key}")),
-        ));
     }
-    Ok(appends)
+    // The ledger's rules for a batch of reports, then its answer as a problem naming the field.
+    let envelopes: Vec<&Envelope> = reports.iter().map(|r| &r.envelope).collect();
+    if let Err((i, refusal)) = state.check_reports(node, actor, &envelopes, now_ms) {
+        use ledger::reports::{BatchRefusal, ReportRefusal};
+        let field = format!("events[{i}].envelope");
+        let at = |f: String, problem: Problem| Problem {
+            field: Some(f),
+            ..problem
+        };
+        return Err(match &refusal {
+            BatchRefusal::NotTheSender { .. } => at(
+                format!("{field}.actor"),
+                Problem::forbidden(refusal.to_string()),
+            ),
+            BatchRefusal::Ahead { .. } => {
+                Problem::invalid(&format!("{field}.occurred_at_ms"), refusal.to_string())
+            }
+            BatchRefusal::Report(ReportRefusal::NotAReport { .. }) => {
+                Problem::invalid(&format!("{field}.type"), refusal.to_string())
+            }
+            BatchRefusal::Report(ReportRefusal::NotYours { .. }) => {
+                at(field, Problem::forbidden(refusal.to_string()))
+            }
+            BatchRefusal::Report(ReportRefusal::StopNotAsked { .. }) => at(
+                format!("{field}.payload.reason"),
+                Problem::forbidden(refusal.to_string()),
+            ),
+            BatchRefusal::Rejected(r) => {
+                let problem = Problem::refused(r, &envelopes[i].event);
+                let inner = problem.field.clone();
+                at(
+                    inner.map_or(field.clone(), |f| format!("{field}.payload.{f}")),
+                    problem,
+                )
+            }
+            BatchRefusal::AlreadyReported { .. } => at(
+                field,
+                Problem::new(
+                    axum::http::StatusCode::CONFLICT,
+                    "already_reported",
+                    refusal.to_string(),
+                ),
+            ),
+        });
+    }
+    Ok(reports
+        .iter()
+        .map(|report| {
+            let env = &report.envelope;
+            // Keys are the sender's own: another principal's equal key is another report.
+            Append::event(
+                env,
+                state.allocation_of(&env.event),
+                Some(&format!("{actor}/{}", report.idempotency_key)),
+            )
+        })
+        .collect())
 }
 
 /// The ledger as an agent inside the server sees it: reads straight from the log, reports through
