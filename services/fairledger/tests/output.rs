@@ -149,6 +149,16 @@ fn output_from_anywhere(server: &Server, dir: &Path, start_agent: &dyn Fn() -> A
     let (ok, admin, _) = logs(server, &server.token_file(), &["--run", "1", &id]);
     assert!(ok);
     assert_eq!(admin, expected(8));
+    // A job that ends as soon as it prints: read right after its end, without following, its
+    // output is whole (the agent ships every half second and reports the end at once; the read
+    // waits for the last chunk).
+    let quick =
+        json!({"allocation": "lab/a", "gpus_per_node": 1, "command": ["sh", "-c", "echo quick"]});
+    let quick = submit_as(server, Some(&alice), &quick);
+    wait_for(server, &quick, "finished");
+    let (ok, out, err) = logs(server, &alice_file, &[&quick]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "quick\n");
     // Not another submitter, nor a viewer: output can hold secrets.
     let (ok, _, err) = logs(server, &bob_file, &[&id]);
     assert!(!ok && err.contains("submitter"), "{err}");

@@ -25,6 +25,8 @@ const FOLLOW_POLL: Duration = Duration::from_millis(250);
 /// A followed run that ended in the ledger but whose last chunk never came (its agent went
 /// away) is followed this long after its last output.
 const FOLLOW_AFTER_END: Duration = Duration::from_secs(10);
+/// How long a read of an ended run waits for its last output to arrive.
+const SETTLE: Duration = Duration::from_secs(3);
 /// The most bytes read from the store at once.
 const PAGE: usize = 1 << 20;
 
@@ -216,7 +218,6 @@ pub(crate) async fn logs(
         )));
     }
     let store = store(&app)?.clone();
-    let runs = store.runs(id).await.map_err(unavailable)?;
     let run = query.run.unwrap_or(u64::from(row.starts));
     if run > u64::from(row.starts) {
         return Err(Problem::not_found(format!(
@@ -224,6 +225,18 @@ pub(crate) async fn logs(
             row.starts
         )));
     }
+    // A run the ledger has ended may still have output on its way (its agent ships every half
+    // second, and reports the end at once): a read without follow waits a little for its last
+    // chunk, so that it is whole. An agent that went away never sends it: then what is kept.
+    if !query.follow && (row.ended_at_ms.is_some() || run < u64::from(row.starts)) {
+        let deadline = Instant::now() + SETTLE;
+        while !output_ended(&store, id, run, query.node.as_deref()).await?
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(FOLLOW_POLL).await;
+        }
+    }
+    let runs = store.runs(id).await.map_err(unavailable)?;
     let mut nodes: Vec<String> = runs
         .iter()
         .filter(|(r, _)| *r == run)
@@ -316,6 +329,33 @@ pub(crate) async fn logs(
         HeaderValue::from_static(if ended { "true" } else { "false" }),
     );
     Ok(response)
+}
+
+/// Whether the output of run `run` of workload `id` on `node` (else the first node that shipped
+/// any) has its last chunk in.
+async fn output_ended(
+    store: &AnyOutput,
+    id: ledger::WorkloadId,
+    run: u64,
+    node: Option<&str>,
+) -> Result<bool, Problem> {
+    let runs = store.runs(id).await.map_err(unavailable)?;
+    let Some(node) = node
+        .map(str::to_owned)
+        .or_else(|| runs.iter().find(|(r, _)| *r == run).map(|(_, n)| n.clone()))
+    else {
+        return Ok(false);
+    };
+    let key = RunKey {
+        workload: id,
+        run,
+        node,
+    };
+    Ok(store
+        .shipped(&key)
+        .await
+        .map_err(unavailable)?
+        .is_some_and(|s| s.ended))
 }
 
 fn set_headers(
