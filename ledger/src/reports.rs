@@ -5,7 +5,7 @@
 //! nobody cancelled. [`State::check_reports`] judges a batch of reports by these rules, the
 //! sender and its clock, and the fold's own, however the batch reaches the ledger.
 
-use crate::event::{Event, PreemptionReason, StopReason, WorkloadStopped};
+use crate::event::{Event, PreemptionReason, StopReason, WorkloadRequeued, WorkloadStopped};
 use crate::state::{Phase, State};
 use crate::{Envelope, Rejection};
 
@@ -71,6 +71,21 @@ pub enum ReportRefusal {
     },
 }
 
+/// What an agent reports of a run it lost (its process vanished, or the agent stops with it):
+/// stopped as lost and requeued, in one batch, so the work runs again elsewhere.
+pub fn lost(workload: crate::WorkloadId) -> [Event; 2] {
+    [
+        Event::WorkloadStopped(WorkloadStopped {
+            workload,
+            reason: StopReason::Lost,
+        }),
+        Event::WorkloadRequeued(WorkloadRequeued {
+            workload,
+            work_lost_s: 0,
+        }),
+    ]
+}
+
 impl State {
     /// Whether the agent of `node` may report `event` now (see the module's rules). A stop and
     /// its requeue, reported together, are both judged against the run before either folds.
@@ -104,6 +119,19 @@ impl State {
                 node: node.to_owned(),
             })
         }
+    }
+
+    /// Whether the agent of `node` is the one that reports how `workload` ended: a gang's first
+    /// node (another rank that fails by itself reports the gang lost instead).
+    pub fn reports_end(&self, node: &str, workload: crate::WorkloadId) -> bool {
+        let here = self.cluster.get(node);
+        here.is_some()
+            && self
+                .workloads
+                .get(&workload)
+                .and_then(|w| w.placement.first())
+                .map(|p| p.node)
+                == here
     }
 
     /// Judges a batch of reports sent by `sender`, the agent of `node`, received at `now_ms`:

@@ -657,6 +657,9 @@ fn a_node_reports_its_own_runs_and_stops_only_as_asked() {
         })
     };
     let s = &l.state;
+    // A gang's first node reports its end; here the only one.
+    assert!(s.reports_end("n1", wid(1)) && !s.reports_end("n2", wid(1)));
+    assert!(!s.reports_end("n9", wid(1)) && !s.reports_end("n1", wid(2)));
     assert_eq!(s.node_may_report("n1", &finished), Ok(()));
     assert!(matches!(
         s.node_may_report("n2", &finished),

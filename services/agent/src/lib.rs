@@ -29,9 +29,7 @@ use std::time::{Duration, Instant};
 
 use eventlog::{Append, AppendError, EventLog};
 use futures::{FutureExt, StreamExt};
-use ledger::event::{
-    Event, NodeRegistered, StopReason, WorkloadFinished, WorkloadRequeued, WorkloadStopped,
-};
+use ledger::event::{Event, NodeRegistered, WorkloadFinished};
 use ledger::{Envelope, Phase, State, StateConfig, WorkloadId};
 use nix::sys::signal::Signal;
 use uuid::Uuid;
@@ -836,13 +834,12 @@ impl<L: EventLog> Agent<L> {
             run.reported = true;
             ended.push((*key, status, run.kill_at.is_some()));
         }
-        let me = self.state.cluster().get(&self.config.node);
         let mut reports = Vec::new();
         for (key, status, signalled) in ended {
             let Some(w) = self.state.workloads().get(&key.0) else {
                 continue;
             };
-            if w.placement.first().map(|p| p.node) != me {
+            if !self.state.reports_end(&self.config.node, key.0) {
                 // The gang's first node reports its end. Another rank that fails by itself
                 // takes the gang down: it reports it lost (requeued) under the same keys, so
                 // whichever report comes first stands.
@@ -861,7 +858,10 @@ impl<L: EventLog> Agent<L> {
                 }
                 if failed && !signalled && w.preempting.is_none() {
                     tracing::warn!(workload = %key.0, "a rank of the gang failed on this node: the gang is requeued");
-                    reports.push((key, (self.clock().now_ms(), lost(key.0))));
+                    reports.push((
+                        key,
+                        (self.clock().now_ms(), ledger::reports::lost(key.0).to_vec()),
+                    ));
                 }
                 continue;
             }
@@ -911,7 +911,6 @@ impl<L: EventLog> Agent<L> {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let me = self.state.cluster().get(&self.config.node);
         let keys: Vec<_> = self
             .runs
             .iter()
@@ -919,13 +918,7 @@ impl<L: EventLog> Agent<L> {
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
-            let first = self
-                .state
-                .workloads()
-                .get(&key.0)
-                .and_then(|w| w.placement.first())
-                .map(|p| p.node);
-            if first.is_some() && first == me {
+            if self.state.reports_end(&self.config.node, key.0) {
                 let status = self.runs.get_mut(&key).map_or(run::Status::Lost, status_of);
                 let (at, events) = match status {
                     run::Status::Ended(_) if !asked.contains(&key) => {
@@ -933,7 +926,7 @@ impl<L: EventLog> Agent<L> {
                     }
                     _ => {
                         tracing::info!(workload = %key.0, "stopped with the agent: requeued");
-                        (self.clock().now_ms(), lost(key.0))
+                        (self.clock().now_ms(), ledger::reports::lost(key.0).to_vec())
                     }
                 };
                 self.report(key, at, events).await;
@@ -1067,7 +1060,7 @@ impl<L: EventLog> Agent<L> {
             }
             run::Status::Lost | run::Status::Running => {
                 tracing::warn!(workload = %id, "the run vanished without a record of its end: reported lost and requeued");
-                (self.clock().now_ms(), lost(id))
+                (self.clock().now_ms(), ledger::reports::lost(id).to_vec())
             }
         }
     }
@@ -1147,20 +1140,6 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-/// What is reported for a run that is gone without a record of how it ended.
-fn lost(id: WorkloadId) -> Vec<Event> {
-    vec![
-        Event::WorkloadStopped(WorkloadStopped {
-            workload: id,
-            reason: StopReason::Lost,
-        }),
-        Event::WorkloadRequeued(WorkloadRequeued {
-            workload: id,
-            work_lost_s: 0,
-        }),
-    ]
 }
 
 /// Reaps the shim if this agent launched it and it has exited; one that exited without
