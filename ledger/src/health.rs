@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use crate::event::{Event, GpuHealthChanged, GpuHeartbeat};
-use crate::State;
+use crate::{Rejection, State};
 
 /// The silence after which a node's GPUs go unhealthy, unless set otherwise.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
@@ -129,10 +129,9 @@ impl HealthMonitor {
         at_ms: u64,
     ) -> Vec<HeartbeatProblem> {
         let mut problems = Self::check(state, hb, sent_at_ms, at_ms);
-        let Some(idx) = state.cluster.get(&hb.node) else {
+        if state.cluster.get(&hb.node).is_none() {
             return problems;
-        };
-        let gpus = state.cluster.node(idx).gpu_count;
+        }
         let seen = self.nodes.entry(hb.node.clone()).or_default();
         // A clock ahead shows at once (lateness cannot make one look ahead); one behind only
         // after several heartbeats read in step with their sending.
@@ -157,8 +156,16 @@ impl HealthMonitor {
         }
         seen.at_ms = seen.at_ms.max(at_ms);
         seen.bad.clear();
-        for r in hb.readings.iter().filter(|r| r.gpu < gpus) {
-            seen.utilization.insert(r.gpu, r.utilization_pct.min(100));
+        // Readings judged as the ledger judges them ([`State::check_heartbeat`]): none of a GPU
+        // the node does not have, and no utilization that is not a percentage.
+        for r in &hb.readings {
+            match state.check_reading(&hb.node, r) {
+                Ok(()) => {
+                    seen.utilization.insert(r.gpu, r.utilization_pct);
+                }
+                Err(Rejection::UnknownGpu { .. } | Rejection::UnknownNode { .. }) => continue,
+                Err(_) => {}
+            }
             if let Some(fault) = &r.fault {
                 seen.bad.insert(r.gpu, fault.clone());
             } else if r.ecc_errors_uncorrected > 0 {
@@ -177,16 +184,18 @@ impl HealthMonitor {
         at_ms: u64,
     ) -> Vec<HeartbeatProblem> {
         let mut problems = Vec::new();
-        let Some(idx) = state.cluster.get(&hb.node) else {
+        if state.cluster.get(&hb.node).is_none() {
             problems.push(HeartbeatProblem::UnknownNode(hb.node.clone()));
             return problems;
-        };
-        let gpus = state.cluster.node(idx).gpu_count;
-        let unknown: Vec<u32> = hb
-            .readings
-            .iter()
+        }
+        let unknown: Vec<u32> = (hb.readings.iter())
+            .filter(|r| {
+                matches!(
+                    state.check_reading(&hb.node, r),
+                    Err(Rejection::UnknownGpu { .. })
+                )
+            })
             .map(|r| r.gpu)
-            .filter(|&g| g >= gpus)
             .collect();
         if !unknown.is_empty() {
             problems.push(HeartbeatProblem::UnknownGpus {

@@ -417,6 +417,19 @@ fn utilization_is_the_mean_reported_utilization_of_allocated_gpus() {
             readings: vec![reading(0, 50), reading(1, 100), reading(2, 0)],
         }),
     );
+    // A utilization that is not a percentage is refused, naming it, and changes nothing: the
+    // same judgment as the API's and the health monitor's (State::check_heartbeat).
+    let over = Event::GpuHeartbeat(GpuHeartbeat {
+        node: "n1".into(),
+        readings: vec![reading(0, 20), reading(1, 101)],
+    });
+    let checked = l.state.check_heartbeat(match &over {
+        Event::GpuHeartbeat(hb) => hb,
+        _ => unreachable!(),
+    });
+    assert!(matches!(checked, Err((1, _))), "{checked:?}");
+    let refused = rejected(l.apply(0, over.clone()));
+    assert_eq!(refused.field_in(&over), Some("utilization_pct"));
     l.state.advance_to(10 * S);
     approx(
         Metrics::between(&start, l.state.counters()).utilization,

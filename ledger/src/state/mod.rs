@@ -713,10 +713,7 @@ impl State {
             }
             Event::AllocationRemoved(e) => self.allocations.check_remove(&e.path).map(drop),
             Event::NodeRegistered(e) => self.check_node_registered(env.schema_version, e).map(drop),
-            Event::GpuHeartbeat(e) => e
-                .readings
-                .iter()
-                .try_for_each(|r| self.gpu_of(&e.node, r.gpu).map(drop)),
+            Event::GpuHeartbeat(e) => self.check_heartbeat(e).map_err(|(_, r)| r),
             Event::GpuHealthChanged(e) => self.gpu_of(&e.node, e.gpu).map(drop),
             Event::NodeDrained(e) => self.check_drained(env.schema_version, e).map(drop),
             Event::NodeResumed(e) => self.node_idx(&e.node).map(drop),
@@ -771,7 +768,7 @@ impl State {
             Event::AllocationSet(e) => self.allocation_set(seq, env.schema_version, e),
             Event::AllocationRemoved(e) => self.allocation_removed(e),
             Event::NodeRegistered(e) => self.node_registered(env.schema_version, e),
-            Event::GpuHeartbeat(e) => self.gpu_heartbeat(e),
+            Event::GpuHeartbeat(e) => self.gpu_heartbeat(env.schema_version, e),
             Event::GpuHealthChanged(e) => self.gpu_health_changed(e),
             Event::NodeDrained(e) => self
                 .check_drained(env.schema_version, e)
@@ -1016,7 +1013,35 @@ impl State {
         Ok(idx)
     }
 
-    fn gpu_heartbeat(&mut self, e: &GpuHeartbeat) -> Result<Outcome, Rejection> {
+    /// The ledger's one judgment of a heartbeat from a node, wherever it arrives (the API, the
+    /// health monitor, the fold): the node registered, each reading of one of its own GPUs,
+    /// its utilization a percentage. The first reading at fault, with its index.
+    pub fn check_heartbeat(&self, e: &GpuHeartbeat) -> Result<(), (usize, Rejection)> {
+        self.node_idx(&e.node).map_err(|r| (0, r))?;
+        for (i, r) in e.readings.iter().enumerate() {
+            self.check_reading(&e.node, r)
+                .map_err(|rejection| (i, rejection))?;
+        }
+        Ok(())
+    }
+
+    /// [`State::check_heartbeat`] for one reading from `node`.
+    pub fn check_reading(&self, node: &str, r: &crate::event::GpuReading) -> Result<(), Rejection> {
+        self.gpu_of(node, r.gpu)?;
+        if r.utilization_pct > 100 {
+            return Err(Rejection::InvalidField {
+                field: "utilization_pct",
+                reason: format!("{} is not a percentage: 0 to 100", r.utilization_pct),
+            });
+        }
+        Ok(())
+    }
+
+    fn gpu_heartbeat(&mut self, version: u16, e: &GpuHeartbeat) -> Result<Outcome, Rejection> {
+        // Before schema version 5 a utilization over 100 was folded as 100.
+        if version >= 5 {
+            self.check_heartbeat(e).map_err(|(_, r)| r)?;
+        }
         let mut idx = None;
         for r in &e.readings {
             idx = Some(self.gpu_of(&e.node, r.gpu)?);

@@ -340,33 +340,23 @@ pub(crate) async fn heartbeat(
     caller.allow(&Action::ReportForNode { node: &node }, projection.state())?;
     app.inner.leases.check(&node, holder(&headers)?)?;
     let Json(body) = body.map_err(bad_body)?;
-    let gpus = {
-        let cluster = &projection.state().cluster();
-        let idx = cluster.get(&node).ok_or_else(|| {
-            Problem::not_found(format!(
-                "node {node:?} is not registered; POST /v1/nodes first"
-            ))
-        })?;
-        cluster.node(idx).gpu_count
-    };
-    for (i, r) in body.readings.iter().enumerate() {
-        if r.gpu >= gpus {
-            return Err(Problem::invalid(
-                &format!("readings[{i}].gpu"),
-                format!("node {node:?} has GPUs 0 to {}, not {}", gpus - 1, r.gpu),
-            ));
-        }
-        if r.utilization_pct > 100 {
-            return Err(Problem::invalid(
-                &format!("readings[{i}].utilization_pct"),
-                "0 to 100",
-            ));
-        }
-    }
     let hb = GpuHeartbeat {
         node: node.clone(),
         readings: body.readings,
     };
+    // The ledger's judgment of a heartbeat, the reading at fault named.
+    if let Err((i, r)) = projection.state().check_heartbeat(&hb) {
+        let event = Event::GpuHeartbeat(hb);
+        return Err(match &r {
+            ledger::Rejection::UnknownGpu { .. } => {
+                Problem::invalid(&format!("readings[{i}].gpu"), r.to_string())
+            }
+            ledger::Rejection::InvalidField { field, .. } => {
+                Problem::invalid(&format!("readings[{i}].{field}"), r.to_string())
+            }
+            _ => Problem::refused(&r, &event),
+        });
+    }
     let now = app.now_ms();
     let sent = body.sent_at_ms.unwrap_or(now);
     let problems = match &app.inner.log {
