@@ -95,6 +95,33 @@ pub struct AllocationTree {
 }
 
 impl AllocationTree {
+    /// Figures of every allocation, by id: a leaf's from `leaf`, a parent's the sums of its
+    /// subtree's leaves (as every figure of the tree reads: leaves account, parents add up).
+    pub fn roll_up<const N: usize>(
+        &self,
+        mut leaf: impl FnMut(AllocId, &Allocation) -> [f64; N],
+    ) -> Vec<[f64; N]> {
+        let mut sums: Vec<[f64; N]> = (self.nodes.iter().enumerate())
+            .map(|(id, a)| {
+                if a.is_leaf() {
+                    leaf(id as AllocId, a)
+                } else {
+                    [0.0; N]
+                }
+            })
+            .collect();
+        // A child is created after its parent, so its id is larger: children first.
+        for id in (0..self.nodes.len()).rev() {
+            if let Some(p) = self.nodes[id].parent {
+                let child = sums[id];
+                for (total, v) in sums[p as usize].iter_mut().zip(child) {
+                    *total += v;
+                }
+            }
+        }
+        sums
+    }
+
     /// The live allocation at `path`.
     pub fn get(&self, path: &str) -> Option<AllocId> {
         self.by_path

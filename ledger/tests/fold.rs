@@ -927,3 +927,18 @@ proptest::proptest! {
         proptest::prop_assert_eq!(b.allocations(), a.allocations());
     }
 }
+
+/// A parent's figures are the sums of its leaves', however deep.
+#[test]
+fn figures_roll_up_the_tree_from_its_leaves() {
+    let mut l = Ledger::new(StateConfig::default());
+    for (path, weight) in [("p/x", 1), ("p/y/z", 2), ("p/y/w", 4), ("q", 8)] {
+        l.alloc(0, path, weight);
+    }
+    let tree = l.state.allocations();
+    let sums = tree.roll_up(|_, a| [f64::from(a.weight), 1.0]);
+    let at = |path: &str| sums[tree.get(path).unwrap() as usize];
+    assert_eq!(at("p/y"), [6.0, 2.0]);
+    assert_eq!(at("p"), [7.0, 3.0]);
+    assert_eq!(at("q"), [8.0, 1.0]);
+}

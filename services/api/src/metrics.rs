@@ -181,7 +181,7 @@ fn allocation_figures(registry: &mut Registry, state: &ledger::State) {
         held.get_or_create(&l).set(a.held_gpus as i64);
         pending
             .get_or_create(&l)
-            .set(a.demand_gpus.saturating_sub(a.held_gpus) as i64);
+            .set(state.subtree_pending(id as u32).1 as i64);
         let w = a.window.sums(shape, now);
         if w.owed_gpu_ms > 0.0 {
             window_ratio

@@ -65,40 +65,25 @@ pub(crate) async fn allocations(
     // Leaves account; a parent shows the sum of its subtree (children after parents).
     let window_now = state.now_ms();
     let shape = state.window_shape();
-    let mut sums: Vec<[f64; 10]> = nodes
-        .iter()
-        .enumerate()
-        .map(|(id, a)| {
-            if !a.is_leaf() {
-                return [0.0; 10];
-            }
-            let w = a.window.sums(shape, window_now);
-            let (period_owed, period_delivered) = period
-                .as_ref()
-                .and_then(|(_, _, by_id)| by_id.get(&(id as u32)).copied())
-                .unwrap_or((0.0, 0.0));
-            [
-                a.held_gpus as f64,
-                a.owed_gpu_ms,
-                a.delivered_gpu_ms as f64,
-                w.owed_gpu_ms,
-                w.delivered_gpu_ms,
-                a.preemptions as f64,
-                a.cancels as f64,
-                a.contract_violations as f64,
-                period_owed,
-                period_delivered,
-            ]
-        })
-        .collect();
-    for id in (0..nodes.len()).rev() {
-        if let Some(p) = nodes[id].parent {
-            let child = sums[id];
-            for (total, v) in sums[p as usize].iter_mut().zip(child) {
-                *total += v;
-            }
-        }
-    }
+    let sums = state.allocations().roll_up(|id, a| {
+        let w = a.window.sums(shape, window_now);
+        let (period_owed, period_delivered) = period
+            .as_ref()
+            .and_then(|(_, _, by_id)| by_id.get(&id).copied())
+            .unwrap_or((0.0, 0.0));
+        [
+            a.held_gpus as f64,
+            a.owed_gpu_ms,
+            a.delivered_gpu_ms as f64,
+            w.owed_gpu_ms,
+            w.delivered_gpu_ms,
+            a.preemptions as f64,
+            a.cancels as f64,
+            a.contract_violations as f64,
+            period_owed,
+            period_delivered,
+        ]
+    });
     let rows: Vec<_> = nodes
         .iter()
         .enumerate()
