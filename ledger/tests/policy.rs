@@ -1322,6 +1322,9 @@ fn unallocated_work_preempted_before_is_left_alone_a_while_when_it_runs_again() 
         preempted(&decide(&l.state, 2 * H + grace, &cfg)),
         vec![wid(1)]
     );
+    let p = ledger::policy::protection(&l.state, &cfg, &l.state.workloads()[&wid(1)]).unwrap();
+    assert_eq!(p.left_alone_until_ms, 2 * H + grace);
+    assert!(p.detail.contains("unallocated"), "{}", p.detail);
     // Preempted twice, two grace periods.
     preempt_and_requeue(&mut l, 2 * H + grace, wid(1), Some(wid(2)));
     l.start(3 * H, wid(1), &[("n1", all)], 3 * H);
@@ -1389,8 +1392,19 @@ fn work_preempted_max_preemptions_times_is_left_alone_for_a_window() {
         preempted(&decide(&l.state, later, &unlimited)),
         vec![wid(1)]
     );
-    // A window past its contract, fair share may take it again.
+    // Explain says so, from the same rule.
     let window = l.state.config().window_ms;
+    let w = &l.state.workloads()[&wid(1)];
+    let p = ledger::policy::protection(&l.state, &cfg, w).unwrap();
+    assert!(p.at_the_limit, "{p:?}");
+    assert_eq!(p.left_alone_until_ms, t + 2 * H + window);
+    assert!(p.detail.contains("max_preemptions"), "{}", p.detail);
+    let p = ledger::policy::protection(&l.state, &unlimited, w).unwrap();
+    assert!(
+        !p.at_the_limit && p.left_alone_until_ms == t + 2 * H,
+        "{p:?}"
+    );
+    // A window past its contract, fair share may take it again.
     assert!(preempted(&decide(&l.state, t + 2 * H + window - 1, &cfg)).is_empty());
     assert_eq!(
         preempted(&decide(&l.state, t + 2 * H + window, &cfg)),

@@ -481,6 +481,61 @@ pub struct Estimate {
     pub how: &'static str,
 }
 
+/// How a running workload is protected from preemption, as the policy and the fold apply it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Protection {
+    /// Until when the policy leaves it alone for fair share: the end of its contract, or, for
+    /// unallocated work preempted before or work preempted as often as the policy preempts one,
+    /// later.
+    pub left_alone_until_ms: u64,
+    /// Whether that is past its contract because it was preempted as often as the policy
+    /// preempts one workload ([`PolicyConfig::max_preemptions`]).
+    pub at_the_limit: bool,
+    /// The same in words, with the exceptions the fold allows.
+    pub detail: String,
+}
+
+/// How running workload `w` is protected now: the contract the fold holds, the backoff and the
+/// limit on preemptions the policy adds, and what may still stop it (its GPUs failing, a cancel,
+/// a lender taking back the GPUs it borrowed). `None` for a workload not running.
+pub fn protection(state: &State, cfg: &PolicyConfig, w: &crate::Workload) -> Option<Protection> {
+    let node = state.cluster.node(w.placement.first()?.node);
+    let hold = node.tenants.iter().find(|t| t.workload == w.id)?.hold;
+    let backoff = victims::Backoff::of(state, cfg);
+    let left_alone_until_ms = victims::left_alone_until(&hold, backoff);
+    let at_the_limit = victims::exempt(w.preemptions, cfg.max_preemptions);
+    let n = w.preemptions;
+    let mut detail = match (at_the_limit, w.allocation) {
+        (true, _) => format!(
+            "running; preempted {n} time(s) before, as often as the policy preempts one workload (the setting max_preemptions): it is left alone until left_alone_until_ms (the usage window past its contract)"
+        ),
+        (false, None) if n == 0 => {
+            "running as unallocated work: it has no contract, and yields to allocated work at once".to_owned()
+        }
+        (false, None) => format!(
+            "running as unallocated work, preempted {n} time(s) before: it is left alone until left_alone_until_ms, then yields to allocated work"
+        ),
+        (false, Some(_)) if n == 0 => {
+            "running; fair share does not preempt it before protected_until_ms".to_owned()
+        }
+        (false, Some(_)) => format!(
+            "running; preempted {n} time(s) before, so its contract was doubled as often (up to the cap), and fair share takes it only for work ranked below it by the margin doubled as often: fair share does not preempt it before protected_until_ms"
+        ),
+    };
+    if let Some(b) = w.borrowed {
+        detail += &format!(
+            "; it runs on GPUs lent by workload {}'s reservation, which may take them back from borrowed_until_ms",
+            b.reserved_for
+        );
+    }
+    detail += "; a failure of its GPUs or a cancel stops it at any time";
+    Some(Protection {
+        left_alone_until_ms,
+        at_the_limit,
+        detail,
+    })
+}
+
 /// Every allocation's key among its siblings (what orders the queue, lower first) at each of
 /// `times_ms`, as it will stand if nothing changes meanwhile: its work runs on at today's rates
 /// (the GPUs it holds, the GPUs it is owed) and the usage window slides. `keys[t][a]` is

@@ -546,22 +546,20 @@ pub(crate) async fn explain(
     let w = live(state, id)?;
     if w.phase == Phase::Running {
         let cfg = state.policy_config(&app.inner.policy);
-        let left_alone = cfg.left_alone_for_a_window(w.preemptions);
+        let protection = ledger::policy::protection(state, &cfg, w);
         return Ok(Json(json!({
             "id": id,
             "phase": "running",
             "started_at_ms": w.started_at_ms,
             "protected_until_ms": w.protected_until_ms,
+            "borrowed_until_ms": w.borrowed.map(|b| b.until_ms),
             "preempting": w.preempting.is_some(),
             "preemptions": w.preemptions,
-            "left_alone_until_ms": left_alone.then(|| w.protected_until_ms.saturating_add(state.config().window_ms)),
-            "detail": if w.preemptions == 0 {
-                "running; it cannot be preempted before protected_until_ms except for a hardware failure".to_owned()
-            } else if left_alone {
-                format!("running; preempted {} time(s) before, as often as the policy preempts one workload (the setting max_preemptions): it is left alone until left_alone_until_ms (the usage window past its contract), unless its hardware fails or it is cancelled", w.preemptions)
-            } else {
-                format!("running; preempted {} time(s) before, so its contract was doubled as often (up to the cap), and fair share takes it only for work ranked below it by the margin doubled as often: it cannot be preempted before protected_until_ms except for a hardware failure", w.preemptions)
-            },
+            "at_the_limit": protection.as_ref().is_some_and(|p| p.at_the_limit),
+            "left_alone_until_ms": protection.as_ref()
+                .filter(|p| p.left_alone_until_ms > w.protected_until_ms)
+                .map(|p| p.left_alone_until_ms),
+            "detail": protection.map_or_else(|| "running".to_owned(), |p| p.detail),
         }))
         .into_response());
     }

@@ -728,17 +728,25 @@ pub fn explain(args: &ClientArgs, id: &str) -> Result<(), String> {
     let v = Api::new(args)?.call("GET", &format!("/v1/workloads/{id}/explain"), None)?;
     print(args, &v, |v| {
         if v["phase"] == "running" {
-            let protected = if v["left_alone_until_ms"].is_u64() {
+            let mut protected = if v["at_the_limit"] == true {
                 format!(
                     "as often as the policy preempts one workload: left alone until {}",
                     when(&v["left_alone_until_ms"])
                 )
+            } else if v["left_alone_until_ms"].is_u64() {
+                format!("left alone until {}", when(&v["left_alone_until_ms"]))
             } else {
                 format!(
                     "protected from preemption until {}",
                     when(&v["protected_until_ms"])
                 )
             };
+            if v["borrowed_until_ms"].is_u64() {
+                protected += &format!(
+                    "; on lent GPUs, which their lender may take back from {}",
+                    when(&v["borrowed_until_ms"])
+                );
+            }
             return format!(
                 "{} is running since {}{}, {protected}{}\n",
                 text(&v["id"]),
