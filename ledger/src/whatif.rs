@@ -193,6 +193,108 @@ pub struct Recent {
     pub work_ms: u64,
 }
 
+/// A workload's run when it has no estimate and its allocation finished nothing recently.
+pub const DEFAULT_RUN_MS: u64 = 3_600_000;
+/// The shortest span a rate of recent submissions is taken over.
+pub const ARRIVALS_SPAN_MIN_MS: u64 = 3_600_000;
+
+/// One submission of the recent past, as the what-if's model reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Past {
+    /// Its allocation.
+    pub allocation: Option<String>,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Nodes in its gang.
+    pub nodes: u32,
+    /// Its priority.
+    pub priority: i32,
+    /// When it was submitted.
+    pub submitted_at_ms: u64,
+    /// Its time on GPUs, if it had finished (with some) as of the fork.
+    pub finished_run_ms: Option<u64>,
+}
+
+/// What the recent past says: the typical run of each allocation's finished work, and the
+/// submissions arrivals are resampled from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct History {
+    /// The median run of each allocation's finished work, by path.
+    pub typical_run_ms: BTreeMap<String, u64>,
+    /// The submissions, each with the run it took (or its allocation's typical one, else
+    /// [`DEFAULT_RUN_MS`]).
+    pub recent: Vec<Recent>,
+    /// The submission time of the oldest, `since_ms` when there is none.
+    pub oldest_ms: u64,
+}
+
+impl History {
+    /// The model of the submissions `past` since `since_ms`.
+    pub fn of(past: &[Past], since_ms: u64) -> History {
+        let mut runs: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for p in past {
+            if let (Some(a), Some(ms)) = (&p.allocation, p.finished_run_ms) {
+                runs.entry(a.clone()).or_default().push(ms);
+            }
+        }
+        let typical_run_ms: BTreeMap<String, u64> = runs
+            .into_iter()
+            .map(|(path, mut v)| {
+                v.sort_unstable();
+                (path, v[v.len() / 2])
+            })
+            .collect();
+        let recent = past
+            .iter()
+            .map(|p| Recent {
+                allocation: p.allocation.clone(),
+                gpus_per_node: p.gpus_per_node,
+                nodes: p.nodes,
+                priority: p.priority,
+                work_ms: p.finished_run_ms.unwrap_or_else(|| {
+                    (p.allocation.as_ref())
+                        .and_then(|a| typical_run_ms.get(a).copied())
+                        .unwrap_or(DEFAULT_RUN_MS)
+                }),
+            })
+            .collect();
+        let oldest_ms = past
+            .iter()
+            .map(|p| p.submitted_at_ms)
+            .min()
+            .unwrap_or(since_ms);
+        History {
+            typical_run_ms,
+            recent,
+            oldest_ms,
+        }
+    }
+
+    /// The span the recent rate of submissions is taken over at `from_ms`: the time the
+    /// history covers (a ledger younger than its window, or a window with more rows than were
+    /// read, covers less of it), but an hour at least: a burst of submissions a moment ago is
+    /// not a rate to go on at for days.
+    pub fn covered_ms(&self, from_ms: u64, window_ms: u64) -> u64 {
+        from_ms
+            .saturating_sub(self.oldest_ms)
+            .clamp(ARRIVALS_SPAN_MIN_MS.min(window_ms), window_ms.max(1))
+    }
+
+    /// How long live workload `w` runs in a what-if on `state`: its estimate, else its
+    /// allocation's typical run, else [`DEFAULT_RUN_MS`].
+    pub fn work_ms(&self, state: &State) -> impl Fn(&Workload) -> u64 {
+        let typical: BTreeMap<u32, u64> = (self.typical_run_ms.iter())
+            .filter_map(|(path, ms)| Some((state.allocations().get(path)?, *ms)))
+            .collect();
+        move |w: &Workload| {
+            let default = (w.allocation)
+                .and_then(|a| typical.get(&a).copied())
+                .unwrap_or(DEFAULT_RUN_MS);
+            estimated_work_ms(w, default)
+        }
+    }
+}
+
 /// Arrivals over `[from_ms, from_ms + horizon_ms)` like the `recent` submissions of the
 /// `window_ms` before: per allocation, a Poisson process at the rate its submissions came in,
 /// each arrival a copy of one of them drawn at random. The same inputs and `seed` give the same

@@ -348,3 +348,36 @@ fn stopped_work_is_requeued_and_huge_estimates_do_not_wrap() {
         4.0 * 2.0 + 4.0 * (1800.0 - 0.5) / 3600.0,
     );
 }
+
+/// The model of the recent past: each allocation's median finished run, a submission without
+/// one runs its allocation's typical run (else an hour), and the rate is taken over at least an
+/// hour of the window.
+#[test]
+fn the_recent_past_gives_typical_runs_and_the_span_of_its_rate() {
+    use ledger::whatif::{History, Past, DEFAULT_RUN_MS};
+    let past = |allocation: Option<&str>, at: u64, run: Option<u64>| Past {
+        allocation: allocation.map(str::to_owned),
+        gpus_per_node: 1,
+        nodes: 1,
+        priority: 0,
+        submitted_at_ms: at,
+        finished_run_ms: run,
+    };
+    let rows = [
+        past(Some("a"), 50 * HOUR, Some(3 * HOUR)),
+        past(Some("a"), 40 * HOUR, Some(HOUR)),
+        past(Some("a"), 30 * HOUR, Some(2 * HOUR)),
+        past(Some("a"), 20 * HOUR, None),
+        past(Some("b"), 10 * HOUR, None),
+    ];
+    let h = History::of(&rows, 0);
+    assert_eq!(h.typical_run_ms.get("a"), Some(&(2 * HOUR)));
+    assert_eq!(h.typical_run_ms.get("b"), None);
+    let runs: Vec<u64> = h.recent.iter().map(|r| r.work_ms).collect();
+    assert_eq!(runs, [3 * HOUR, HOUR, 2 * HOUR, 2 * HOUR, DEFAULT_RUN_MS]);
+    assert_eq!(h.oldest_ms, 10 * HOUR);
+    let week = 7 * 24 * HOUR;
+    assert_eq!(h.covered_ms(60 * HOUR, week), 50 * HOUR);
+    assert_eq!(h.covered_ms(10 * HOUR, week), HOUR, "an hour at least");
+    assert_eq!(History::of(&[], 5).oldest_ms, 5);
+}

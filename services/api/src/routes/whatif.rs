@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ledger::identity::Action;
-use ledger::whatif::{self, Change, PolicyChange, Question, Recent, WhatIfError};
+use ledger::whatif::{self, Change, PolicyChange, Question, WhatIfError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -27,14 +27,10 @@ pub const HORIZON_MAX_S: u64 = 30 * 86_400;
 pub const GPU_SECONDS_MAX: u64 = 1_500_000_000;
 /// How long a what-if may take before it is given up with a 503.
 pub const TIME_LIMIT: Duration = Duration::from_secs(20);
-/// A workload's run when it has no estimate and its allocation finished nothing recently.
-pub const DEFAULT_RUN_MS: u64 = 3_600_000;
 /// The most changes one what-if tries.
 pub const CHANGES_MAX: usize = 100;
 /// The most nodes one what-if adds, over all its changes.
 pub const ADDED_NODES_MAX: u64 = 10_000;
-/// The shortest span a rate of recent submissions is taken over.
-const ARRIVALS_SPAN_MIN_MS: u64 = 3_600_000;
 /// The most resampled arrivals one what-if simulates.
 pub const ARRIVALS_MAX: u64 = 1_000_000;
 /// Rows of recent history read to learn run times and arrivals.
@@ -447,14 +443,10 @@ pub fn answer(
     let from_ms = state.now_ms();
     let horizon_ms = asked.horizon_s * 1000;
     let window_ms = state.config().window_ms;
-    let history = History::read(kept, state.last_seq(), from_ms.saturating_sub(window_ms))?;
+    let since_ms = from_ms.saturating_sub(window_ms);
+    let history = whatif::History::of(&read_past(kept, state.last_seq(), since_ms)?, since_ms);
     let arrivals = if asked.resampled {
-        // The rate over the time the rows cover (a ledger younger than its window, or a window
-        // with more rows than are read, covers less of it), but over an hour at least: a burst
-        // of submissions a moment ago is not a rate to go on at for days.
-        let covered_ms = from_ms
-            .saturating_sub(history.oldest_ms)
-            .clamp(ARRIVALS_SPAN_MIN_MS.min(window_ms), window_ms.max(1));
+        let covered_ms = history.covered_ms(from_ms, window_ms);
         let expected = history.recent.len() as u64 * horizon_ms / covered_ms.max(1);
         if expected > ARRIVALS_MAX {
             return Err(Problem::invalid(
@@ -474,19 +466,7 @@ pub fn answer(
         horizon_ms,
         arrivals,
     };
-    // The typical run of each allocation, by the state's allocation ids.
-    let typical: BTreeMap<u32, u64> = history
-        .typical_run_ms
-        .iter()
-        .filter_map(|(path, ms)| Some((state.allocations().get(path)?, *ms)))
-        .collect();
-    let work = move |w: &ledger::Workload| {
-        let default = w
-            .allocation
-            .and_then(|a| typical.get(&a).copied())
-            .unwrap_or(DEFAULT_RUN_MS);
-        whatif::estimated_work_ms(w, default)
-    };
+    let work = history.work_ms(state);
     let answer = whatif::what_if(state, policy, &question, &work, &mut || {
         deadline.is_none_or(|d| Instant::now() < d)
     });
@@ -495,7 +475,7 @@ pub fn answer(
             let assumptions = json!({
                 "arrivals": question.arrivals.len(),
                 "seed": asked.seed,
-                "default_run_s": DEFAULT_RUN_MS / 1000,
+                "default_run_s": whatif::DEFAULT_RUN_MS / 1000,
                 "typical_run_s": history
                     .typical_run_ms
                     .iter()
@@ -516,85 +496,49 @@ pub fn answer(
     }
 }
 
-/// What the recent past says: the typical run of each allocation's finished work, and the
-/// submissions arrivals are resampled from.
-struct History {
-    typical_run_ms: BTreeMap<String, u64>,
-    recent: Vec<Recent>,
-    /// The submission time of the oldest row read.
-    oldest_ms: u64,
-}
-
-impl History {
-    /// The submissions from `since_ms` up to sequence `up_to_seq`, newest first, at most
-    /// [`HISTORY_ROWS`] of them.
-    fn read(kept: &projector::Kept, up_to_seq: u64, since_ms: u64) -> Result<History, Problem> {
-        let all = projector::WorkloadFilter::default();
-        let mut runs: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-        let mut rows = Vec::new();
-        let mut before = None;
-        'pages: while rows.len() < HISTORY_ROWS {
-            let page = kept
-                .workloads(&all, before, 1_000, 1_000)
-                .map_err(|e| Problem::unavailable(e.to_string()))?;
-            for row in page.rows {
-                // Submissions come newest first: the window is over at the first older one. The
-                // limit is counted row by row, so the rows read do not depend on where pages end
-                // (which rows submitted after the fork move).
-                if row.submitted_at_ms < since_ms || rows.len() >= HISTORY_ROWS {
-                    break 'pages;
-                }
-                if row.submit_seq > up_to_seq {
-                    continue;
-                }
-                // A row last changed after the fork may not be read as it was then: its run time
-                // is not counted (its submission is, the same as it ever was).
-                let settled = row.last_seq <= up_to_seq;
-                if settled && row.phase == ledger::Phase::Finished && row.run_ms > 0 {
-                    if let Some(a) = &row.allocation {
-                        runs.entry(a.clone()).or_default().push(row.run_ms);
-                    }
-                }
-                rows.push(row);
+/// The submissions from `since_ms` up to sequence `up_to_seq`, newest first, at most
+/// [`HISTORY_ROWS`] of them, as the what-if's model reads them ([`whatif::History`]).
+fn read_past(
+    kept: &projector::Kept,
+    up_to_seq: u64,
+    since_ms: u64,
+) -> Result<Vec<whatif::Past>, Problem> {
+    let all = projector::WorkloadFilter::default();
+    let mut past = Vec::new();
+    let mut before = None;
+    'pages: while past.len() < HISTORY_ROWS {
+        let page = kept
+            .workloads(&all, before, 1_000, 1_000)
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
+        for row in page.rows {
+            // Submissions come newest first: the window is over at the first older one. The
+            // limit is counted row by row, so the rows read do not depend on where pages end
+            // (which rows submitted after the fork move).
+            if row.submitted_at_ms < since_ms || past.len() >= HISTORY_ROWS {
+                break 'pages;
             }
-            match page.next {
-                Some(next) => before = Some(next),
-                None => break,
+            if row.submit_seq > up_to_seq {
+                continue;
             }
+            // A row last changed after the fork may not be read as it was then: its run time
+            // is not counted (its submission is, the same as it ever was).
+            let settled = row.last_seq <= up_to_seq;
+            past.push(whatif::Past {
+                allocation: row.allocation.clone(),
+                gpus_per_node: row.gpus_per_node,
+                nodes: row.nodes,
+                priority: row.priority,
+                submitted_at_ms: row.submitted_at_ms,
+                finished_run_ms: (settled
+                    && row.phase == ledger::Phase::Finished
+                    && row.run_ms > 0)
+                    .then_some(row.run_ms),
+            });
         }
-        let typical_run_ms: BTreeMap<String, u64> = runs
-            .into_iter()
-            .map(|(path, mut v)| {
-                v.sort_unstable();
-                (path, v[v.len() / 2])
-            })
-            .collect();
-        let recent = rows
-            .iter()
-            .map(|r| Recent {
-                allocation: r.allocation.clone(),
-                gpus_per_node: r.gpus_per_node,
-                nodes: r.nodes,
-                priority: r.priority,
-                work_ms: match (r.phase, r.run_ms) {
-                    (ledger::Phase::Finished, ms) if ms > 0 && r.last_seq <= up_to_seq => ms,
-                    _ => r
-                        .allocation
-                        .as_ref()
-                        .and_then(|a| typical_run_ms.get(a).copied())
-                        .unwrap_or(DEFAULT_RUN_MS),
-                },
-            })
-            .collect();
-        let oldest_ms = rows
-            .iter()
-            .map(|r| r.submitted_at_ms)
-            .min()
-            .unwrap_or(since_ms);
-        Ok(History {
-            typical_run_ms,
-            recent,
-            oldest_ms,
-        })
+        match page.next {
+            Some(next) => before = Some(next),
+            None => break,
+        }
     }
+    Ok(past)
 }
