@@ -1038,17 +1038,19 @@ impl State {
     }
 
     fn gpu_heartbeat(&mut self, version: u16, e: &GpuHeartbeat) -> Result<Outcome, Rejection> {
-        // Before schema version 5 a utilization over 100 was folded as 100.
+        // Before schema version 5 only the GPUs were checked, and a utilization over 100 was
+        // folded as 100.
         if version >= 5 {
             self.check_heartbeat(e).map_err(|(_, r)| r)?;
+        } else {
+            for r in &e.readings {
+                self.gpu_of(&e.node, r.gpu)?;
+            }
         }
-        let mut idx = None;
-        for r in &e.readings {
-            idx = Some(self.gpu_of(&e.node, r.gpu)?);
-        }
-        let Some(idx) = idx else {
+        if e.readings.is_empty() {
             return Ok(Outcome::Applied);
-        };
+        }
+        let idx = self.node_idx(&e.node)?;
         self.cluster.update(idx, |n| {
             for r in &e.readings {
                 n.utilization_pct[r.gpu as usize] = r.utilization_pct.min(100);
